@@ -1,0 +1,1 @@
+"""flashformer: GPT-style models on our own Triton FlashAttention kernels."""
