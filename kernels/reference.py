@@ -42,7 +42,6 @@ class _TiledAttention(torch.autograd.Function):
         out, lse = _tiled_forward(q, k, v, scale, window_left, window_right, softcap)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.params = (scale, window_left, window_right, softcap)
-        ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod

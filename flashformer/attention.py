@@ -1,0 +1,121 @@
+"""The one place that maps ``attn_backend`` to an attention implementation.
+
+* ``"flash"``: ``flashformer.kernels.flash_attn_func`` (Triton on CUDA, or on CPU under
+  TRITON_INTERPRET=1; the kernels' own tiled PyTorch path otherwise).
+* ``"reference"``: the kernels' tiled PyTorch path (O(seqlen) memory), whatever the device.
+* ``"sdpa"``: ``torch.nn.functional.scaled_dot_product_attention``, with an explicit boolean mask
+  when the window or the bottom-right causal alignment needs one.
+* ``"naive"``: the materialized score matrix in the input precision (what flash saves us from).
+* ``"auto"``: flash on CUDA, reference elsewhere.
+
+All of them share flash-attn's semantics: (batch, seqlen, heads, head_dim) tensors, GQA by
+heads_q a multiple of heads_kv, causal masks aligned bottom-right, ``window_size=(left, right)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .kernels import attention_materialized, flash_attn_func
+from .kernels.interface import autocast_inputs, check_attention_args
+from .kernels.masking import normalize_window, visible_mask
+from .kernels.reference import attention_tiled
+
+ATTN_BACKENDS = ("auto", "flash", "reference", "sdpa", "naive")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Map ``"auto"`` to the concrete backend for ``device``; reject unknown names."""
+    if backend not in ATTN_BACKENDS:
+        raise ValueError(f"attn_backend={backend!r}: expected one of {', '.join(map(repr, ATTN_BACKENDS))}")
+    if backend == "auto":
+        return "flash" if device.type == "cuda" else "reference"
+    return backend
+
+
+def _reference(q, k, v, causal, window_size, softcap, softmax_scale):
+    # Same argument handling as flash_attn_func, but always the tiled PyTorch path.
+    softmax_scale, window_size = check_attention_args(q, k, v, 1, softmax_scale, window_size, softcap)
+    q, k, v = autocast_inputs(q, k, v)
+    window_left, window_right = normalize_window(causal, window_size)
+    out, _ = attention_tiled(q, k, v, softmax_scale, window_left, window_right, float(softcap))
+    return out
+
+
+def _flash(q, k, v, causal, window_size, softcap, softmax_scale):
+    return flash_attn_func(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                           softcap=softcap)
+
+
+def _sdpa(q, k, v, causal, window_size, softcap, softmax_scale):
+    if softcap:
+        raise ValueError("attn_backend='sdpa' cannot apply softcap; use 'flash', 'reference' or 'naive'")
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    window_left, window_right = normalize_window(causal, window_size)
+    is_causal, mask = False, None
+    if causal and window_left < 0 and seqlen_q == seqlen_k:
+        is_causal = True  # SDPA's top-left causal mask equals ours only for square scores
+    elif window_left >= 0 or window_right >= 0:
+        mask = visible_mask(0, seqlen_q, 0, seqlen_k, seqlen_q, seqlen_k, window_left, window_right, q.device)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                         is_causal=is_causal, scale=softmax_scale, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def _naive(q, k, v, causal, window_size, softcap, softmax_scale):
+    out, _ = attention_materialized(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                    softcap=softcap, upcast=False)
+    return out
+
+
+_DENSE = {"flash": _flash, "reference": _reference, "sdpa": _sdpa, "naive": _naive}
+
+
+def _varlen(dense_fn, q, k, v, cu_seqlens, causal, window_size, softcap, softmax_scale):
+    """Documents packed along the tokens: q, k, v (total, heads, head_dim), cu_seqlens (num_docs + 1,).
+
+    Shaped like ``flash_attn_varlen_func`` so that the Triton varlen kernel can replace the loop.
+    """
+    boundaries = cu_seqlens.tolist()
+    outputs = [dense_fn(q[None, start:end], k[None, start:end], v[None, start:end], causal, window_size, softcap,
+                        softmax_scale)[0]
+               for start, end in zip(boundaries[:-1], boundaries[1:]) if end > start]
+    return torch.cat(outputs, dim=0)
+
+
+def _check_cu_seqlens(cu_seqlens, total):
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32:
+        raise ValueError(f"cu_seqlens must be a 1-d int32 tensor, got {cu_seqlens!r}")
+    if cu_seqlens.numel() < 2 or cu_seqlens[0] != 0 or cu_seqlens[-1] != total or bool((cu_seqlens.diff() < 0).any()):
+        raise ValueError(f"cu_seqlens must rise from 0 to the token count {total}, got {cu_seqlens.tolist()}")
+
+
+def attention(q, k, v, *, backend, causal=True, window_size=(-1, -1), softcap=0.0, softmax_scale=None,
+              cu_seqlens=None, max_seqlen=None):
+    """Exact attention through the chosen backend.
+
+    Args:
+        q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim).
+        backend: one of ATTN_BACKENDS.
+        causal: bottom-right aligned causal mask.
+        window_size: (left, right) sliding window, -1 = unbounded.
+        softcap: if > 0, scores become softcap * tanh(scores / softcap).
+        softmax_scale: defaults to head_dim ** -0.5.
+        cu_seqlens: int32 (num_docs + 1,) document boundaries over the batch * seqlen flattened
+            tokens; no token attends across a boundary. Requires seqlen_q == seqlen_k.
+        max_seqlen: longest document (used by the varlen kernel; optional here).
+    Returns:
+        (batch, seqlen_q, heads_q, head_dim), like q.
+    """
+    dense_fn = _DENSE[resolve_backend(backend, q.device)]
+    if cu_seqlens is None:
+        return dense_fn(q, k, v, causal, window_size, softcap, softmax_scale)
+    batch, seqlen = q.shape[:2]
+    if k.shape[:2] != (batch, seqlen):
+        raise ValueError(f"cu_seqlens needs q and k of equal (batch, seqlen), "
+                         f"got {tuple(q.shape)} and {tuple(k.shape)}")
+    _check_cu_seqlens(cu_seqlens, batch * seqlen)
+    out = _varlen(dense_fn, q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_seqlens, causal, window_size,
+                  softcap, softmax_scale)
+    return out.view(q.shape)

@@ -1,0 +1,146 @@
+"""Autoregressive sampling with a KV cache, and the ``flashformer generate`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+
+def _check_sampling_args(max_new_tokens, temperature, top_k, top_p):
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}")
+
+
+def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+    """One token per row from logits (batch, vocab); greedy when temperature == 0.
+
+    top_k keeps the k most likely tokens; top_p keeps the smallest set of most likely tokens whose
+    probability reaches top_p (always at least one). Returns (batch,) int64.
+    """
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth_largest = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth_largest, -float("inf"))
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the tokens more likely than it already reach top_p.
+        drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, -float("inf"))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model, input_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None, stop_tokens=(), seed=None,
+             stream=None):
+    """Extend ``input_ids`` token by token, reusing a KV cache.
+
+    Args:
+        model: a Transformer.
+        input_ids: (batch, prompt_len) or (prompt_len,) int64 prompt, non-empty.
+        max_new_tokens: most tokens to add.
+        temperature: softmax temperature; 0 is greedy (argmax).
+        top_k, top_p: restrict sampling to the k most likely tokens / the top_p probability nucleus.
+        stop_tokens: ids that end a row (the stop token is kept). Generation ends when every row
+            stopped; rows that stopped earlier are padded with their stop token.
+        seed: seeds a private generator, so the same seed gives the same tokens.
+        stream: called with each step's new tokens (batch,) as they are produced.
+    Returns:
+        (batch, prompt_len + generated) int64, generated <= max_new_tokens.
+    """
+    _check_sampling_args(max_new_tokens, temperature, top_k, top_p)
+    device = model.embed.weight.device
+    input_ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    batch, prompt_len = input_ids.shape
+    if prompt_len == 0:
+        raise ValueError("input_ids must hold at least one prompt token")
+    total = prompt_len + max_new_tokens
+    if model.config.pos == "learned" and total > model.config.max_seq_len:
+        raise ValueError(f"prompt + max_new_tokens = {total} exceeds max_seq_len={model.config.max_seq_len}")
+    generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
+    stop = torch.tensor(list(stop_tokens), dtype=torch.long, device=device)
+    cache = model.new_kv_cache(batch, total)
+    logits = model(input_ids, kv_cache=cache)[:, -1]
+    tokens = [input_ids]
+    stopped_with = torch.full((batch,), -1, dtype=torch.long, device=device)
+    for step in range(max_new_tokens):
+        next_tokens = sample_next_token(logits, temperature, top_k, top_p, generator)
+        next_tokens = torch.where(stopped_with >= 0, stopped_with, next_tokens)
+        tokens.append(next_tokens[:, None])
+        if stream is not None:
+            stream(next_tokens)
+        hit_stop = torch.isin(next_tokens, stop) & (stopped_with < 0)
+        stopped_with = torch.where(hit_stop, next_tokens, stopped_with)
+        if bool((stopped_with >= 0).all()) or step == max_new_tokens - 1:
+            break
+        logits = model(next_tokens[:, None], kv_cache=cache)[:, -1]
+    return torch.cat(tokens, dim=1)
+
+
+class _TextStream:
+    """Writes the text of streamed token ids, holding back a cut multi-byte character."""
+
+    def __init__(self, tokenizer, skip_ids, out):
+        self.tokenizer, self.skip_ids, self.out = tokenizer, set(skip_ids), out
+        self.ids, self.written = [], 0
+
+    def __call__(self, new_tokens):
+        token = int(new_tokens[0])
+        if token in self.skip_ids:
+            return
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return  # an incomplete UTF-8 sequence: wait for the rest of its bytes
+        self.out.write(text[self.written:])
+        self.out.flush()
+        self.written = len(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``flashformer generate CHECKPOINT --prompt ...``: stream a sampled continuation to stdout."""
+    from .checkpoint import from_pretrained
+    from .tokenizer import load_tokenizer
+
+    parser = argparse.ArgumentParser(prog="flashformer generate", description=main.__doc__)
+    parser.add_argument("checkpoint", help="flashformer or Hugging Face checkpoint directory")
+    parser.add_argument("--prompt", default="", help="text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="default: as stored")
+    args = parser.parse_args(argv)
+
+    model = from_pretrained(args.checkpoint, dtype=args.dtype, device=args.device)
+    tokenizer = load_tokenizer(args.checkpoint)
+    eos_id = tokenizer.eos_id
+    prompt_ids = tokenizer.encode(args.prompt)
+    if not prompt_ids:
+        if eos_id is None:
+            parser.error("--prompt is empty and the tokenizer has no end-of-text token to start from")
+        prompt_ids = [eos_id]
+    stop_tokens = () if eos_id is None else (eos_id,)
+    sys.stdout.write(args.prompt)
+    generate(model, torch.tensor([prompt_ids]), args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+             top_p=args.top_p, stop_tokens=stop_tokens, seed=args.seed,
+             stream=_TextStream(tokenizer, stop_tokens, sys.stdout))
+    sys.stdout.write("\n")
+    return 0

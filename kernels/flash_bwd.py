@@ -1,0 +1,337 @@
+"""FlashAttention backward in Triton, deterministic: no atomics, every gradient written by one program.
+
+Three launches:
+1. ``_bwd_preprocess``: delta_i = sum_d dO_id * O_id - dLSE_i (a gradient into lse enters as -delta,
+   since d lse_i / d s_ij = p_ij), and lse in log2 units with empty rows (-inf) turned into +inf so
+   that their recomputed probabilities are 0.
+2. ``_bwd_dkdv_kernel``: one program per key tile and kv head; it walks the query tiles that see the
+   keys, for every query head of its GQA group, recomputing P^T from lse, and accumulates dK and dV
+   in registers. Looping over the group inside the program (instead of atomics across programs)
+   keeps GQA deterministic.
+3. ``_bwd_dq_kernel``: one program per query tile and query head; it walks the key tiles like the
+   forward does and accumulates dQ.
+
+With s = qk * scale (or softcap * tanh(qk * scale / softcap)): dS = P * (dP - delta), and
+d qk = dS * scale (times 1 - tanh^2 with softcap).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .flash_fwd import log2_scales
+from .launch import (as_descriptor_compatible, dot_precision, ensure_allocator, new_output, pick_kernel, seq_strides,
+                     tuned, upcast_dot)
+from .tile_ops import key_range, mma, query_range, tanh, visible
+
+PREPROCESS_BLOCK = 64
+
+
+@triton.jit
+def _bwd_preprocess(
+    O, DO, LSE, DLSE, DELTA, LSE_LOG2, CU_SEQLENS_Q,
+    stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh, stride_lse_b, stride_lse_h,
+    seqlen_q, heads_q,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // heads_q
+    head = pid_bh % heads_q
+    if IS_VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + batch)
+        seqlen_q = tl.load(CU_SEQLENS_Q + batch + 1) - q_start
+        o_base = q_start * stride_os
+        do_base = q_start * stride_dos
+        lse_base = q_start
+    else:
+        o_base = batch * stride_ob
+        do_base = batch * stride_dob
+        lse_base = batch * stride_lse_b
+    rows = pid_m * BLOCK + tl.arange(0, BLOCK)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    valid = (rows[:, None] < seqlen_q) & (dims[None, :] < HEAD_DIM)
+    o = tl.load(O + o_base + head * stride_oh + rows[:, None] * stride_os + dims[None, :], mask=valid, other=0.0)
+    do = tl.load(DO + do_base + head * stride_doh + rows[:, None] * stride_dos + dims[None, :], mask=valid,
+                 other=0.0)
+    in_seq = rows < seqlen_q
+    row_offsets = lse_base + head * stride_lse_h + rows
+    lse = tl.load(LSE + row_offsets, mask=in_seq, other=0.0)
+    dlse = tl.load(DLSE + row_offsets, mask=in_seq, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1) - dlse
+    lse_log2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    tl.store(DELTA + row_offsets, delta, mask=in_seq)
+    tl.store(LSE_LOG2 + row_offsets, lse_log2, mask=in_seq)
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, LSE_LOG2, DELTA, cols, start, end,
+                qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
+                BLOCK_M: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
+                LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    for m0 in tl.range(start, end, BLOCK_M):
+        q = q_desc.load([m0, 0])
+        do = do_desc.load([m0, 0])
+        rows = m0 + tl.arange(0, BLOCK_M)
+        # Rows past the end get lse = +inf, so p = 0 and they add nothing.
+        lse_log2 = tl.load(LSE_LOG2 + rows, mask=rows < seqlen_q, other=float("inf"))
+        delta = tl.load(DELTA + rows, mask=rows < seqlen_q, other=0.0)
+        s_t = mma(k, tl.trans(q), DOT_PRECISION, UPCAST_DOT) * qk_scale  # (BLOCK_N, BLOCK_M)
+        if HAS_SOFTCAP:
+            tanh_t = tanh(s_t)
+            s_t = tanh_t * softcap_log2
+        p_t = tl.exp2(s_t - lse_log2[None, :])
+        if MASKED:
+            keep = visible(rows[None, :], cols[:, None], seqlen_q, seqlen_k, window_left, window_right,
+                           LEFT_BOUNDED, RIGHT_BOUNDED)
+            p_t = tl.where(keep, p_t, 0.0)
+        dv += mma(p_t.to(do.dtype), do, DOT_PRECISION, UPCAST_DOT)
+        dp_t = mma(v, tl.trans(do), DOT_PRECISION, UPCAST_DOT)
+        ds_t = p_t * (dp_t - delta[None, :])
+        if HAS_SOFTCAP:
+            ds_t = ds_t * (1.0 - tanh_t * tanh_t)
+        dk += mma(ds_t.to(q.dtype), q, DOT_PRECISION, UPCAST_DOT)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DV, LSE_LOG2, DELTA, CU_SEQLENS_Q, CU_SEQLENS_K,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+    stride_lse_b, stride_lse_h,
+    seqlen_q, seqlen_k, heads_kv,
+    softmax_scale, qk_scale, softcap_log2, window_left, window_right,
+    seqlen_q_bucket, seqlen_k_bucket,  # autotune keys only
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // heads_kv
+    kv_head = pid_bh % heads_kv
+    if IS_VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + batch)
+        k_start = tl.load(CU_SEQLENS_K + batch)
+        seqlen_q = tl.load(CU_SEQLENS_Q + batch + 1) - q_start
+        seqlen_k = tl.load(CU_SEQLENS_K + batch + 1) - k_start
+        q_base = q_start * stride_qs
+        do_base = q_start * stride_dos
+        k_base = k_start * stride_ks
+        v_base = k_start * stride_vs
+        dk_base = k_start * stride_dks
+        dv_base = k_start * stride_dvs
+        lse_base = q_start
+    else:
+        q_base = batch * stride_qb
+        do_base = batch * stride_dob
+        k_base = batch * stride_kb
+        v_base = batch * stride_vb
+        dk_base = batch * stride_dkb
+        dv_base = batch * stride_dvb
+        lse_base = batch * stride_lse_b
+    n0 = pid_n * BLOCK_N
+    if n0 >= seqlen_k:
+        return
+    k_desc = tl.make_tensor_descriptor(K + k_base + kv_head * stride_kh, shape=[seqlen_k, HEAD_DIM],
+                                       strides=[stride_ks, 1], block_shape=[BLOCK_N, HEAD_DIM_PAD])
+    v_desc = tl.make_tensor_descriptor(V + v_base + kv_head * stride_vh, shape=[seqlen_k, HEAD_DIM],
+                                       strides=[stride_vs, 1], block_shape=[BLOCK_N, HEAD_DIM_PAD])
+    k = k_desc.load([n0, 0])
+    v = v_desc.load([n0, 0])
+    cols = n0 + tl.arange(0, BLOCK_N)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+    start, un_lo, un_hi, end = query_range(n0, seqlen_q, seqlen_k, window_left, window_right,
+                                           BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
+    # max(seqlen_q, 1): an empty query sequence issues no load, but a descriptor wants a non-zero shape.
+    rows_q = tl.maximum(seqlen_q, 1)
+    for g in range(GROUP):
+        head = kv_head * GROUP + g
+        q_desc = tl.make_tensor_descriptor(Q + q_base + head * stride_qh, shape=[rows_q, HEAD_DIM],
+                                           strides=[stride_qs, 1], block_shape=[BLOCK_M, HEAD_DIM_PAD])
+        do_desc = tl.make_tensor_descriptor(DO + do_base + head * stride_doh, shape=[rows_q, HEAD_DIM],
+                                            strides=[stride_dos, 1], block_shape=[BLOCK_M, HEAD_DIM_PAD])
+        lse_ptr = LSE_LOG2 + lse_base + head * stride_lse_h
+        delta_ptr = DELTA + lse_base + head * stride_lse_h
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, lse_ptr, delta_ptr, cols, start, un_lo,
+                             qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
+                             BLOCK_M, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, lse_ptr, delta_ptr, cols, un_lo, un_hi,
+                             qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
+                             BLOCK_M, HAS_SOFTCAP, False, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, lse_ptr, delta_ptr, cols, un_hi, end,
+                             qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
+                             BLOCK_M, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
+    dk_desc = tl.make_tensor_descriptor(DK + dk_base + kv_head * stride_dkh, shape=[seqlen_k, HEAD_DIM],
+                                        strides=[stride_dks, 1], block_shape=[BLOCK_N, HEAD_DIM_PAD])
+    dv_desc = tl.make_tensor_descriptor(DV + dv_base + kv_head * stride_dvh, shape=[seqlen_k, HEAD_DIM],
+                                        strides=[stride_dvs, 1], block_shape=[BLOCK_N, HEAD_DIM_PAD])
+    dk_desc.store([n0, 0], (dk * softmax_scale).to(DK.dtype.element_ty))
+    dv_desc.store([n0, 0], dv.to(DV.dtype.element_ty))
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse_log2, delta, k_desc, v_desc, rows, start, end,
+              qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
+              BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
+              LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    for n0 in tl.range(start, end, BLOCK_N):
+        k = k_desc.load([n0, 0])
+        v = v_desc.load([n0, 0])
+        s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale
+        if HAS_SOFTCAP:
+            tanh_s = tanh(s)
+            s = tanh_s * softcap_log2
+        p = tl.exp2(s - lse_log2[:, None])
+        if MASKED:
+            cols = n0 + tl.arange(0, BLOCK_N)
+            keep = visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
+                           LEFT_BOUNDED, RIGHT_BOUNDED)
+            p = tl.where(keep, p, 0.0)
+        dp = mma(do, tl.trans(v), DOT_PRECISION, UPCAST_DOT)
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - tanh_s * tanh_s)
+        dq += mma(ds.to(k.dtype), k, DOT_PRECISION, UPCAST_DOT)
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, DO, DQ, LSE_LOG2, DELTA, CU_SEQLENS_Q, CU_SEQLENS_K,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh,
+    stride_lse_b, stride_lse_h,
+    seqlen_q, seqlen_k, heads_q,
+    softmax_scale, qk_scale, softcap_log2, window_left, window_right,
+    seqlen_q_bucket, seqlen_k_bucket,  # autotune keys only
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // heads_q
+    head = pid_bh % heads_q
+    if IS_VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + batch)
+        k_start = tl.load(CU_SEQLENS_K + batch)
+        seqlen_q = tl.load(CU_SEQLENS_Q + batch + 1) - q_start
+        seqlen_k = tl.load(CU_SEQLENS_K + batch + 1) - k_start
+        q_base = q_start * stride_qs
+        do_base = q_start * stride_dos
+        dq_base = q_start * stride_dqs
+        k_base = k_start * stride_ks
+        v_base = k_start * stride_vs
+        lse_base = q_start
+    else:
+        q_base = batch * stride_qb
+        do_base = batch * stride_dob
+        dq_base = batch * stride_dqb
+        k_base = batch * stride_kb
+        v_base = batch * stride_vb
+        lse_base = batch * stride_lse_b
+    m0 = pid_m * BLOCK_M
+    if m0 >= seqlen_q:
+        return
+    kv_head = head // GROUP
+    q_desc = tl.make_tensor_descriptor(Q + q_base + head * stride_qh, shape=[seqlen_q, HEAD_DIM],
+                                       strides=[stride_qs, 1], block_shape=[BLOCK_M, HEAD_DIM_PAD])
+    do_desc = tl.make_tensor_descriptor(DO + do_base + head * stride_doh, shape=[seqlen_q, HEAD_DIM],
+                                        strides=[stride_dos, 1], block_shape=[BLOCK_M, HEAD_DIM_PAD])
+    # max(seqlen_k, 1): an empty key sequence issues no load, but a descriptor wants a non-zero shape.
+    k_desc = tl.make_tensor_descriptor(K + k_base + kv_head * stride_kh, shape=[tl.maximum(seqlen_k, 1), HEAD_DIM],
+                                       strides=[stride_ks, 1], block_shape=[BLOCK_N, HEAD_DIM_PAD])
+    v_desc = tl.make_tensor_descriptor(V + v_base + kv_head * stride_vh, shape=[tl.maximum(seqlen_k, 1), HEAD_DIM],
+                                       strides=[stride_vs, 1], block_shape=[BLOCK_N, HEAD_DIM_PAD])
+    rows = m0 + tl.arange(0, BLOCK_M)
+    q = q_desc.load([m0, 0])
+    do = do_desc.load([m0, 0])
+    row_offsets = lse_base + head * stride_lse_h + rows
+    lse_log2 = tl.load(LSE_LOG2 + row_offsets, mask=rows < seqlen_q, other=float("inf"))
+    delta = tl.load(DELTA + row_offsets, mask=rows < seqlen_q, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    start, un_lo, un_hi, end = key_range(m0, seqlen_q, seqlen_k, window_left, window_right,
+                                         BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
+    dq = _dq_tiles(dq, q, do, lse_log2, delta, k_desc, v_desc, rows, start, un_lo,
+                   qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
+                   BLOCK_N, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
+    dq = _dq_tiles(dq, q, do, lse_log2, delta, k_desc, v_desc, rows, un_lo, un_hi,
+                   qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
+                   BLOCK_N, HAS_SOFTCAP, False, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
+    dq = _dq_tiles(dq, q, do, lse_log2, delta, k_desc, v_desc, rows, un_hi, end,
+                   qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
+                   BLOCK_N, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
+    dq_desc = tl.make_tensor_descriptor(DQ + dq_base + head * stride_dqh, shape=[seqlen_q, HEAD_DIM],
+                                        strides=[stride_dqs, 1], block_shape=[BLOCK_M, HEAD_DIM_PAD])
+    dq_desc.store([m0, 0], (dq * softmax_scale).to(DQ.dtype.element_ty))
+
+
+_bwd_dkdv_tuned = tuned(_bwd_dkdv_kernel, "bwd_dkdv")
+_bwd_dq_tuned = tuned(_bwd_dq_kernel, "bwd_dq")
+
+
+def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, window_left, window_right,
+                       softcap, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+    """Launch the backward kernels; returns (dq, dk, dv) shaped like (q, k, v).
+
+    Args:
+        grad_out: like out; grad_lse: like lse (zeros when lse was not used).
+        q, k, v, out, lse: as given to / returned by flash_fwd.attention_forward (dense or varlen).
+    """
+    is_varlen = cu_seqlens_q is not None
+    q, k, v, out, grad_out = (as_descriptor_compatible(t) for t in (q, k, v, out, grad_out))
+    dq, dk, dv = new_output(q), new_output(k), new_output(v)
+    head_dim = q.shape[-1]
+    heads_q, heads_kv = q.shape[-2], k.shape[-2]
+    if is_varlen:
+        batch = cu_seqlens_q.numel() - 1
+        seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
+        strides_lse = (0, lse.stride(0))
+    else:
+        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        strides_lse = lse.stride()[:2]
+    if q.numel() == 0 or k.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    lse_log2 = new_output(lse)
+    delta = new_output(lse)
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    _bwd_preprocess[(triton.cdiv(seqlen_q, PREPROCESS_BLOCK), batch * heads_q)](
+        out, grad_out, lse, grad_lse, delta, lse_log2, cu_seqlens_q,
+        *seq_strides(out, is_varlen), *seq_strides(grad_out, is_varlen), *strides_lse,
+        seqlen_q, heads_q,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK=PREPROCESS_BLOCK, IS_VARLEN=is_varlen,
+    )
+    qk_scale, softcap_log2 = log2_scales(softmax_scale, softcap)
+    ensure_allocator(q.device)
+    common = dict(
+        GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
+        IS_VARLEN=is_varlen, DOT_PRECISION=dot_precision(q.dtype), UPCAST_DOT=upcast_dot(q.dtype),
+    )
+    buckets = (triton.next_power_of_2(max(seqlen_q, 1)), triton.next_power_of_2(max(seqlen_k, 1)))
+    scalars = (softmax_scale, qk_scale, softcap_log2, window_left, window_right, *buckets)
+    strides_qkv = (*seq_strides(q, is_varlen), *seq_strides(k, is_varlen), *seq_strides(v, is_varlen),
+                   *seq_strides(grad_out, is_varlen))
+
+    kernel, config = pick_kernel(q.device, "bwd_dkdv", _bwd_dkdv_kernel, _bwd_dkdv_tuned, head_dim_pad)
+    kernel[lambda meta: (triton.cdiv(seqlen_k, meta["BLOCK_N"]), batch * heads_kv)](
+        q, k, v, grad_out, dk, dv, lse_log2, delta, cu_seqlens_q, cu_seqlens_k,
+        *strides_qkv, *seq_strides(dk, is_varlen), *seq_strides(dv, is_varlen), *strides_lse,
+        seqlen_q, seqlen_k, heads_kv, *scalars, **common, **config,
+    )
+    kernel, config = pick_kernel(q.device, "bwd_dq", _bwd_dq_kernel, _bwd_dq_tuned, head_dim_pad)
+    kernel[lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * heads_q)](
+        q, k, v, grad_out, dq, lse_log2, delta, cu_seqlens_q, cu_seqlens_k,
+        *strides_qkv, *seq_strides(dq, is_varlen), *strides_lse,
+        seqlen_q, seqlen_k, heads_q, *scalars, **common, **config,
+    )
+    return dq, dk, dv

@@ -1,0 +1,197 @@
+"""FlashAttention forward in Triton: tiled, online softmax, the score matrix never leaves the chip.
+
+One program computes BLOCK_M query rows of one (batch, head): it streams key/value tiles through
+shared memory, keeps a running max and sum per row, and writes the output and the row's
+log-sum-exp. Scores are kept in the log2 domain (scale * log2(e) folded into one multiply) so the
+inner loop uses exp2. Key tiles come in three runs: a masked run at the window's left edge, an
+unmasked middle and a masked run at the right edge (the causal diagonal, the end of the keys), so
+only edge tiles pay for the mask.
+
+Tensors are read through tensor descriptors (TMA on Hopper), which also zero-fill rows and columns
+past the end: any seqlen and any head_dim up to the padded HEAD_DIM_PAD work without copies.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import (as_descriptor_compatible, dot_precision, ensure_allocator, new_output, pick_kernel, seq_strides,
+                     tuned, upcast_dot)
+from .tile_ops import key_range, mma, tanh, visible
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _fwd_tiles(acc, row_max, row_sum, q, k_desc, v_desc, rows, start, end,
+               qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
+               BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
+               LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               UPCAST_DOT: tl.constexpr):
+    for n0 in tl.range(start, end, BLOCK_N):
+        k = k_desc.load([n0, 0])
+        v = v_desc.load([n0, 0])
+        s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale
+        if HAS_SOFTCAP:
+            s = tanh(s) * softcap_log2
+        if MASKED:
+            cols = n0 + tl.arange(0, BLOCK_N)
+            keep = visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
+                           LEFT_BOUNDED, RIGHT_BOUNDED)
+            s = tl.where(keep, s, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(s, 1))
+        if MASKED:
+            # A row with no visible key so far keeps max = -inf: shift by 0 to avoid inf - inf.
+            new_max_safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+        else:
+            new_max_safe = new_max
+        p = tl.exp2(s - new_max_safe[:, None])
+        alpha = tl.exp2(row_max - new_max_safe)
+        row_sum = row_sum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+        row_max = new_max
+    return acc, row_max, row_sum
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    stride_lse_b, stride_lse_h,
+    seqlen_q, seqlen_k, heads_q,
+    qk_scale, softcap_log2, window_left, window_right,
+    seqlen_q_bucket, seqlen_k_bucket,  # autotune keys only
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // heads_q
+    head = pid_bh % heads_q
+    if IS_VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + batch)
+        k_start = tl.load(CU_SEQLENS_K + batch)
+        seqlen_q = tl.load(CU_SEQLENS_Q + batch + 1) - q_start
+        seqlen_k = tl.load(CU_SEQLENS_K + batch + 1) - k_start
+        q_base = q_start * stride_qs
+        k_base = k_start * stride_ks
+        v_base = k_start * stride_vs
+        o_base = q_start * stride_os
+        lse_base = q_start
+    else:
+        q_base = batch * stride_qb
+        k_base = batch * stride_kb
+        v_base = batch * stride_vb
+        o_base = batch * stride_ob
+        lse_base = batch * stride_lse_b
+    m0 = pid_m * BLOCK_M
+    if m0 >= seqlen_q:
+        return
+    kv_head = head // GROUP
+    q_desc = tl.make_tensor_descriptor(Q + q_base + head * stride_qh, shape=[seqlen_q, HEAD_DIM],
+                                       strides=[stride_qs, 1], block_shape=[BLOCK_M, HEAD_DIM_PAD])
+    # max(seqlen_k, 1): an empty sequence issues no load, but a descriptor wants a non-zero shape.
+    k_desc = tl.make_tensor_descriptor(K + k_base + kv_head * stride_kh, shape=[tl.maximum(seqlen_k, 1), HEAD_DIM],
+                                       strides=[stride_ks, 1], block_shape=[BLOCK_N, HEAD_DIM_PAD])
+    v_desc = tl.make_tensor_descriptor(V + v_base + kv_head * stride_vh, shape=[tl.maximum(seqlen_k, 1), HEAD_DIM],
+                                       strides=[stride_vs, 1], block_shape=[BLOCK_N, HEAD_DIM_PAD])
+    o_desc = tl.make_tensor_descriptor(O + o_base + head * stride_oh, shape=[seqlen_q, HEAD_DIM],
+                                       strides=[stride_os, 1], block_shape=[BLOCK_M, HEAD_DIM_PAD])
+
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    q = q_desc.load([m0, 0])
+
+    start, un_lo, un_hi, end = key_range(m0, seqlen_q, seqlen_k, window_left, window_right,
+                                         BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
+    acc, row_max, row_sum = _fwd_tiles(acc, row_max, row_sum, q, k_desc, v_desc, rows, start, un_lo,
+                                       qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
+                                       BLOCK_N, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
+    acc, row_max, row_sum = _fwd_tiles(acc, row_max, row_sum, q, k_desc, v_desc, rows, un_lo, un_hi,
+                                       qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
+                                       BLOCK_N, HAS_SOFTCAP, False, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
+    acc, row_max, row_sum = _fwd_tiles(acc, row_max, row_sum, q, k_desc, v_desc, rows, un_hi, end,
+                                       qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
+                                       BLOCK_N, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
+
+    # A row that saw no key: output 0 and lse = -inf (log of an empty sum).
+    empty = row_sum == 0.0
+    acc = acc / tl.where(empty, 1.0, row_sum)[:, None]
+    lse = tl.where(empty, float("-inf"), (row_max + tl.log2(row_sum)) * 0.6931471805599453)
+    o_desc.store([m0, 0], acc.to(O.dtype.element_ty))
+    tl.store(LSE + lse_base + head * stride_lse_h + rows, lse, mask=rows < seqlen_q)
+
+
+_attn_fwd_tuned = tuned(_attn_fwd_kernel, "fwd")
+
+
+def log2_scales(softmax_scale: float, softcap: float) -> tuple[float, float]:
+    """(qk_scale, softcap_log2): what the kernels multiply raw q.k by, and the softcap factor.
+
+    Without softcap the logit in log2 units is qk * scale * log2(e). With softcap it is
+    softcap * log2(e) * tanh(qk * scale / softcap).
+    """
+    if softcap > 0.0:
+        return softmax_scale / softcap, softcap * LOG2E
+    return softmax_scale * LOG2E, 1.0
+
+
+def attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap,
+                      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+    """Launch the forward kernel on validated inputs.
+
+    Args:
+        q: (batch, seqlen_q, heads_q, head_dim), or (total_q, heads_q, head_dim) with cu_seqlens.
+        k, v: (batch, seqlen_k, heads_kv, head_dim), or (total_k, heads_kv, head_dim).
+        window_left, window_right: -1 = unbounded; causal is window_right = 0.
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) offsets for varlen inputs, with max_seqlen_q/_k.
+    Returns:
+        out like q; lse fp32 (batch, heads_q, seqlen_q), or (heads_q, total_q) for varlen.
+    """
+    is_varlen = cu_seqlens_q is not None
+    q, k, v = (as_descriptor_compatible(t) for t in (q, k, v))
+    head_dim = q.shape[-1]
+    heads_q, heads_kv = q.shape[-2], k.shape[-2]
+    out = new_output(q)
+    if is_varlen:
+        batch = cu_seqlens_q.numel() - 1
+        seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
+        lse = new_output(q, (heads_q, q.shape[0]), torch.float32)
+        strides_lse = (0, lse.stride(0))
+    else:
+        batch, seqlen_q = q.shape[0], q.shape[1]
+        seqlen_k = k.shape[1]
+        lse = new_output(q, (batch, heads_q, seqlen_q), torch.float32)
+        strides_lse = lse.stride()[:2]
+    if out.numel() == 0:
+        return out, lse
+    if seqlen_k == 0:  # nothing to attend to: every row is empty
+        return out.zero_(), lse.fill_(-math.inf)
+    qk_scale, softcap_log2 = log2_scales(softmax_scale, softcap)
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    ensure_allocator(q.device)
+    kernel, config = pick_kernel(q.device, "fwd", _attn_fwd_kernel, _attn_fwd_tuned, head_dim_pad)
+    grid = lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * heads_q)
+    kernel[grid](
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+        *(stride for t in (q, k, v, out) for stride in seq_strides(t, is_varlen)), *strides_lse,
+        seqlen_q, seqlen_k, heads_q,
+        qk_scale, softcap_log2, window_left, window_right,
+        triton.next_power_of_2(max(seqlen_q, 1)), triton.next_power_of_2(max(seqlen_k, 1)),
+        GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
+        IS_VARLEN=is_varlen, DOT_PRECISION=dot_precision(q.dtype), UPCAST_DOT=upcast_dot(q.dtype),
+        **config,
+    )
+    return out, lse

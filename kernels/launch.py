@@ -1,0 +1,121 @@
+"""Launch plumbing shared by the kernels: layouts, TMA scratch memory and block-size choice."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+from triton.runtime._allocation import _allocator, NullAllocator
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+# Block sizes when the kernels run in Triton's interpreter (CPU): a fixed config, small enough to
+# keep numpy tiles cheap, with BLOCK_M != BLOCK_N so that tests exercise the two tilings.
+INTERPRETER_CONFIGS = {
+    "fwd": {"BLOCK_M": 64, "BLOCK_N": 32},
+    "bwd_dkdv": {"BLOCK_M": 32, "BLOCK_N": 64},
+    "bwd_dq": {"BLOCK_M": 64, "BLOCK_N": 32},
+}
+
+
+def _gpu_configs(kind):
+    """The autotune space of one kernel on CUDA (Hopper-sized; pruned by head_dim below)."""
+    if kind == "fwd":
+        shapes = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
+                  (128, 32, 4, 3)]
+    elif kind == "bwd_dkdv":
+        shapes = [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 2), (64, 128, 8, 3)]
+    else:
+        shapes = [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 8, 3)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+
+
+def _prune_for_shared_memory(configs, named_args, **kwargs):
+    """Drop tile shapes whose staged tiles overflow Hopper's 227 KB of shared memory."""
+    head_dim = named_args["HEAD_DIM_PAD"] if "HEAD_DIM_PAD" in named_args else kwargs["HEAD_DIM_PAD"]
+    budget = 200 * 1024
+    kept = []
+    for config in configs:
+        block_m, block_n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+        tile_bytes = (block_m + block_n) * head_dim * 2 * max(config.num_stages, 1)
+        if tile_bytes <= budget and not (head_dim > 128 and block_m * block_n > 64 * 64):
+            kept.append(config)
+    return kept or configs[-1:]
+
+
+def tuned(kernel, kind):
+    """The CUDA launcher of ``kernel``: autotuned per shape bucket, results cached on disk."""
+    return triton.autotune(
+        configs=_gpu_configs(kind),
+        key=["seqlen_q_bucket", "seqlen_k_bucket", "HEAD_DIM", "GROUP", "LEFT_BOUNDED", "RIGHT_BOUNDED",
+             "HAS_SOFTCAP", "IS_VARLEN"],
+        prune_configs_by={"early_config_prune": _prune_for_shared_memory},
+        cache_results=True,
+    )(kernel)
+
+
+def _default_gpu_config(kind, head_dim_pad):
+    """One sensible CUDA config per kernel, for FLASHFORMER_AUTOTUNE=0 (e.g. wide test sweeps, where
+    compiling every autotune candidate for every specialisation would dominate)."""
+    wide = head_dim_pad > 128
+    if kind == "fwd":
+        return {"BLOCK_M": 64 if wide else 128, "BLOCK_N": 32 if wide else 64, "num_warps": 4 if wide else 8,
+                "num_stages": 2 if wide else 3}
+    if kind == "bwd_dkdv":
+        return {"BLOCK_M": 32, "BLOCK_N": 64 if wide else 128, "num_warps": 4 if wide else 8, "num_stages": 2}
+    return {"BLOCK_M": 64 if wide else 128, "BLOCK_N": 32 if wide else 64, "num_warps": 4 if wide else 8,
+            "num_stages": 2}
+
+
+def pick_kernel(device, kind, kernel, tuned_kernel, head_dim_pad):
+    """(launcher, fixed meta-parameters): the autotuner on CUDA (unless FLASHFORMER_AUTOTUNE=0),
+    a fixed config in the interpreter."""
+    if device.type != "cuda":
+        return kernel, dict(INTERPRETER_CONFIGS[kind])
+    if os.environ.get("FLASHFORMER_AUTOTUNE", "1") == "0":
+        return kernel, _default_gpu_config(kind, head_dim_pad)
+    return tuned_kernel, {}
+
+
+def _torch_allocator(size, alignment, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_allocator(device):
+    """In-kernel tensor descriptors need scratch memory from an allocator (a per-thread setting)."""
+    if device.type == "cuda" and isinstance(_allocator.get(), NullAllocator):
+        triton.set_allocator(_torch_allocator)
+
+
+def as_descriptor_compatible(t):
+    """``t`` itself when TMA can address it (unit last stride, 16-byte aligned strides and base),
+    else a contiguous copy. Slices of a fused qkv tensor with head_dim % 8 == 0 need no copy."""
+    itemsize = t.element_size()
+    ok = (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+          and all(s > 0 and (s * itemsize) % 16 == 0 for s in t.stride()[:-1]))
+    return t if ok else t.contiguous()
+
+
+def new_output(like, shape=None, dtype=None):
+    """An uninitialised output buffer; NaN-filled when FLASHFORMER_POISON=1, so that tests catch any
+    element a kernel forgets to write."""
+    out = torch.empty(like.shape if shape is None else shape, dtype=dtype or like.dtype, device=like.device)
+    if os.environ.get("FLASHFORMER_POISON") == "1":
+        out.fill_(float("nan"))
+    return out
+
+
+def seq_strides(t, is_varlen):
+    """(batch, seq, head) strides; a varlen tensor (total, heads, dim) has no batch stride."""
+    return (0,) + t.stride()[:2] if is_varlen else t.stride()[:3]
+
+
+def upcast_dot(dtype):
+    """Whether tile products must go through fp32 (only bf16 in the interpreter; see tile_ops.mma)."""
+    return INTERPRETED and dtype == torch.bfloat16
+
+
+def dot_precision(dtype):
+    """fp32 inputs get exact fp32 products (tf32 would lose ~3 digits); 16-bit types ignore it."""
+    return "ieee" if dtype == torch.float32 else "tf32"

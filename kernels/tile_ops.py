@@ -1,0 +1,93 @@
+"""Tile-level helpers shared by the forward and backward kernels."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def mma(a, b, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """a @ b with fp32 accumulation."""
+    if UPCAST_DOT:
+        # Triton 3.6's interpreter multiplies bf16 bit patterns as integers; bf16 -> fp32 is exact,
+        # and the tensor cores multiply bf16 exactly into fp32 too, so the numbers match the GPU's.
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def tanh(x):
+    # tanh(x) = 1 - 2 / (exp(2x) + 1): exp2 only, no libdevice, runs in the interpreter too.
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
+
+
+@triton.jit
+def key_range(m0, seqlen_q, seqlen_k, window_left, window_right,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr):
+    """Key tiles for query rows [m0, m0 + BLOCK_M): start, unmasked start, unmasked end, end.
+
+    Tiles in [start, unmasked start) and [unmasked end, end) need the mask; the middle does not.
+    """
+    diag = seqlen_k - seqlen_q
+    last = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
+    lo = 0
+    hi = seqlen_k
+    full_lo = 0
+    full_hi = seqlen_k
+    if RIGHT_BOUNDED:
+        hi = tl.maximum(tl.minimum(hi, last + diag + window_right + 1), 0)
+        full_hi = tl.minimum(full_hi, m0 + diag + window_right + 1)
+    if LEFT_BOUNDED:
+        lo = tl.minimum(tl.maximum(lo, m0 + diag - window_left), seqlen_k)
+        full_lo = tl.maximum(full_lo, last + diag - window_left)
+    start = (lo // BLOCK_N) * BLOCK_N
+    end = tl.cdiv(hi, BLOCK_N) * BLOCK_N
+    un_lo = tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, start)
+    un_hi = tl.minimum((full_hi // BLOCK_N) * BLOCK_N, (hi // BLOCK_N) * BLOCK_N)
+    if un_hi <= un_lo:
+        un_lo = end
+        un_hi = end
+    return start, un_lo, un_hi, end
+
+
+@triton.jit
+def query_range(n0, seqlen_q, seqlen_k, window_left, window_right,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr):
+    """Query tiles that see keys [n0, n0 + BLOCK_N): start, unmasked start, unmasked end, end.
+
+    The transpose of key_range, for the dK/dV pass that walks queries for a fixed key tile.
+    """
+    diag = seqlen_k - seqlen_q
+    last = tl.minimum(n0 + BLOCK_N, seqlen_k) - 1
+    lo = 0
+    hi = seqlen_q
+    full_lo = 0
+    full_hi = seqlen_q
+    if RIGHT_BOUNDED:  # key j visible to row i needs i >= j - diag - right
+        lo = tl.minimum(tl.maximum(lo, n0 - diag - window_right), seqlen_q)
+        full_lo = tl.maximum(full_lo, last - diag - window_right)
+    if LEFT_BOUNDED:  # ... and i <= j - diag + left
+        hi = tl.maximum(tl.minimum(hi, last - diag + window_left + 1), 0)
+        full_hi = tl.minimum(full_hi, n0 - diag + window_left + 1)
+    start = (lo // BLOCK_M) * BLOCK_M
+    end = tl.cdiv(hi, BLOCK_M) * BLOCK_M
+    un_lo = tl.maximum(tl.cdiv(full_lo, BLOCK_M) * BLOCK_M, start)
+    un_hi = tl.minimum((full_hi // BLOCK_M) * BLOCK_M, (hi // BLOCK_M) * BLOCK_M)
+    if un_hi <= un_lo:
+        un_lo = end
+        un_hi = end
+    return start, un_lo, un_hi, end
+
+
+@triton.jit
+def visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right,
+            LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr):
+    """Bool tile: query ``rows`` sees key ``cols`` (broadcast 2-D index tensors; either layout)."""
+    shifted = rows + (seqlen_k - seqlen_q)
+    mask = (cols < seqlen_k) & (rows < seqlen_q)
+    if RIGHT_BOUNDED:
+        mask = mask & (cols <= shifted + window_right)
+    if LEFT_BOUNDED:
+        mask = mask & (cols >= shifted - window_left)
+    return mask

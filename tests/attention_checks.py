@@ -1,0 +1,27 @@
+"""flash-attn's pass rule, shared by the kernel tests.
+
+ours passes when max |ours - ref| <= 2 * max |lowp - ref| + floor, where ref is the math in fp64,
+lowp is the same math done by PyTorch in the input precision, and floor is the rounding error of
+storing ref in the input dtype (a result can be no closer than that) plus 1e-5 of fp32 accumulation
+noise for results that are exactly 0 (dK with a single key: dS cancels to 0).
+"""
+
+import torch
+
+
+def assert_within_2x(name, ours, ref, lowp):
+    assert not torch.isnan(ours).any(), f"{name}: NaN in result (an element left unwritten?)"
+    ref = ref.double()
+    err = (ours.double() - ref).abs().max().item()
+    lowp_err = (lowp.double() - ref).abs().max().item()
+    floor = (ref.to(ours.dtype).double() - ref).abs().max().item() + 1e-5
+    assert err <= 2 * lowp_err + floor, f"{name}: max err {err:.3e} > 2 x {lowp_err:.3e} + {floor:.1e}"
+
+
+def attention_grads(fn, q, k, v, grad_out, **kwargs):
+    """Run ``fn`` on leaf copies of q, k, v; return (out, dq, dk, dv)."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves, **kwargs)
+    out = out[0] if isinstance(out, tuple) else out
+    grads = torch.autograd.grad(out, leaves, grad_out.to(out.dtype))
+    return (out, *grads)

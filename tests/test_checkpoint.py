@@ -1,0 +1,179 @@
+"""Checkpoint format: round trips, sharding, precise errors, atomic writes."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import flashformer
+from flashformer.checkpoint import CheckpointError, atomic_directory, atomic_write_file, save_pretrained
+from flashformer.model import ModelConfig, Transformer
+from flashformer.tokenizer import HFTokenizer, train_bpe
+
+CONFIG = ModelConfig(family="llama", vocab_size=300, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=96,
+                     max_seq_len=64, attn_backend="reference")
+
+
+def tiny_model(**overrides):
+    torch.manual_seed(0)
+    return Transformer(ModelConfig(**{**CONFIG.__dict__, **overrides}))
+
+
+def logits(model):
+    with torch.no_grad():
+        return model(torch.arange(20)[None] % model.config.vocab_size)
+
+
+def test_round_trip_with_tokenizer(tmp_path):
+    model = tiny_model(tie_embeddings=True)
+    tokenizer = train_bpe(["hello world, hello tokenizer"] * 20, 270, tmp_path / "tok.json")
+    model.save_pretrained(tmp_path / "ckpt", tokenizer=tokenizer)
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["config.json", "model.safetensors", "tokenizer.json"]
+    loaded = flashformer.from_pretrained(tmp_path / "ckpt", attn_backend="reference")
+    assert loaded.config == model.config
+    assert torch.equal(logits(loaded), logits(model))
+    assert HFTokenizer(tmp_path / "ckpt" / "tokenizer.json").encode("hello") == tokenizer.encode("hello")
+
+
+def test_dtype_device_and_backend_on_load(tmp_path):
+    model = tiny_model()
+    save_pretrained(model, tmp_path)
+    loaded = flashformer.from_pretrained(tmp_path, dtype="bfloat16", device="cpu", attn_backend="naive")
+    assert all(p.dtype == torch.bfloat16 for p in loaded.parameters())
+    assert loaded.attn_backend == "naive"
+    assert (logits(loaded).float() - logits(model)).abs().max() < 0.1
+
+
+@pytest.mark.parametrize("format", ["flashformer", "hf"])
+def test_sharding(tmp_path, format):
+    model = tiny_model()
+    save_pretrained(model, tmp_path / "ckpt", format=format, max_shard_bytes=60_000)
+    files = sorted(os.listdir(tmp_path / "ckpt"))
+    shards = [f for f in files if f.startswith("model-")]
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((tmp_path / "ckpt" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(shards)
+    assert index["metadata"]["total_size"] == sum(p.numel() * 4 for p in model.parameters())
+    assert "model.safetensors" not in files
+    loaded = flashformer.from_pretrained(tmp_path / "ckpt", attn_backend="reference")
+    assert torch.equal(logits(loaded), logits(model))
+
+
+def test_mismatched_tensors_are_listed_together(tmp_path):
+    save_pretrained(tiny_model(), tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["blocks.1.mlp.up_proj.weight"], tensors["final_norm.weight"]
+    tensors["blocks.0.attn.q_proj.weight"] = torch.zeros(3, 3)
+    tensors["blocks.0.extra.weight"] = torch.zeros(1)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError) as err:
+        flashformer.from_pretrained(tmp_path)
+    message = str(err.value)
+    for expected in ("missing (2): blocks.1.mlp.up_proj.weight, final_norm.weight",
+                     "unexpected (1): blocks.0.extra.weight",
+                     "misshapen (1): blocks.0.attn.q_proj.weight (checkpoint (3, 3), model (64, 64))"):
+        assert expected in message
+
+
+def test_compiled_prefix_and_hf_buffers_are_ignored(tmp_path):
+    model = tiny_model()
+    save_pretrained(model, tmp_path / "ours")
+    tensors = load_file(tmp_path / "ours" / "model.safetensors")
+    save_file({f"_orig_mod.{k}": v for k, v in tensors.items()}, tmp_path / "ours" / "model.safetensors")
+    assert torch.equal(logits(flashformer.from_pretrained(tmp_path / "ours")), logits(model))
+
+    save_pretrained(model, tmp_path / "hf", format="hf")
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    assert torch.equal(logits(flashformer.from_pretrained(tmp_path / "hf")), logits(model))
+
+
+def test_truncated_and_corrupted_files_are_named(tmp_path):
+    save_pretrained(tiny_model(), tmp_path / "a", max_shard_bytes=60_000)
+    shard = tmp_path / "a" / sorted(os.listdir(tmp_path / "a"))[2]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=f"{shard.name} is corrupted or truncated"):
+        flashformer.from_pretrained(tmp_path / "a")
+
+    save_pretrained(tiny_model(), tmp_path / "b")
+    weights = tmp_path / "b" / "model.safetensors"
+    weights.write_bytes(b"\xff" * 16 + weights.read_bytes()[16:])
+    with pytest.raises(CheckpointError, match="model.safetensors is corrupted or truncated"):
+        flashformer.from_pretrained(tmp_path / "b")
+
+
+def test_missing_pieces(tmp_path):
+    with pytest.raises(CheckpointError, match="not found"):
+        flashformer.from_pretrained(tmp_path / "nowhere")
+    save_pretrained(tiny_model(), tmp_path / "c", max_shard_bytes=60_000)
+    shard = sorted(os.listdir(tmp_path / "c"))[3]
+    os.remove(tmp_path / "c" / shard)
+    with pytest.raises(CheckpointError, match=f"{shard} not found"):
+        flashformer.from_pretrained(tmp_path / "c")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
+    with pytest.raises(CheckpointError, match="lacks the required field 'num_attention_heads'"):
+        flashformer.from_pretrained(tmp_path / "d")
+    save_pretrained(tiny_model(), tmp_path / "d", format="hf")
+    os.replace(tmp_path / "d" / "model.safetensors", tmp_path / "d" / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="only safetensors"):
+        flashformer.from_pretrained(tmp_path / "d")
+    (tmp_path / "d" / "config.json").write_text('{"format": "flashformer", "model": {"n_layers": 2}}')
+    with pytest.raises(CheckpointError, match="did you mean 'n_layer'"):
+        flashformer.from_pretrained(tmp_path / "d")
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]}')
+    with pytest.raises(CheckpointError, match="'t5'.*supported: gpt2.*llama.*mistral.*qwen2"):
+        flashformer.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="cannot export family='qwen2'.*o_bias"):
+        save_pretrained(tiny_model(family="qwen2", qkv_bias=True, o_bias=True), tmp_path / "x", format="hf")
+    assert not (tmp_path / "x").exists()
+
+
+def test_atomic_write_file_keeps_old_content_on_failure(tmp_path):
+    path = tmp_path / "state.bin"
+    atomic_write_file(path, lambda f: f.write(b"old"))
+
+    def failing_write(f):
+        f.write(b"half of the new")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write_file(path, failing_write)
+    assert path.read_bytes() == b"old"
+    assert os.listdir(tmp_path) == ["state.bin"]
+    atomic_write_file(path, lambda f: f.write(b"new"))
+    assert path.read_bytes() == b"new"
+
+
+def test_atomic_directory_replaces_or_keeps(tmp_path):
+    final = tmp_path / "ckpt"
+    with atomic_directory(final) as tmp:
+        open(os.path.join(tmp, "a"), "w").write("1")
+    with pytest.raises(RuntimeError):
+        with atomic_directory(final) as tmp:
+            open(os.path.join(tmp, "b"), "w").write("2")
+            raise RuntimeError("crash while writing")
+    assert os.listdir(final) == ["a"] and os.listdir(tmp_path) == ["ckpt"]
+    with atomic_directory(final) as tmp:
+        open(os.path.join(tmp, "b"), "w").write("2")
+    assert os.listdir(final) == ["b"] and os.listdir(tmp_path) == ["ckpt"]
+
+
+def test_failed_save_leaves_previous_checkpoint(tmp_path):
+    model = tiny_model()
+    save_pretrained(model, tmp_path / "ckpt")
+
+    class BrokenTokenizer:
+        def save(self, directory):
+            raise OSError("tokenizer write failed")
+
+    with pytest.raises(OSError, match="tokenizer write failed"):
+        save_pretrained(tiny_model(n_layer=1), tmp_path / "ckpt", tokenizer=BrokenTokenizer())
+    assert torch.equal(logits(flashformer.from_pretrained(tmp_path / "ckpt")), logits(model))
+    assert os.listdir(tmp_path) == ["ckpt"]

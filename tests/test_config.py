@@ -1,0 +1,107 @@
+"""Config machinery: YAML / dict loading, dotted overrides, type checks, did-you-mean, validation."""
+
+import dataclasses
+from pathlib import Path
+from typing import Literal, Optional
+
+import pytest
+import yaml
+
+from flashformer.config import ConfigError, config_to_dict, load_config, save_config
+from flashformer.model import ModelConfig
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "models"
+
+
+@dataclasses.dataclass
+class Optim:
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+
+    def validate(self):
+        if self.lr <= 0:
+            raise ConfigError(f"lr must be > 0, got {self.lr}")
+
+
+@dataclasses.dataclass
+class Run:
+    name: str
+    steps: int = 10
+    compile: bool = False
+    precision: Literal["fp32", "bf16"] = "bf16"
+    warmup: Optional[int] = None
+    tags: list[str] = dataclasses.field(default_factory=list)
+    extra: dict = dataclasses.field(default_factory=dict)
+    optim: Optim = dataclasses.field(default_factory=Optim)
+
+
+def test_dict_with_defaults_and_conversions():
+    cfg = load_config(Run, {"name": "a", "optim": {"lr": 1, "betas": [0.8, 0.9]}})
+    assert cfg == Run(name="a", optim=Optim(lr=1.0, betas=(0.8, 0.9)))
+    assert isinstance(cfg.optim.lr, float) and isinstance(cfg.optim.betas, tuple)
+
+
+def test_yaml_and_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("name: base\nsteps: 5\noptim:\n  lr: 1e-3\n")  # YAML 1.1 reads 1e-3 as a string
+    cfg = load_config(Run, path, ["steps=7", "optim.betas=[0.5, 0.6]", "extra.a.b=3", "warmup=null", "tags=[x, y]"])
+    assert cfg.steps == 7 and cfg.optim.lr == 1e-3 and cfg.optim.betas == (0.5, 0.6)
+    assert cfg.extra == {"a": {"b": 3}} and cfg.warmup is None and cfg.tags == ["x", "y"]
+
+
+@pytest.mark.parametrize("source, overrides, message", [
+    ({"name": "a", "stpes": 3}, (), "'stpes'.*did you mean 'steps'"),
+    ({"name": "a"}, ["optim.llr=0.1"], "'optim.llr'.*did you mean 'lr'"),
+    ({"name": "a", "steps": "many"}, (), "steps: expected int, got 'many'"),
+    ({"name": "a", "compile": 1}, (), "compile: expected bool"),
+    ({"name": "a", "steps": True}, (), "steps: expected int"),
+    ({"name": "a", "precision": "fp8"}, (), "precision: expected one of \\['fp32', 'bf16'\\]"),
+    ({"name": "a", "warmup": 1.5}, (), "warmup: expected"),
+    ({"name": "a", "optim": {"betas": [0.9]}}, (), "optim.betas: expected 2 items"),
+    ({"name": "a", "tags": [1]}, (), r"tags\[0\]: expected str"),
+    ({"name": "a", "optim": 3}, (), "optim: expected a mapping"),
+    ({"name": "a"}, ["optim.lr=-1"], "lr must be > 0"),
+    ({}, (), "missing required config key 'name'"),
+    ({"name": "a"}, ["steps"], "must look like 'key.subkey=value'"),
+    ({"name": "a"}, ["name.x=1"], "'name' holds a value"),
+])
+def test_errors_name_the_key(source, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(Run, source, overrides)
+
+
+def test_config_error_is_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_save_and_reload(tmp_path):
+    cfg = load_config(Run, {"name": "a", "tags": ["t"], "optim": {"betas": [0.1, 0.2]}})
+    save_config(cfg, tmp_path / "out.yaml")
+    assert yaml.safe_load((tmp_path / "out.yaml").read_text())["optim"]["betas"] == [0.1, 0.2]
+    assert load_config(Run, tmp_path / "out.yaml") == cfg
+    assert list(tmp_path.iterdir()) == [tmp_path / "out.yaml"]  # no temporary file left behind
+
+
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_model_configs_load(path):
+    cfg = load_config(ModelConfig, path)
+    assert load_config(ModelConfig, config_to_dict(cfg)) == cfg
+
+
+def test_model_config_did_you_mean_and_validation():
+    with pytest.raises(ConfigError, match="did you mean 'n_layer'"):
+        load_config(ModelConfig, {"n_layers": 2})
+    with pytest.raises(ConfigError, match="n_kv_head"):
+        load_config(ModelConfig, {"n_head": 4, "n_kv_head": 3, "d_model": 64})
+    with pytest.raises(ConfigError, match="head_dim"):
+        load_config(ModelConfig, {"n_head": 4, "d_model": 36})
+    with pytest.raises(ConfigError, match="rope_scaling.factr.*did you mean 'factor'"):
+        load_config(ModelConfig, {"rope_scaling": {"rope_type": "linear", "factr": 2.0}})
+    with pytest.raises(ConfigError, match="rope_type='ntk'"):
+        load_config(ModelConfig, {"rope_scaling": {"type": "ntk", "factor": 2.0}})
+    with pytest.raises(ConfigError, match="pos='learned'"):
+        load_config(ModelConfig, {"pos": "learned", "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    with pytest.raises(ConfigError, match="sliding_window"):
+        ModelConfig(sliding_window=0).validate()
+    with pytest.raises(ConfigError, match="attn_backend"):
+        ModelConfig(attn_backend="cuda").validate()

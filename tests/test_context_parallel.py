@@ -1,0 +1,105 @@
+"""Ring attention across real processes (gloo, CPU) against flash_attn_func on the full sequence."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from flashformer import context_parallel
+from flashformer.context_parallel import ring_flash_attn, zigzag_merge, zigzag_shard, zigzag_unshard
+from flashformer.kernels import flash_attn_func
+
+ATOL = 2e-5
+
+
+def contiguous_shard(x, rank, world_size):
+    return x.chunk(world_size, dim=1)[rank]
+
+
+def check_ring_matches_full(group, causal, batch, seqlen, heads_q, heads_kv, head_dim, tag):
+    """Full-sequence attention on every rank, then this rank's slice through the ring."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    generator = torch.Generator().manual_seed(seqlen + heads_kv)  # identical on every rank
+    q, k, v, grad_out = (torch.randn(batch, seqlen, heads, head_dim, generator=generator)
+                         for heads in (heads_q, heads_kv, heads_kv, heads_q))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_full = flash_attn_func(*full, causal=causal)
+    out_full.backward(grad_out)
+
+    # Causal needs the zigzag layout; non-causal runs on a plain contiguous split.
+    shard = zigzag_shard if causal else contiguous_shard
+    local = [shard(t, rank, world_size).requires_grad_() for t in (q, k, v)]
+    out_local = ring_flash_attn(*local, group=group, causal=causal)
+    out_local.backward(shard(grad_out, rank, world_size))
+
+    expected = [out_full, *(t.grad for t in full)]
+    for name, ours, ref in zip(("out", "dq", "dk", "dv"), [out_local, *(t.grad for t in local)], expected):
+        torch.testing.assert_close(ours, shard(ref.detach(), rank, world_size), atol=ATOL, rtol=0,
+                                   msg=lambda m: f"{tag} rank {rank}/{world_size} {name}: {m}")
+    if causal:
+        torch.testing.assert_close(zigzag_unshard(out_local.detach(), group), out_full.detach(),
+                                   atol=ATOL, rtol=0)
+
+
+def check_causal_blocks_balanced_and_skipped(group, seqlen):
+    """Record the blocks the forward computes: one causal diagonal block, then world - 1
+    non-causal blocks of half the area each, on every rank alike (the fully masked ones skipped)."""
+    blocks = []
+    kernel = context_parallel.flash_attn_func
+
+    def recording_kernel(q, k, v, causal, **kwargs):
+        blocks.append((q.shape[1], k.shape[1], causal))
+        return kernel(q, k, v, causal=causal, **kwargs)
+
+    context_parallel.flash_attn_func = recording_kernel
+    try:
+        world_size = dist.get_world_size(group)
+        local_seqlen = seqlen // world_size
+        q = torch.randn(1, local_seqlen, 2, 16)
+        with torch.no_grad():
+            ring_flash_attn(q, q, q, group=group, causal=True)
+    finally:
+        context_parallel.flash_attn_func = kernel
+    half_area = local_seqlen * local_seqlen // 2
+    assert blocks[0] == (local_seqlen, local_seqlen, True)
+    assert len(blocks) == world_size
+    assert all(not causal and rows * cols == half_area for rows, cols, causal in blocks[1:]), blocks
+
+
+def run_rank(rank, world_size, store_path):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+    try:
+        world = dist.group.WORLD
+        seqlen = 16 * world_size
+        check_ring_matches_full(world, True, 2, seqlen, 4, 4, 16, "causal MHA")
+        check_ring_matches_full(world, True, 1, 2 * seqlen, 4, 2, 32, "causal GQA")
+        check_ring_matches_full(world, False, 2, seqlen, 4, 1, 16, "non-causal MQA")
+        check_causal_blocks_balanced_and_skipped(world, seqlen)
+        if world_size == 4:
+            # Two independent rings of two ranks each: peers are named through the group.
+            pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+            check_ring_matches_full(pairs[rank // 2], True, 1, 32, 4, 2, 16, "causal GQA, subgroup")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ring_attention_matches_full_sequence(world_size, tmp_path):
+    mp.spawn(run_rank, args=(world_size, str(tmp_path / "store")), nprocs=world_size, join=True)
+
+
+def test_zigzag_layout_round_trip():
+    x = torch.arange(2 * 24 * 3).view(2, 24, 3)
+    shards = [zigzag_shard(x, rank, 3) for rank in range(3)]
+    # Rank 0 holds the first and the last of 6 chunks of 4 tokens.
+    assert shards[0][0, :, 0].tolist() == [0, 3, 6, 9, 60, 63, 66, 69]
+    assert torch.equal(zigzag_merge(shards), x)
+    with pytest.raises(ValueError, match="divisible"):
+        zigzag_shard(x, 0, 5)
+
+
+def test_ring_needs_an_initialized_group():
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(RuntimeError, match="initialized"):
+        ring_flash_attn(q, q, q)

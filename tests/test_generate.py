@@ -1,0 +1,117 @@
+"""Sampling, the KV-cached generation loop, the generate CLI, and the tokenizers it uses."""
+
+import pytest
+import torch
+
+from flashformer.generate import generate, main, sample_next_token
+from flashformer.model import ModelConfig, Transformer
+from flashformer.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, train_bpe
+
+VOCAB = 257
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=VOCAB, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=96,
+                                    max_seq_len=64, attn_backend="reference"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+PROMPT = torch.tensor([[72, 101, 108, 108, 111], [87, 111, 114, 108, 100]])
+
+
+def test_greedy_is_deterministic_and_equals_full_recompute(model):
+    out = generate(model, PROMPT, 10, temperature=0)
+    assert out.shape == (2, 15) and torch.equal(out[:, :5], PROMPT)
+    assert torch.equal(out, generate(model, PROMPT, 10, temperature=0))
+    sequence = PROMPT
+    with torch.no_grad():
+        for _ in range(10):
+            sequence = torch.cat([sequence, model(sequence)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, sequence)
+    assert torch.equal(generate(model, PROMPT, 10, top_k=1, seed=3), out)
+
+
+def test_seed_reproducibility(model):
+    first = generate(model, PROMPT, 12, temperature=1.0, seed=123)
+    assert torch.equal(first, generate(model, PROMPT, 12, temperature=1.0, seed=123))
+    assert not torch.equal(first, generate(model, PROMPT, 12, temperature=1.0, seed=124))
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.15, 0.1, 0.05]])).expand(4000, 5)
+    generator = torch.Generator().manual_seed(0)
+    top_k = sample_next_token(logits, top_k=2, generator=generator)
+    assert set(top_k.tolist()) == {0, 1}
+    top_p = sample_next_token(logits, top_p=0.8, generator=generator)  # 0.4 + 0.3 < 0.8 <= 0.4 + 0.3 + 0.15
+    assert set(top_p.tolist()) == {0, 1, 2}
+    assert abs((top_p == 0).float().mean().item() - 0.4 / 0.85) < 0.03
+    assert set(sample_next_token(logits, top_p=0.1, generator=generator).tolist()) == {0}
+    assert set(sample_next_token(logits, temperature=0).tolist()) == {0}
+
+
+def test_stop_tokens_end_each_row(model):
+    greedy = generate(model, PROMPT, 10, temperature=0)
+    stop_row0 = int(greedy[0, 7])
+    first_stop = 5 + greedy[0, 5:].tolist().index(stop_row0)
+    out = generate(model, PROMPT[:1], 10, temperature=0, stop_tokens=(stop_row0,))
+    assert torch.equal(out, greedy[:1, :first_stop + 1])
+
+    stop_row1 = int(greedy[1, 6])
+    streamed = []
+    out = generate(model, PROMPT, 10, temperature=0, stop_tokens=(stop_row0, stop_row1),
+                   stream=lambda tokens: streamed.append(tokens.clone()))
+    assert torch.equal(torch.stack(streamed, dim=1), out[:, 5:])
+    for row in range(2):
+        hits = [i for i, t in enumerate(out[row, 5:].tolist()) if t in (stop_row0, stop_row1)]
+        assert torch.equal(out[row, :5 + hits[0] + 1], greedy[row, :5 + hits[0] + 1])
+        assert set(out[row, 5 + hits[0]:].tolist()) == {int(out[row, 5 + hits[0]])}  # padded with its stop token
+
+
+def test_bad_arguments(model):
+    with pytest.raises(ValueError, match="temperature"):
+        generate(model, PROMPT, 3, temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        generate(model, PROMPT, 3, top_p=0)
+    with pytest.raises(ValueError, match="top_k"):
+        generate(model, PROMPT, 3, top_k=0)
+    with pytest.raises(ValueError, match="at least one prompt token"):
+        generate(model, torch.zeros(1, 0, dtype=torch.long), 3)
+
+
+def test_cli_streams_text(model, tmp_path, capsys):
+    model.save_pretrained(tmp_path / "ckpt")
+    assert main([str(tmp_path / "ckpt"), "--prompt", "Hé", "--max-new-tokens", "6", "--temperature", "0"]) == 0
+    printed = capsys.readouterr().out
+    expected = generate(model, torch.tensor([list("Hé".encode())]), 6, temperature=0, stop_tokens=(256,))
+    assert printed == ByteTokenizer().decode(t for t in expected[0].tolist() if t != 256) + "\n"
+
+
+def test_byte_tokenizer():
+    tokenizer = ByteTokenizer()
+    ids = tokenizer.encode("naïve ✓")
+    assert all(0 <= i < 256 for i in ids) and tokenizer.decode(ids) == "naïve ✓"
+    assert tokenizer.vocab_size == 257 and tokenizer.eos_id == 256
+    assert tokenizer.decode([104, 105, 256]) == "hi<|endoftext|>"
+    assert tokenizer.decode(ids[:-1]) == "naïve \ufffd"  # a cut multi-byte character does not raise
+    with pytest.raises(ValueError, match="outside the byte vocabulary"):
+        tokenizer.decode([300])
+
+
+def test_bpe_training_and_loading(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 50)
+    tokenizer = train_bpe([text], 300, tmp_path / "tokenizer.json")
+    assert isinstance(load_tokenizer(tmp_path), HFTokenizer) and tokenizer.vocab_size <= 300
+    ids = tokenizer.encode("the lazy fox")
+    assert len(ids) < len("the lazy fox") and tokenizer.decode(ids) == "the lazy fox"
+    assert tokenizer.eos_id == 0
+    assert isinstance(load_tokenizer(None), ByteTokenizer)
+    (tmp_path / "byte_level_checkpoint").mkdir()
+    assert isinstance(load_tokenizer(tmp_path / "byte_level_checkpoint"), ByteTokenizer)
+    with pytest.raises(ValueError, match="vocab_size"):
+        train_bpe([text], 100, tmp_path / "small.json")

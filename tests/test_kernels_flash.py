@@ -1,0 +1,162 @@
+"""The Triton kernels (fwd + bwd) against fp64 math, by flash-attn's 2x rule, over a shape sweep.
+
+On CPU they run in Triton's interpreter: the default selection is small; ``-m slow`` (run on the GPU)
+adds the full product of shapes, head dims, GQA ratios, masks and dtypes.
+"""
+
+import itertools
+
+import pytest
+import torch
+from attention_checks import assert_within_2x, attention_grads
+
+from flashformer.kernels import attention_materialized, flash_attn_func
+
+SEQLENS = [(1, 1), (113, 203), (128, 217), (239, 1), (1023, 1024), (1024, 1023), (64, 128), (200, 57)]
+HEAD_DIMS = [40, 64, 80, 128, 256]
+HEADS = [(8, 8), (8, 2), (8, 1)]
+MASKS = [  # (causal, window_size, softcap)
+    (False, (-1, -1), 0.0), (True, (-1, -1), 0.0), (False, (32, 8), 0.0), (True, (17, -1), 0.0),
+    (False, (-1, -1), 15.0), (True, (40, -1), 5.0),
+]
+DTYPES = [torch.float16, torch.bfloat16]
+
+# A CPU-sized selection: every value of every axis appears, pairs chosen to cover the edge cases
+# (single key, seqlen_k < seqlen_q with causal, partial tiles, GQA with windows, softcap in bf16).
+QUICK = [
+    # seqlens,   head_dim, heads,  mask, dtype
+    ((1, 1), 64, (8, 8), 1, 0),
+    ((113, 203), 40, (8, 2), 1, 1),
+    ((113, 203), 80, (8, 8), 0, 0),
+    ((128, 217), 64, (8, 1), 2, 1),
+    ((239, 1), 64, (8, 2), 1, 0),
+    ((239, 1), 128, (8, 8), 0, 1),
+    ((200, 57), 128, (8, 2), 3, 0),
+    ((64, 128), 256, (8, 8), 1, 1),
+    ((113, 203), 64, (8, 8), 4, 1),
+    ((128, 217), 40, (8, 2), 5, 0),
+    ((200, 57), 80, (8, 1), 1, 1),
+    ((64, 128), 128, (8, 1), 5, 1),
+]
+
+
+def _case_id(seqlens, head_dim, heads, mask, dtype):
+    causal, window, softcap = MASKS[mask]
+    return (f"s{seqlens[0]}x{seqlens[1]}-d{head_dim}-h{heads[0]}:{heads[1]}-"
+            f"{'causal' if causal else 'full'}-w{window[0]},{window[1]}-cap{softcap:g}-{str(DTYPES[dtype])[6:]}")
+
+
+QUICK_CASES = [pytest.param(*c, id=_case_id(*c)) for c in QUICK]
+FULL_CASES = [
+    pytest.param(*c, id=_case_id(*c), marks=pytest.mark.slow)
+    for c in itertools.product(SEQLENS, HEAD_DIMS, HEADS, range(len(MASKS)), range(len(DTYPES)))
+    if c not in QUICK
+]
+
+
+@pytest.mark.parametrize("seqlens,head_dim,heads,mask,dtype", QUICK_CASES + FULL_CASES)
+def test_flash_matches_reference(seqlens, head_dim, heads, mask, dtype, device, triton_path):
+    (seqlen_q, seqlen_k), (heads_q, heads_kv) = seqlens, heads
+    causal, window_size, softcap = MASKS[mask]
+    dtype = DTYPES[dtype]
+    batch = 2 if seqlen_q * seqlen_k < 50_000 else 1
+    q = torch.randn(batch, seqlen_q, heads_q, head_dim, device=device, dtype=dtype)
+    k = torch.randn(batch, seqlen_k, heads_kv, head_dim, device=device, dtype=dtype)
+    v = torch.randn(batch, seqlen_k, heads_kv, head_dim, device=device, dtype=dtype)
+    grad_out = torch.randn_like(q)
+    opts = dict(causal=causal, window_size=window_size, softcap=softcap)
+    ours = attention_grads(flash_attn_func, q, k, v, grad_out, **opts)
+    ref = attention_grads(attention_materialized, q.double(), k.double(), v.double(), grad_out, **opts)
+    lowp = attention_grads(attention_materialized, q, k, v, grad_out, upcast=False, **opts)
+    for name, a, r, l in zip(("out", "dq", "dk", "dv"), ours, ref, lowp):
+        assert_within_2x(name, a, r, l)
+
+
+def test_lse_and_empty_rows(device, triton_path):
+    """A window that leaves rows without keys: those rows output 0, lse -inf, gradient 0."""
+    q = torch.randn(1, 70, 2, 32, device=device, dtype=torch.float16)
+    k = torch.randn(1, 40, 2, 32, device=device, dtype=torch.float16)
+    v = torch.randn_like(k)
+    opts = dict(causal=True, window_size=(3, -1))  # rows 0..29 see no key (bottom-right alignment)
+    out, lse = flash_attn_func(q, k, v, return_lse=True, **opts)
+    _, ref_lse = attention_materialized(q.double(), k.double(), v.double(), **opts)
+    seen = torch.isfinite(ref_lse)
+    assert not seen[:, :, :30].any() and seen[:, :, 30:].all()
+    assert torch.equal(torch.isneginf(lse), ~seen)
+    torch.testing.assert_close(lse[seen], ref_lse[seen].float(), atol=2e-3, rtol=0)
+    assert (out[:, :30] == 0).all()
+    dq, dk, dv = attention_grads(flash_attn_func, q, k, v, torch.randn_like(q), **opts)[1:]
+    assert (dq[:, :30] == 0).all() and torch.isfinite(dq).all() and torch.isfinite(dk).all()
+
+
+def test_lse_gradient(device, triton_path):
+    """A loss on lse (as ring attention's merge produces) backpropagates exactly."""
+    q, k, v = (torch.randn(1, 50, 2, 64, device=device, dtype=torch.float16) for _ in range(3))
+
+    def loss_of(fn, tensors, **kw):
+        leaves = [t.detach().clone().requires_grad_() for t in tensors]
+        out, lse = fn(*leaves, causal=True, **kw) if fn is attention_materialized else fn(
+            *leaves, causal=True, return_lse=True)
+        (out.float().sum() + (lse.float() * torch.linspace(-1, 1, lse.numel(), device=device).view_as(lse)).sum()).backward()
+        return [t.grad for t in leaves]
+
+    ours = loss_of(flash_attn_func, (q, k, v))
+    ref = loss_of(attention_materialized, (q.double(), k.double(), v.double()))
+    lowp = loss_of(attention_materialized, (q, k, v), upcast=False)
+    for name, a, r, l in zip(("dq", "dk", "dv"), ours, ref, lowp):
+        assert_within_2x(name, a, r, l)
+
+
+def test_backward_is_deterministic(device, triton_path):
+    q = torch.randn(2, 150, 8, 64, device=device, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 150, 2, 64, device=device, dtype=torch.bfloat16) for _ in range(2))
+    grad_out = torch.randn_like(q)
+    first = attention_grads(flash_attn_func, q, k, v, grad_out, causal=True)
+    second = attention_grads(flash_attn_func, q, k, v, grad_out, causal=True)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_non_contiguous_fused_qkv(device, triton_path):
+    """Slices of a fused (batch, seqlen, 3, heads, head_dim) projection, used without a copy."""
+    qkv = torch.randn(2, 97, 3, 4, 48, device=device, dtype=torch.float16)
+    q, k, v = qkv.unbind(2)
+    assert not q.is_contiguous()
+    grad_out = torch.randn_like(q)
+    ours = attention_grads(flash_attn_func, q, k, v, grad_out, causal=True)
+    ref = attention_grads(attention_materialized, q.double(), k.double(), v.double(), grad_out, causal=True)
+    lowp = attention_grads(attention_materialized, q, k, v, grad_out, causal=True, upcast=False)
+    for name, a, r, l in zip(("out", "dq", "dk", "dv"), ours, ref, lowp):
+        assert_within_2x(name, a, r, l)
+
+
+def test_fp32_inputs_are_exact(device, triton_path):
+    q, k, v = (torch.randn(1, 77, 2, 32, device=device) for _ in range(3))
+    out = flash_attn_func(q, k, v, causal=True)
+    ref, _ = attention_materialized(q.double(), k.double(), v.double(), causal=True)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+
+
+def test_autocast(device, triton_path):
+    dtype = torch.bfloat16
+    q, k, v = (torch.randn(1, 33, 2, 32, device=device) for _ in range(3))
+    with torch.autocast(device_type=device, dtype=dtype):
+        out = flash_attn_func(q, k, v, causal=True)
+    assert out.dtype == dtype
+    ref, _ = attention_materialized(q.to(dtype).double(), k.to(dtype).double(), v.to(dtype).double(), causal=True)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=0)
+
+
+def test_torch_compile_full_graph(device, triton_path):
+    """The op is one torch.library node with a fake: fullgraph compile (no graph break) fwd + bwd."""
+    q, k, v = (torch.randn(1, 40, 2, 32, device=device, dtype=torch.float16, requires_grad=True) for _ in range(3))
+
+    def attend(q, k, v):
+        return flash_attn_func(q * 1.0, k, v, causal=True).float().square().sum()
+
+    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
+    loss = compiled(q, k, v)
+    loss.backward()
+    expected = attend(q, k, v)
+    torch.testing.assert_close(loss, expected)
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))

@@ -1,0 +1,162 @@
+"""The Transformer: attention backends agree, KV cache and packed documents are exact, API details."""
+
+import importlib.util
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashformer.attention import attention
+from flashformer.config import ConfigError
+from flashformer.model import ModelConfig, Transformer
+
+GPT2_LIKE = dict(family="gpt2", norm="layernorm", mlp="gelu", pos="learned", qkv_bias=True, o_bias=True,
+                 mlp_bias=True, tie_embeddings=True)
+LLAMA_LIKE = dict(family="mistral", n_kv_head=2, sliding_window=7, d_ff=96,
+                  rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32})
+
+
+def tiny_model(seed=0, **overrides):
+    fields = {**dict(vocab_size=101, d_model=64, n_layer=2, n_head=4, max_seq_len=64), **overrides}
+    torch.manual_seed(seed)
+    model = Transformer(ModelConfig(**fields))
+    with torch.no_grad():  # larger weights than the 0.02 init, so that differences show in the logits
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def logits_and_grads(model, input_ids, backend, **forward_kwargs):
+    model.zero_grad()
+    model.attn_backend = backend
+    logits = model(input_ids, **forward_kwargs)
+    logits.float().pow(2).mean().backward()
+    return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def assert_close_all(reference, other, atol):
+    ref_logits, ref_grads = reference
+    logits, grads = other
+    torch.testing.assert_close(logits, ref_logits, atol=atol, rtol=0)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=atol, rtol=1e-3, msg=name)
+
+
+@pytest.mark.parametrize("family", [GPT2_LIKE, LLAMA_LIKE], ids=["gpt2", "mistral"])
+def test_backends_agree(family):
+    model = tiny_model(**family)
+    input_ids = torch.randint(0, 101, (2, 40))
+    reference = logits_and_grads(model, input_ids, "reference")
+    for backend in ("sdpa", "naive", "auto"):
+        assert_close_all(reference, logits_and_grads(model, input_ids, backend), atol=2e-5)
+
+
+def test_softcap_backends_agree():
+    model = tiny_model(attn_softcap=5.0, **LLAMA_LIKE)
+    input_ids = torch.randint(0, 101, (1, 24))
+    assert_close_all(logits_and_grads(model, input_ids, "reference"), logits_and_grads(model, input_ids, "naive"),
+                     atol=2e-5)
+    model.attn_backend = "sdpa"
+    with pytest.raises(ValueError, match="softcap"):
+        model(input_ids)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flashformer.kernels.flash_fwd") is None,
+                    reason="the Triton kernels are not written yet")
+def test_flash_backend_matches_reference(triton_path):
+    model = tiny_model(n_layer=1, **LLAMA_LIKE)
+    input_ids = torch.randint(0, 101, (1, 20))
+    reference = logits_and_grads(model, input_ids, "reference")
+    assert_close_all(reference, logits_and_grads(model, input_ids, "flash"), atol=1e-4)
+
+
+@pytest.mark.parametrize("family", [GPT2_LIKE, LLAMA_LIKE], ids=["gpt2", "mistral"])
+def test_kv_cache_equals_full_recompute(family):
+    model = tiny_model(**family)
+    input_ids = torch.randint(0, 101, (2, 30))
+    with torch.no_grad():
+        full = model(input_ids)
+        cache = model.new_kv_cache(batch_size=2, max_len=30)
+        chunks = [model(input_ids[:, :12], kv_cache=cache), model(input_ids[:, 12:20], kv_cache=cache)]
+        chunks += [model(input_ids[:, i:i + 1], kv_cache=cache) for i in range(20, 30)]
+    assert cache.length == 30
+    torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=2e-5, rtol=0)
+    with pytest.raises(ValueError, match="KV cache holds 30 tokens"):
+        model(input_ids[:, :1], kv_cache=cache)
+
+
+@pytest.mark.parametrize("family", [GPT2_LIKE, LLAMA_LIKE], ids=["gpt2", "mistral"])
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+def test_packed_documents_equal_separate_runs(family, backend):
+    model = tiny_model(**family)
+    model.attn_backend = backend
+    lengths = [9, 1, 14, 6]
+    docs = [torch.randint(0, 101, (1, n)) for n in lengths]
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    packed = torch.cat(docs, dim=1).view(2, 15)  # batch * seqlen tokens, documents cross the row boundary
+    with torch.no_grad():
+        logits = model(packed, cu_seqlens=cu_seqlens, max_seqlen=max(lengths)).view(1, 30, -1)
+        separate = torch.cat([model(doc) for doc in docs], dim=1)
+    torch.testing.assert_close(logits, separate, atol=2e-5, rtol=0)
+
+
+def test_attention_rejects_bad_cu_seqlens():
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="int32"):
+        attention(q, q, q, backend="reference", cu_seqlens=torch.tensor([0, 8]))
+    with pytest.raises(ValueError, match="token count 8"):
+        attention(q, q, q, backend="reference", cu_seqlens=torch.tensor([0, 5], dtype=torch.int32))
+    with pytest.raises(ValueError, match="attn_backend='cuda'"):
+        attention(q, q, q, backend="cuda")
+
+
+def test_loss_is_fp32_cross_entropy_with_ignore_index():
+    model = tiny_model(**LLAMA_LIKE).to(torch.bfloat16)
+    input_ids = torch.randint(0, 101, (2, 16))
+    targets = torch.randint(0, 101, (2, 16))
+    targets[0, :5] = -100
+    loss = model.loss(input_ids, targets)
+    expected = F.cross_entropy(model(input_ids).float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_parameter_count_flops_and_init():
+    model = tiny_model(seed=0, **GPT2_LIKE)
+    cfg = model.config
+    assert model.lm_head is None and "lm_head.weight" not in model.state_dict()
+    per_block = sum(p.numel() for p in model.blocks[0].parameters())
+    embeddings = cfg.vocab_size * cfg.d_model + cfg.max_seq_len * cfg.d_model
+    assert model.num_params() == embeddings + cfg.n_layer * per_block + 2 * cfg.d_model
+    assert model.num_params(exclude_embeddings=True) == model.num_params() - cfg.max_seq_len * cfg.d_model
+    assert model.flops_per_token(64) == 6 * model.num_params(True) + 12 * cfg.n_layer * cfg.d_model * 64
+
+    fresh = Transformer(ModelConfig(n_layer=8, d_model=256, n_head=4))
+    assert abs(fresh.blocks[0].attn.q_proj.weight.std().item() - 0.02) < 2e-3
+    assert abs(fresh.blocks[0].attn.o_proj.weight.std().item() - 0.02 / math.sqrt(16)) < 5e-4
+    assert isinstance(fresh.blocks, torch.nn.ModuleList) and len(fresh.blocks) == 8
+
+
+def test_bf16_forward_keeps_rope_in_fp32():
+    model = tiny_model(**LLAMA_LIKE)
+    input_ids = torch.randint(0, 101, (1, 40))
+    with torch.no_grad():
+        full = model(input_ids)
+        half = model.to(torch.bfloat16)(input_ids)
+    assert half.dtype == torch.bfloat16
+    assert (half.float() - full).abs().max() < 0.1
+
+
+def test_invalid_inputs():
+    model = tiny_model(**GPT2_LIKE)
+    with pytest.raises(ValueError, match="attn_backend"):
+        model.attn_backend = "fast"
+    with pytest.raises(ValueError, match="max_seq_len=64"):
+        model(torch.zeros(1, 65, dtype=torch.long))
+    with pytest.raises(ValueError, match="input_ids must be"):
+        model(torch.zeros(65, dtype=torch.long))
+    with pytest.raises(ConfigError, match="n_head"):
+        Transformer(ModelConfig(n_head=0))
