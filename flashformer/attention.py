@@ -14,13 +14,14 @@ heads_q a multiple of heads_kv, causal masks aligned bottom-right, ``window_size
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
-from .kernels import attention_materialized, flash_attn_func
-from .kernels.interface import autocast_inputs, check_attention_args
+from .kernels import attention_materialized, flash_attn_func, flash_attn_varlen_func
+from .kernels.interface import check_cu_seqlens, force_kernel_impl
 from .kernels.masking import normalize_window, visible_mask
-from .kernels.reference import attention_tiled
 
 ATTN_BACKENDS = ("auto", "flash", "reference", "sdpa", "naive")
 
@@ -34,18 +35,14 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def _reference(q, k, v, causal, window_size, softcap, softmax_scale):
-    # Same argument handling as flash_attn_func, but always the tiled PyTorch path.
-    softmax_scale, window_size = check_attention_args(q, k, v, 1, softmax_scale, window_size, softcap)
-    q, k, v = autocast_inputs(q, k, v)
-    window_left, window_right = normalize_window(causal, window_size)
-    out, _ = attention_tiled(q, k, v, softmax_scale, window_left, window_right, float(softcap))
-    return out
-
-
 def _flash(q, k, v, causal, window_size, softcap, softmax_scale):
     return flash_attn_func(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                            softcap=softcap)
+
+
+def _reference(q, k, v, causal, window_size, softcap, softmax_scale):
+    with force_kernel_impl("torch"):
+        return _flash(q, k, v, causal, window_size, softcap, softmax_scale)
 
 
 def _sdpa(q, k, v, causal, window_size, softcap, softmax_scale):
@@ -72,11 +69,8 @@ def _naive(q, k, v, causal, window_size, softcap, softmax_scale):
 _DENSE = {"flash": _flash, "reference": _reference, "sdpa": _sdpa, "naive": _naive}
 
 
-def _varlen(dense_fn, q, k, v, cu_seqlens, causal, window_size, softcap, softmax_scale):
-    """Documents packed along the tokens: q, k, v (total, heads, head_dim), cu_seqlens (num_docs + 1,).
-
-    Shaped like ``flash_attn_varlen_func`` so that the Triton varlen kernel can replace the loop.
-    """
+def _varlen_loop(dense_fn, q, k, v, cu_seqlens, causal, window_size, softcap, softmax_scale):
+    """sdpa / naive on packed documents: one dense call per document (they have no varlen kernel)."""
     boundaries = cu_seqlens.tolist()
     outputs = [dense_fn(q[None, start:end], k[None, start:end], v[None, start:end], causal, window_size, softcap,
                         softmax_scale)[0]
@@ -84,11 +78,11 @@ def _varlen(dense_fn, q, k, v, cu_seqlens, causal, window_size, softcap, softmax
     return torch.cat(outputs, dim=0)
 
 
-def _check_cu_seqlens(cu_seqlens, total):
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32:
-        raise ValueError(f"cu_seqlens must be a 1-d int32 tensor, got {cu_seqlens!r}")
-    if cu_seqlens.numel() < 2 or cu_seqlens[0] != 0 or cu_seqlens[-1] != total or bool((cu_seqlens.diff() < 0).any()):
-        raise ValueError(f"cu_seqlens must rise from 0 to the token count {total}, got {cu_seqlens.tolist()}")
+def _varlen_kernel(backend, q, k, v, cu_seqlens, max_seqlen, causal, window_size, softcap, softmax_scale):
+    """flash / reference on packed documents: the kernels' varlen path."""
+    with force_kernel_impl("torch") if backend == "reference" else contextlib.nullcontext():
+        return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=causal,
+                                      softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
 
 
 def attention(q, k, v, *, backend, causal=True, window_size=(-1, -1), softcap=0.0, softmax_scale=None,
@@ -108,14 +102,18 @@ def attention(q, k, v, *, backend, causal=True, window_size=(-1, -1), softcap=0.
     Returns:
         (batch, seqlen_q, heads_q, head_dim), like q.
     """
-    dense_fn = _DENSE[resolve_backend(backend, q.device)]
+    backend = resolve_backend(backend, q.device)
+    dense_fn = _DENSE[backend]
     if cu_seqlens is None:
         return dense_fn(q, k, v, causal, window_size, softcap, softmax_scale)
     batch, seqlen = q.shape[:2]
     if k.shape[:2] != (batch, seqlen):
         raise ValueError(f"cu_seqlens needs q and k of equal (batch, seqlen), "
                          f"got {tuple(q.shape)} and {tuple(k.shape)}")
-    _check_cu_seqlens(cu_seqlens, batch * seqlen)
-    out = _varlen(dense_fn, q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_seqlens, causal, window_size,
-                  softcap, softmax_scale)
-    return out.view(q.shape)
+    q, k, v = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
+    if backend in ("flash", "reference"):
+        out = _varlen_kernel(backend, q, k, v, cu_seqlens, max_seqlen, causal, window_size, softcap, softmax_scale)
+    else:
+        check_cu_seqlens("cu_seqlens", cu_seqlens, batch * seqlen, q.device)
+        out = _varlen_loop(dense_fn, q, k, v, cu_seqlens, causal, window_size, softcap, softmax_scale)
+    return out.view(batch, seqlen, *out.shape[1:])

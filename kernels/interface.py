@@ -6,12 +6,16 @@ The one place that decides which implementation runs is ``kernel_impl``:
   ``TRITON_INTERPRET=1`` is set (that is how CI executes the kernels).
 * ``"torch"``: the tiled PyTorch path of reference.py, O(seqlen) memory. Chosen on CPU otherwise.
 
-Set ``FLASHFORMER_KERNEL=triton|torch`` to force one.
+Force one with ``FLASHFORMER_KERNEL=triton|torch`` (process-wide) or ``with force_kernel_impl(...)``
+(this thread / task only; takes precedence).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
+from typing import Optional
 
 import torch
 
@@ -23,9 +27,24 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 KERNEL_IMPLS = ("triton", "torch")
 
 
+_forced_impl = contextvars.ContextVar("flashformer_kernel_impl", default=None)
+
+
+@contextlib.contextmanager
+def force_kernel_impl(impl: str):
+    """Run the attention calls inside the block on ``impl`` ("triton" or "torch")."""
+    if impl not in KERNEL_IMPLS:
+        raise ValueError(f"impl={impl!r}: expected one of {KERNEL_IMPLS}")
+    token = _forced_impl.set(impl)
+    try:
+        yield
+    finally:
+        _forced_impl.reset(token)
+
+
 def kernel_impl(device: torch.device) -> str:
     """Which implementation runs for tensors on ``device``: "triton" or "torch"."""
-    forced = os.environ.get("FLASHFORMER_KERNEL", "auto")
+    forced = _forced_impl.get() or os.environ.get("FLASHFORMER_KERNEL", "auto")
     if forced in KERNEL_IMPLS:
         return forced
     if forced != "auto":
@@ -91,52 +110,57 @@ def autocast_inputs(*tensors):
     return tensors
 
 
-# --- the Triton path as torch.library ops, so torch.compile sees one opaque node with a fake ---
+# --- the Triton path as torch.library ops, so torch.compile sees one opaque node with a fake. ---
+# Dense and varlen share the ops: cu_seqlens_q/_k None means dense (batch, seqlen, heads, head_dim).
 
 @torch.library.custom_op("flashformer::flash_attn_fwd", mutates_args=())
-def _flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+def _flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
+                    cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
                     window_left: int, window_right: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
     from .flash_fwd import attention_forward
 
-    return attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap)
+    return attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap,
+                             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
 
 @_flash_attn_fwd.register_fake
-def _(q, k, v, softmax_scale, window_left, window_right, softcap):
-    batch, seqlen_q, heads_q, _ = q.shape
-    return torch.empty_like(q), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
+      softcap):
+    lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else (q.shape[0], q.shape[2], q.shape[1])
+    return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("flashformer::flash_attn_bwd", mutates_args=())
 def _flash_attn_bwd(grad_out: torch.Tensor, grad_lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                    v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, softmax_scale: float,
-                    window_left: int, window_right: int,
+                    v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
+                    cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                    softmax_scale: float, window_left: int, window_right: int,
                     softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from .flash_bwd import attention_backward
 
-    return attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, window_left,
-                              window_right, softcap)
+    return attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, window_left, window_right,
+                              softcap, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
 
 @_flash_attn_bwd.register_fake
-def _(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, window_left, window_right, softcap):
+def _(grad_out, grad_lse, q, k, v, out, lse, *args):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, window_left, window_right, softcap = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *params = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.params = (softmax_scale, window_left, window_right, softcap)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.params = params
 
 
 def _fwd_backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     if grad_lse is None:
         grad_lse = torch.zeros_like(lse)
-    dq, dk, dv = _flash_attn_bwd(grad_out.contiguous(), grad_lse.contiguous(), q, k, v, out, lse,
-                                 *ctx.params)
-    return dq, dk, dv, None, None, None, None
+    dq, dk, dv = _flash_attn_bwd(grad_out.contiguous(), grad_lse.contiguous(), q, k, v, out, lse, cu_seqlens_q,
+                                 cu_seqlens_k, *ctx.params)
+    return dq, dk, dv, *([None] * 8)
 
 
 _flash_attn_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
@@ -145,8 +169,83 @@ _flash_attn_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_contex
 def attention_with_lse(q, k, v, softmax_scale, window_left, window_right, softcap):
     """Dispatch validated dense inputs to the chosen path; returns (out, lse), both differentiable."""
     if kernel_impl(q.device) == "triton":
-        return _flash_attn_fwd(q, k, v, softmax_scale, window_left, window_right, softcap)
+        return _flash_attn_fwd(q, k, v, None, None, 0, 0, softmax_scale, window_left, window_right, softcap)
     return attention_tiled(q, k, v, softmax_scale, window_left, window_right, softcap)
+
+
+def _varlen_tiled(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right, softcap):
+    """The PyTorch varlen path: the tiled reference on each sequence; lse (heads, total_q)."""
+    outs, lses = [], []
+    bounds = zip(cu_seqlens_q.tolist(), cu_seqlens_q[1:].tolist(), cu_seqlens_k.tolist(), cu_seqlens_k[1:].tolist())
+    for q0, q1, k0, k1 in bounds:
+        out, lse = attention_tiled(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale, window_left,
+                                   window_right, softcap)
+        outs.append(out[0])
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def check_cu_seqlens(name, cu_seqlens, total, device):
+    """Validate int32 (batch + 1,) sequence offsets over ``total`` packed tokens."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32:
+        raise ValueError(f"{name} must be a 1-d int32 tensor, got "
+                         f"{cu_seqlens.dtype if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"{name} is on {cu_seqlens.device}, q on {device}")
+    if cu_seqlens.numel() < 2:
+        raise ValueError(f"{name} needs at least 2 entries (batch + 1), got {cu_seqlens.numel()}")
+    if torch.compiler.is_compiling():
+        return  # value checks read the device; a traced graph trusts its caller
+    if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != total:
+        raise ValueError(f"{name} must start at 0 and end at the token count {total}, "
+                         f"got {int(cu_seqlens[0])} ... {int(cu_seqlens[-1])}")
+    if bool((cu_seqlens.diff() < 0).any()):
+        raise ValueError(f"{name} must be non-decreasing, got {cu_seqlens.tolist()}")
+
+
+def _max_seqlen(name, given, cu_seqlens):
+    if torch.compiler.is_compiling():
+        return int(given)
+    actual = int(cu_seqlens.diff().max())
+    if given is None:
+        return actual
+    if not isinstance(given, int) or given < actual:
+        raise ValueError(f"{name}={given!r} is smaller than the longest sequence ({actual})")
+    return given
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, causal=False,
+                           softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False):
+    """Exact attention over sequences packed along the token dim, flash-attn's varlen API.
+
+    No attention crosses a sequence boundary; every option of flash_attn_func applies per sequence
+    (causal aligned bottom-right within each). Zero-length sequences are allowed.
+
+    Args:
+        q: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim).
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) offsets: sequence b is rows
+            [cu[b], cu[b + 1]). Same batch for q and k.
+        max_seqlen_q, max_seqlen_k: longest sequence lengths (computed when None).
+    Returns:
+        out (total_q, heads_q, head_dim), or (out, lse) with lse (heads_q, total_q) fp32.
+    """
+    softmax_scale, window_size = check_attention_args(q, k, v, 0, softmax_scale, window_size, softcap)
+    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k describe {cu_seqlens_q.numel() - 1} and "
+                         f"{cu_seqlens_k.numel() - 1} sequences")
+    max_seqlen_q = _max_seqlen("max_seqlen_q", max_seqlen_q, cu_seqlens_q)
+    max_seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k, cu_seqlens_k)
+    q, k, v = autocast_inputs(q, k, v)
+    window_left, window_right = normalize_window(causal, window_size)
+    if kernel_impl(q.device) == "triton":
+        out, lse = _flash_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                   window_left, window_right, float(softcap))
+    else:
+        out, lse = _varlen_tiled(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right,
+                                 float(softcap))
+    return (out, lse) if return_lse else out
 
 
 def flash_attn_func(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,

@@ -1,0 +1,284 @@
+"""Split-KV decoding ("flash-decoding") in Triton, against contiguous or paged KV caches.
+
+A decode step has few query tokens and a long cache, so the dense forward's grid (query tiles x
+heads) would leave most SMs idle and read each kv head's cache once per query head. Here one program
+owns one kv head of one sequence: every query head of its GQA group and every query token become
+the rows (M) of its tiles, so K and V are read once per kv head. To fill the GPU when
+batch x kv_heads is small, the cache is cut into ``num_splits`` chunks, each program writes a
+partial (out, lse) in fp32, and a second small kernel merges the splits through log-sum-exp.
+
+Row r of a program's tile is query token ``t0 + r // GROUP_PAD`` and query head
+``kv_head * GROUP + r % GROUP_PAD``: whole tokens per program, so the dense kernel's causal /
+window tile ranges (tile_ops.key_range) apply with tokens as rows.
+
+Both cache layouts are read as one 2-D (rows, head_dim) tensor descriptor per kv head: cache row
+``page * page_rows + offset``, where a contiguous cache is a pool with one page per sequence (page =
+batch index) and a paged cache looks its page up in block_table. Key tiles never straddle a page
+(BLOCK_N divides the page size).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .flash_fwd import log2_scales
+from .launch import as_descriptor_compatible, dot_precision, ensure_allocator, new_output, upcast_dot
+from .tile_ops import key_range, mma, tanh, visible
+
+LN2 = tl.constexpr(math.log(2.0))
+# The interpreter has no SMs: use the H200's count so that CPU runs take the GPU's split decisions.
+DEFAULT_SMS = 132
+# Aim for ~3 programs per SM: enough to cover the tail of a wave and the combine's latency.
+PROGRAMS_PER_SM = 3
+# A split should stream at least this many keys, or its fixed costs (Q load, partial write, combine)
+# outweigh the bandwidth it adds.
+MIN_KEYS_PER_SPLIT = 512
+# The combine kernel holds (splits x head_dim) fp32 in registers.
+MAX_SPLITS = 64
+# Query rows (tokens x padded GQA group) per program: at least tl.dot's minimum M, at most a size that
+# keeps the score tile in registers when a long chunk of queries attends to the cache.
+MIN_ROWS, MAX_ROWS = 16, 64
+
+
+@triton.jit
+def _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch, tokens, start, end,
+                  qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right, k_page_rows, v_page_rows,
+                  BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
+                  LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  UPCAST_DOT: tl.constexpr):
+    for n0 in tl.range(start, end, BLOCK_N):
+        if PAGE_SIZE > 0:
+            page = tl.load(BLOCK_TABLE + batch * stride_bt + n0 // PAGE_SIZE)
+            offset = n0 % PAGE_SIZE
+        else:
+            page = batch
+            offset = n0
+        k = k_desc.load([page * k_page_rows + offset, 0])
+        v = v_desc.load([page * v_page_rows + offset, 0])
+        s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale
+        if HAS_SOFTCAP:
+            s = tanh(s) * softcap_log2
+        if MASKED:
+            cols = n0 + tl.arange(0, BLOCK_N)
+            keep = visible(tokens[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
+                           LEFT_BOUNDED, RIGHT_BOUNDED)
+            s = tl.where(keep, s, float("-inf"))
+            # Past the sequence's end a cache holds stale entries (NaN in a fresh torch.empty cache):
+            # p = 0 there, but 0 * NaN would still poison the product, so zero those rows of V.
+            v = tl.where((cols < seqlen_k)[:, None], v, 0.0)
+        new_max = tl.maximum(row_max, tl.max(s, 1))
+        if MASKED:
+            # A row with no visible key so far keeps max = -inf: shift by 0 to avoid inf - inf.
+            new_max_safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+        else:
+            new_max_safe = new_max
+        p = tl.exp2(s - new_max_safe[:, None])
+        alpha = tl.exp2(row_max - new_max_safe)
+        row_sum = row_sum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+        row_max = new_max
+    return acc, row_max, row_sum
+
+
+@triton.jit
+def _decode_kernel(
+    Q, K, V, O, LSE, O_PART, LSE_PART, SEQLENS_K, BLOCK_TABLE,
+    stride_qb, stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt,
+    seqlen_q, heads_kv, num_splits, k_page_rows, v_page_rows, k_rows, v_rows,
+    qk_scale, softcap_log2, window_left, window_right,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    split = tl.program_id(1)
+    pid_bh = tl.program_id(2)
+    batch = pid_bh // heads_kv
+    kv_head = pid_bh % heads_kv
+    heads_q = heads_kv * GROUP
+    seqlen_k = tl.load(SEQLENS_K + batch)
+
+    t0 = pid_t * BLOCK_T
+    r = tl.arange(0, BLOCK_T * GROUP_PAD)
+    tokens = t0 + r // GROUP_PAD
+    heads = kv_head * GROUP + r % GROUP_PAD
+    row_ok = (tokens < seqlen_q) & (r % GROUP_PAD < GROUP)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    tile_ok = row_ok[:, None] & (dims[None, :] < HEAD_DIM)
+    q = tl.load(Q + batch * stride_qb + tokens[:, None] * stride_qs + heads[:, None] * stride_qh + dims[None, :],
+                mask=tile_ok, other=0.0)
+    k_desc = tl.make_tensor_descriptor(K + kv_head * stride_kh, shape=[k_rows, HEAD_DIM], strides=[stride_ks, 1],
+                                       block_shape=[BLOCK_N, HEAD_DIM_PAD])
+    v_desc = tl.make_tensor_descriptor(V + kv_head * stride_vh, shape=[v_rows, HEAD_DIM], strides=[stride_vs, 1],
+                                       block_shape=[BLOCK_N, HEAD_DIM_PAD])
+
+    # This split's share of the key tiles the rows can see; an empty share still writes lse = -inf.
+    start, un_lo, un_hi, end = key_range(t0, seqlen_q, seqlen_k, window_left, window_right,
+                                         BLOCK_T, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
+    split_tiles = tl.cdiv((end - start) // BLOCK_N, num_splits)
+    lo = tl.minimum(start + split * split_tiles * BLOCK_N, end)
+    hi = tl.minimum(lo + split_tiles * BLOCK_N, end)
+    un_lo = tl.minimum(tl.maximum(un_lo, lo), hi)
+    un_hi = tl.minimum(tl.maximum(un_hi, un_lo), hi)
+
+    row_max = tl.full([BLOCK_T * GROUP_PAD], float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_T * GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_T * GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
+    acc, row_max, row_sum = _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch,
+                                          tokens, lo, un_lo, qk_scale, softcap_log2, seqlen_q, seqlen_k,
+                                          window_left, window_right, k_page_rows, v_page_rows, BLOCK_N, PAGE_SIZE,
+                                          HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
+    acc, row_max, row_sum = _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch,
+                                          tokens, un_lo, un_hi, qk_scale, softcap_log2, seqlen_q, seqlen_k,
+                                          window_left, window_right, k_page_rows, v_page_rows, BLOCK_N, PAGE_SIZE,
+                                          HAS_SOFTCAP, False, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
+    acc, row_max, row_sum = _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch,
+                                          tokens, un_hi, hi, qk_scale, softcap_log2, seqlen_q, seqlen_k,
+                                          window_left, window_right, k_page_rows, v_page_rows, BLOCK_N, PAGE_SIZE,
+                                          HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
+
+    # A row that saw no key: output 0 and lse = -inf (log of an empty sum).
+    empty = row_sum == 0.0
+    acc = acc / tl.where(empty, 1.0, row_sum)[:, None]
+    lse = tl.where(empty, float("-inf"), (row_max + tl.log2(row_sum)) * LN2)
+    # out and the partials are contiguous (batch, seqlen_q, heads_q[, splits], head_dim): one flat row index.
+    out_row = (batch * seqlen_q + tokens) * heads_q + heads
+    if SPLIT:
+        part_row = out_row * num_splits + split
+        tl.store(O_PART + part_row[:, None] * HEAD_DIM + dims[None, :], acc, mask=tile_ok)
+        tl.store(LSE_PART + part_row, lse, mask=row_ok)
+    else:
+        tl.store(O + out_row[:, None] * HEAD_DIM + dims[None, :], acc.to(O.dtype.element_ty), mask=tile_ok)
+        tl.store(LSE + (batch * heads_q + heads) * seqlen_q + tokens, lse, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(O_PART, LSE_PART, O, LSE, seqlen_q, heads_q, num_splits,
+                    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    # One program per (batch, token, query head) row: out = sum_s exp(lse_s - lse) * out_s.
+    row = tl.program_id(0)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    lse_s = tl.load(LSE_PART + row * num_splits + splits, mask=splits < num_splits, other=float("-inf"))
+    out_s = tl.load(O_PART + (row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :],
+                    mask=(splits[:, None] < num_splits) & (dims[None, :] < HEAD_DIM), other=0.0)
+    lse_max = tl.max(lse_s, 0)
+    # Every split empty: keep lse -inf and output 0 without computing inf - inf.
+    lse_max_safe = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weights = tl.exp(lse_s - lse_max_safe)
+    total = tl.sum(weights, 0)
+    out = tl.sum(out_s * weights[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    lse = tl.where(total == 0.0, float("-inf"), lse_max_safe + tl.log(total))
+    tl.store(O + row * HEAD_DIM + dims, out.to(O.dtype.element_ty), mask=dims < HEAD_DIM)
+    batch = row // (seqlen_q * heads_q)
+    token = (row // heads_q) % seqlen_q
+    head = row % heads_q
+    tl.store(LSE + (batch * heads_q + head) * seqlen_q + token, lse)
+
+
+def _page_pool(cache):
+    """(cache, rows per page, rows): ``cache`` (pages, page_size, heads_kv, head_dim) as the 2-D
+    (rows, head_dim) view per head that the kernel reads, page p starting at row p * rows_per_page.
+    A layout that no such view addresses (or TMA cannot) is read from a contiguous copy."""
+    cache = as_descriptor_compatible(cache)
+    if cache.stride(0) % cache.stride(1):
+        cache = cache.contiguous()
+    page_rows = cache.stride(0) // cache.stride(1)
+    return cache, page_rows, (cache.shape[0] - 1) * page_rows + cache.shape[1]
+
+
+def _launch_config(device, head_dim_pad, page_size):
+    """BLOCK_N, num_warps, num_stages. BLOCK_N must divide the page size so tiles stay in one page."""
+    if device.type == "cuda":
+        # Decoding is bandwidth-bound: 64-key tiles, 3 stages in flight (K + V = 96 KB at head_dim
+        # 128) leave room for two programs per SM.
+        block_n, warps, stages = (64, 4, 3) if head_dim_pad <= 128 else (32, 4, 3)
+    else:
+        block_n, warps, stages = 32, 4, 1  # interpreter: small tiles, several per test cache
+    if page_size:
+        block_n = min(block_n, page_size & -page_size)  # the largest power of two dividing page_size
+    return block_n, warps, stages
+
+
+def choose_num_splits(programs, keys, device):
+    """Splits of the cache per program so that ~PROGRAMS_PER_SM programs run per SM when the
+    (batch, kv head, token block) programs alone are too few, each split streaming enough keys.
+
+    Args:
+        programs: programs without splitting; keys: the most keys one of them reads.
+    """
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_SMS
+    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, programs), keys // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+
+
+def decode_attention(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, softmax_scale, window_left,
+                     window_right, softcap, num_splits=0):
+    """Attention of a few query tokens over KV caches, on validated inputs (k/v already appended).
+
+    Args:
+        q: (batch, seqlen_q, heads_q, head_dim).
+        k_cache, v_cache: (batch, max_cache, heads_kv, head_dim), or paged (num_blocks, block_size,
+            heads_kv, head_dim) with block_table (batch, max_blocks) int32.
+        seqlens_k: int32 (batch,): valid cache entries per sequence; max_seqlen_k: their maximum.
+        window_left, window_right: -1 = unbounded; causal is window_right = 0 (bottom-right aligned).
+        num_splits: chunks of the cache per (sequence, kv head); 0 = choose_num_splits.
+    Returns:
+        out like q (contiguous), lse fp32 (batch, heads_q, seqlen_q).
+    """
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    heads_kv = k_cache.shape[2]
+    group = heads_q // heads_kv
+    out = new_output(q)
+    lse = new_output(q, (batch, heads_q, seqlen_q), torch.float32)
+    if out.numel() == 0:
+        return out, lse
+    if max_seqlen_k == 0:  # nothing to attend to: every row is empty
+        return out.zero_(), lse.fill_(-math.inf)
+    q = as_descriptor_compatible(q)  # unit last stride, which the kernel's pointer arithmetic assumes
+    page_size = k_cache.shape[1] if block_table is not None else 0
+    if block_table is not None:
+        block_table = block_table.contiguous()  # the kernel steps through a row with unit stride
+    k_cache, k_page_rows, k_rows = _page_pool(k_cache)
+    v_cache, v_page_rows, v_rows = _page_pool(v_cache)
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    group_pad = triton.next_power_of_2(group)
+    block_t = min(max(triton.next_power_of_2(seqlen_q), MIN_ROWS // group_pad), max(1, MAX_ROWS // group_pad))
+    token_blocks = triton.cdiv(seqlen_q, block_t)
+    if num_splits == 0:
+        keys = max_seqlen_k
+        if window_left >= 0 and window_right >= 0:  # a two-sided window bounds the keys a program reads
+            keys = min(keys, window_left + window_right + block_t)
+        num_splits = choose_num_splits(batch * heads_kv * token_blocks, keys, q.device)
+    block_n, num_warps, num_stages = _launch_config(q.device, head_dim_pad, page_size)
+    split = num_splits > 1
+    if split:
+        out_part = new_output(q, (batch, seqlen_q, heads_q, num_splits, head_dim), torch.float32)
+        lse_part = new_output(q, (batch, seqlen_q, heads_q, num_splits), torch.float32)
+    else:
+        out_part = lse_part = None
+    qk_scale, softcap_log2 = log2_scales(softmax_scale, softcap)
+    ensure_allocator(q.device)
+    _decode_kernel[(token_blocks, num_splits, batch * heads_kv)](
+        q, k_cache, v_cache, out, lse, out_part, lse_part, seqlens_k, block_table,
+        *q.stride()[:3], *k_cache.stride()[1:3], *v_cache.stride()[1:3],
+        block_table.stride(0) if block_table is not None else 0,
+        seqlen_q, heads_kv, num_splits, k_page_rows, v_page_rows, k_rows, v_rows,
+        qk_scale, softcap_log2, window_left, window_right,
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_N=block_n, PAGE_SIZE=page_size,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0, SPLIT=split,
+        DOT_PRECISION=dot_precision(q.dtype), UPCAST_DOT=upcast_dot(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if split:
+        _combine_kernel[(batch * seqlen_q * heads_q,)](
+            out_part, lse_part, out, lse, seqlen_q, heads_q, num_splits,
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            num_warps=4,
+        )
+    return out, lse

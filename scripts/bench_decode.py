@@ -1,0 +1,143 @@
+"""Decoding benchmark: one query token against a KV cache, our split-KV kernel against SDPA.
+
+``python scripts/bench_decode.py --out runs/bench_decode.json`` (CUDA only). 32 query heads on 8 kv
+heads, head_dim 128, bf16, seqlen_q 1, every cache fully used. Times (median of
+triton.testing.do_bench, which flushes L2 between runs):
+
+* ours: the kernel launcher on a contiguous cache; ours paged: the same cache as shuffled pages of
+  256; ours API: flash_attn_with_kvcache (contiguous), i.e. the kernel plus the argument checks and
+  their host sync;
+* SDPA with the flash and cuDNN backends, q (b, 32, 1, 128) against k/v (b, 8, L, 128),
+  enable_gqa=True.
+
+TB/s = bytes of K and V read / time. Each cell checks ours (both layouts) against SDPA flash. Cells
+whose tensors would pass MEMORY_LIMIT are skipped. Prints a markdown table last; writes JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from tqdm import tqdm
+
+from flashformer.kernels.decode import choose_num_splits, decode_attention
+from flashformer.kernels.kvcache import flash_attn_with_kvcache
+
+HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
+PAGE_SIZE = 256
+DTYPE = torch.bfloat16
+MEMORY_LIMIT = 60e9  # peak bytes of one cell: the cache plus one other layout of it
+METHODS = ("ours", "ours paged", "ours API", "SDPA flash", "SDPA cuDNN")
+
+
+def _time(fn):
+    """(median ms, output) of fn(), or (None, error text) when it cannot run this shape."""
+    try:
+        out = fn()
+        return triton.testing.do_bench(fn, return_mode="median"), out
+    except RuntimeError as error:  # e.g. a backend that refuses the shape
+        return None, str(error).splitlines()[0]
+
+
+def run_cell(batch, length):
+    """Times and max |ours - SDPA flash| of one (batch, cache length) cell."""
+    device = torch.device("cuda")
+    scale = HEAD_DIM**-0.5
+    q = torch.randn(batch, 1, HEADS_Q, HEAD_DIM, device=device, dtype=DTYPE)
+    k_cache, v_cache = (torch.randn(batch, length, HEADS_KV, HEAD_DIM, device=device, dtype=DTYPE) for _ in range(2))
+    seqlens = torch.full((batch,), length, dtype=torch.int32, device=device)
+    times, outs = {}, {}
+    with torch.inference_mode():
+        times["ours"], outs["ours"] = _time(lambda: decode_attention(
+            q, k_cache, v_cache, seqlens, None, length, scale, -1, 0, 0.0)[0])
+        times["ours API"], _ = _time(lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens))
+
+        pages = length // PAGE_SIZE
+        table = torch.randperm(batch * pages, device=device).view(batch, pages)
+        k_pool, v_pool = (torch.empty(batch * pages, PAGE_SIZE, HEADS_KV, HEAD_DIM, device=device, dtype=DTYPE)
+                          for _ in range(2))
+        k_pool[table] = k_cache.view(batch, pages, PAGE_SIZE, HEADS_KV, HEAD_DIM)
+        v_pool[table] = v_cache.view(batch, pages, PAGE_SIZE, HEADS_KV, HEAD_DIM)
+        table = table.int()
+        times["ours paged"], outs["ours paged"] = _time(lambda: decode_attention(
+            q, k_pool, v_pool, seqlens, table, length, scale, -1, 0, 0.0)[0])
+        del k_pool, v_pool
+
+        q_sdpa = q.transpose(1, 2)
+        k_sdpa, v_sdpa = k_cache.transpose(1, 2).contiguous(), v_cache.transpose(1, 2).contiguous()
+        del k_cache, v_cache
+        for name, backend in (("SDPA flash", SDPBackend.FLASH_ATTENTION), ("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION)):
+            def sdpa(backend=backend):
+                with sdpa_kernel(backend):
+                    return torch.nn.functional.scaled_dot_product_attention(q_sdpa, k_sdpa, v_sdpa, scale=scale,
+                                                                            enable_gqa=True).transpose(1, 2)
+            times[name], outs[name] = _time(sdpa)
+
+    kv_bytes = 2 * batch * length * HEADS_KV * HEAD_DIM * torch.finfo(DTYPE).bits // 8
+    reference = outs["SDPA flash"]
+    diffs = {name: (outs[name].float() - reference.float()).abs().max().item()
+             if times[name] is not None and times["SDPA flash"] is not None else None
+             for name in ("ours", "ours paged")}
+    return {
+        "batch": batch, "cache_len": length,
+        "num_splits": choose_num_splits(batch * HEADS_KV, length, device),
+        "ms": times,
+        "tb_per_s": {name: kv_bytes / (ms * 1e-3) / 1e12 if ms is not None else None for name, ms in times.items()},
+        "errors": {name: outs[name] for name in METHODS if times[name] is None},
+        "max_abs_diff_vs_sdpa_flash": diffs,
+    }
+
+
+def _fmt(value, spec):
+    return "–" if value is None else format(value, spec)
+
+
+def markdown(cells):
+    header = (["batch", "cache length", "splits"] + [f"{name} TB/s" for name in METHODS]
+              + ["max abs diff vs SDPA flash (ours / paged)"])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for cell in cells:
+        if "skipped" in cell:
+            lines.append(f"| {cell['batch']} | {cell['cache_len']} | {cell['skipped']} |" + " |" * (len(header) - 3))
+            continue
+        diffs = cell["max_abs_diff_vs_sdpa_flash"]
+        row = ([str(cell["batch"]), str(cell["cache_len"]), str(cell["num_splits"])]
+               + [_fmt(cell["tb_per_s"][name], ".2f") for name in METHODS]
+               + [f"{_fmt(diffs['ours'], '.1e')} / {_fmt(diffs['ours paged'], '.1e')}"])
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536, 131072])
+    parser.add_argument("--out", default="runs/bench_decode.json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_decode.py needs a CUDA device")
+    cells = []
+    grid = [(b, n) for b in args.batches for n in args.lengths]
+    for batch, length in tqdm(grid, desc="decode cells"):
+        peak = 2 * 2 * batch * length * HEADS_KV * HEAD_DIM * torch.finfo(DTYPE).bits // 8
+        if peak > MEMORY_LIMIT or length % PAGE_SIZE:
+            reason = f"skipped ({peak / 1e9:.0f} GB)" if peak > MEMORY_LIMIT else f"skipped (not a multiple of {PAGE_SIZE})"
+            cells.append({"batch": batch, "cache_len": length, "skipped": reason})
+            continue
+        cells.append(run_cell(batch, length))
+        torch.cuda.empty_cache()
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                   "heads_q": HEADS_Q, "heads_kv": HEADS_KV, "head_dim": HEAD_DIM, "dtype": str(DTYPE),
+                   "page_size": PAGE_SIZE, "cells": cells}, f, indent=2)
+    print(markdown(cells))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+"""flash_attn_with_kvcache: the split-KV Triton kernel and the PyTorch path against dense fp64 math.
+
+Each case builds a cache whose entries past each sequence's length are NaN (a stale or fresh cache
+holds garbage there) and, for paged caches, a shuffled block_table whose unused entries are out of
+range: neither may leak into the result. On CPU the kernels run in Triton's interpreter on a small
+selection; ``-m slow`` (run on the GPU) adds the full product.
+"""
+
+import itertools
+
+import pytest
+import torch
+from attention_checks import assert_within_2x
+
+from flashformer.kernels import attention_materialized
+from flashformer.kernels.decode import choose_num_splits
+from flashformer.kernels.kvcache import flash_attn_with_kvcache
+
+MASKS = [  # (causal, window_size, softcap)
+    (True, (-1, -1), 0.0), (False, (-1, -1), 0.0), (True, (17, -1), 0.0), (False, (32, 8), 0.0),
+    (True, (-1, -1), 15.0), (True, (40, -1), 5.0),
+]
+DTYPES = [torch.float16, torch.bfloat16]
+UNUSED_PAGE = 1 << 20  # block_table entries past a sequence's pages: must never be read
+
+
+class Case:
+    """A batch of caches holding ``cache_lens[b]`` entries each, plus ``seqlen_new`` tokens to append.
+
+    ``page_size`` None builds a contiguous cache (batch, max_cache, ...), else a paged pool with
+    spare pages and a random block_table. ``logical`` holds every sequence's keys/values after the
+    append, contiguous, for the reference.
+    """
+
+    def __init__(self, cache_lens, seqlen_q, seqlen_new, heads, head_dim, dtype, page_size, device, max_cache=None):
+        (heads_q, heads_kv), batch = heads, len(cache_lens)
+        self.total = [n + seqlen_new for n in cache_lens]
+        max_cache = max_cache or max(self.total) + 5
+        if page_size:
+            max_cache = -(-max_cache // page_size) * page_size
+        kv_shape = (batch, max_cache, heads_kv, head_dim)
+        self.q = torch.randn(batch, seqlen_q, heads_q, head_dim, device=device, dtype=dtype)
+        self.logical_k = torch.randn(kv_shape, device=device, dtype=dtype)
+        self.logical_v = torch.randn(kv_shape, device=device, dtype=dtype)
+        self.k = self.logical_k[torch.arange(batch)[:, None], torch.tensor(cache_lens)[:, None] + torch.arange(seqlen_new)]
+        self.v = self.logical_v[torch.arange(batch)[:, None], torch.tensor(cache_lens)[:, None] + torch.arange(seqlen_new)]
+        for b, n in enumerate(cache_lens):  # what the cache holds before the append
+            self.logical_k[b, n:] = float("nan")
+            self.logical_v[b, n:] = float("nan")
+        self.cache_seqlens = torch.tensor(cache_lens, dtype=torch.int32, device=device)
+        self.page_size = page_size
+        if page_size is None:
+            self.block_table = None
+            self.k_cache, self.v_cache = self.logical_k.clone(), self.logical_v.clone()
+        else:
+            pages_per_seq = max_cache // page_size
+            num_blocks = batch * pages_per_seq + 3  # spare pages, never referenced
+            perm = torch.randperm(num_blocks, device=device)[:batch * pages_per_seq].view(batch, pages_per_seq)
+            self.block_table = perm.int()
+            pool = (num_blocks, page_size, heads_kv, head_dim)
+            self.k_cache = torch.full(pool, float("nan"), device=device, dtype=dtype)
+            self.v_cache = torch.full(pool, float("nan"), device=device, dtype=dtype)
+            self.k_cache[perm] = self.logical_k.view(batch, pages_per_seq, page_size, heads_kv, head_dim)
+            self.v_cache[perm] = self.logical_v.view(batch, pages_per_seq, page_size, heads_kv, head_dim)
+            for b, n in enumerate(self.total):
+                self.block_table[b, -(-n // page_size):] = UNUSED_PAGE
+        self.k_cache_before, self.v_cache_before = self.k_cache.clone(), self.v_cache.clone()
+        for b, n in enumerate(cache_lens):
+            self.logical_k[b, n:n + seqlen_new] = self.k[b]
+            self.logical_v[b, n:n + seqlen_new] = self.v[b]
+
+    def run(self, **opts):
+        new = dict(k=self.k, v=self.v) if self.k.shape[1] else {}
+        return flash_attn_with_kvcache(self.q, self.k_cache, self.v_cache, cache_seqlens=self.cache_seqlens,
+                                       block_table=self.block_table, return_lse=True, **new, **opts)
+
+    def reference(self, upcast, causal=True, window_size=(-1, -1), softcap=0.0):
+        """(out, lse) of dense attention per sequence over its valid entries."""
+        outs, lses = [], []
+        for b, n in enumerate(self.total):
+            tensors = [self.q[b:b + 1], self.logical_k[b:b + 1, :n], self.logical_v[b:b + 1, :n]]
+            if upcast:
+                tensors = [t.double() for t in tensors]
+            out, lse = attention_materialized(*tensors, causal=causal, window_size=window_size, softcap=softcap,
+                                              upcast=upcast)
+            outs.append(out)
+            lses.append(lse)
+        return torch.cat(outs), torch.cat(lses)
+
+    def assert_cache_appended(self):
+        """Entry i of sequence b sits at cache_seqlens[b] + i, and nothing else in the cache changed:
+        each sequence's tail (NaN before the call) and the pages no sequence uses."""
+        if self.page_size is None:
+            k, v = self.k_cache, self.v_cache
+            rows = [k.shape[1]] * len(self.total)
+        else:
+            table = self.block_table.long()
+            in_use = table != UNUSED_PAGE
+            k, v = (pool[table.masked_fill(~in_use, 0)].flatten(1, 2) for pool in (self.k_cache, self.v_cache))
+            rows = (in_use.sum(1) * self.page_size).tolist()
+            unused = torch.ones(self.k_cache.shape[0], dtype=torch.bool, device=table.device)
+            unused[table[in_use]] = False
+            for pool, before in ((self.k_cache, self.k_cache_before), (self.v_cache, self.v_cache_before)):
+                torch.testing.assert_close(pool[unused], before[unused], rtol=0, atol=0, equal_nan=True)
+        for b, (n, limit) in enumerate(zip(self.total, rows)):
+            for cache, logical in ((k, self.logical_k), (v, self.logical_v)):
+                torch.testing.assert_close(cache[b, :n], logical[b, :n], rtol=0, atol=0)
+                assert cache[b, n:limit].isnan().all(), f"sequence {b}: cache changed past its entries"
+
+
+def _check_against_reference(case, out, lse, causal, window_size, softcap):
+    opts = dict(causal=causal, window_size=window_size, softcap=softcap)
+    ref_out, ref_lse = case.reference(True, **opts)
+    lowp_out, _ = case.reference(False, **opts)
+    assert_within_2x("out", out, ref_out, lowp_out)
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isneginf(lse), ~seen), "lse must be -inf exactly for rows that see no entry"
+    torch.testing.assert_close(lse[seen], ref_lse[seen].float(), atol=2e-3, rtol=0)
+    assert (out.transpose(1, 2)[~seen] == 0).all(), "rows that see no entry must output 0"
+
+
+# A CPU-sized selection: cache lengths 0 and off every tile / page size, seqlen_q 1..4 with and
+# without appended tokens (seqlen_q > seqlen_new too), GQA 8:2, 8:1 and MHA, every mask, both dtypes,
+# contiguous and paged (16, 32), forced splits.
+QUICK = [
+    # cache_lens,    seqlen_q, new, heads, head_dim, mask, dtype, page_size, num_splits
+    ((0, 37, 100), 1, 1, (8, 2), 64, 0, 0, None, 0),
+    ((5, 64, 129), 4, 4, (8, 1), 128, 0, 1, 16, 0),
+    ((50, 0, 77), 2, 0, (4, 4), 64, 1, 0, 32, 3),
+    ((90, 33), 3, 3, (8, 2), 128, 2, 1, None, 2),
+    ((120, 7), 1, 1, (8, 2), 64, 4, 1, 16, 4),
+    ((60, 100, 1), 2, 2, (8, 1), 64, 5, 0, 32, 0),
+    ((45, 80), 4, 4, (4, 4), 128, 3, 0, None, 3),
+    ((31, 0), 3, 1, (8, 2), 64, 0, 1, None, 5),
+]
+
+
+def _case_id(cache_lens, seqlen_q, new, heads, head_dim, mask, dtype, page_size, num_splits):
+    causal, window, softcap = MASKS[mask]
+    return (f"lens{'-'.join(map(str, cache_lens))}-q{seqlen_q}-new{new}-h{heads[0]}:{heads[1]}-d{head_dim}-"
+            f"{'causal' if causal else 'full'}-w{window[0]},{window[1]}-cap{softcap:g}-{str(DTYPES[dtype])[6:]}-"
+            f"{f'page{page_size}' if page_size else 'contig'}-splits{num_splits}")
+
+
+# The GPU sweep: dtype and forced splits cycle along the product instead of multiplying it.
+FULL = [
+    (lens, seqlen_q, seqlen_q, heads, head_dim, mask, i % len(DTYPES), page, (0, 1, 7)[i % 3])
+    for i, (lens, seqlen_q, heads, head_dim, mask, page) in enumerate(itertools.product(
+        [(0, 37, 100), (5, 64, 129), (1000, 4095, 257)], [1, 3], [(8, 8), (8, 2), (8, 1)], [64, 128, 256],
+        range(len(MASKS)), [None, 16, 256]))
+]
+CASES = [pytest.param(*c, id=_case_id(*c)) for c in QUICK] + [
+    pytest.param(*c, id=_case_id(*c), marks=pytest.mark.slow) for c in FULL if c not in QUICK]
+
+
+@pytest.mark.parametrize("cache_lens,seqlen_q,new,heads,head_dim,mask,dtype,page_size,num_splits", CASES)
+def test_kvcache_matches_reference(cache_lens, seqlen_q, new, heads, head_dim, mask, dtype, page_size, num_splits,
+                                   device, triton_path):
+    causal, window_size, softcap = MASKS[mask]
+    case = Case(cache_lens, seqlen_q, new, heads, head_dim, DTYPES[dtype], page_size, device)
+    out, lse = case.run(causal=causal, window_size=window_size, softcap=softcap, num_splits=num_splits)
+    _check_against_reference(case, out, lse, causal, window_size, softcap)
+    case.assert_cache_appended()
+
+
+@pytest.mark.parametrize("case_index", [0, 1, 3, 5])
+def test_torch_path_matches_reference(case_index, device, monkeypatch):
+    monkeypatch.setenv("FLASHFORMER_KERNEL", "torch")
+    cache_lens, seqlen_q, new, heads, head_dim, mask, dtype, page_size, _ = QUICK[case_index]
+    causal, window_size, softcap = MASKS[mask]
+    case = Case(cache_lens, seqlen_q, new, heads, head_dim, DTYPES[dtype], page_size, device)
+    out, lse = case.run(causal=causal, window_size=window_size, softcap=softcap)
+    _check_against_reference(case, out, lse, causal, window_size, softcap)
+    case.assert_cache_appended()
+
+
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_paged_equals_contiguous(page_size, device, triton_path):
+    """The same sequences, contiguous and through a shuffled block_table (same seed, same draws)."""
+    runs = []
+    for layout in (None, page_size):
+        torch.manual_seed(page_size)
+        case = Case((23, 70, 0), 2, 2, (8, 2), 64, torch.bfloat16, layout, device, max_cache=96)
+        runs.append(case.run(window_size=(40, -1)))
+        case.assert_cache_appended()
+    (out_c, lse_c), (out_p, lse_p) = runs
+    torch.testing.assert_close(out_p, out_c, atol=1e-2, rtol=0)
+    torch.testing.assert_close(lse_p, lse_c, atol=1e-5, rtol=0)
+
+
+def test_splits_equal_one_split(device, triton_path):
+    """Forced splits, including more splits than a sequence has tiles (empty splits), merge exactly."""
+    case = Case((150, 3, 64), 3, 0, (8, 2), 64, torch.float16, None, device)
+    out_1, lse_1 = case.run(num_splits=1)
+    for num_splits in (2, 5, 9):
+        out_s, lse_s = case.run(num_splits=num_splits)
+        torch.testing.assert_close(out_s, out_1, atol=2e-3, rtol=0)
+        torch.testing.assert_close(lse_s, lse_1, atol=1e-5, rtol=0)
+
+
+def test_split_heuristic():
+    cpu = torch.device("cpu")
+    assert choose_num_splits(1 * 8, 131072, cpu) > 16  # one sequence: split to fill the SMs
+    assert choose_num_splits(64 * 8, 131072, cpu) == 1  # 512 programs already fill them
+    assert choose_num_splits(8, 700, cpu) == 1  # too short to be worth a split
+    assert 1 < choose_num_splits(8 * 8, 16384, cpu) <= 8
+
+
+def test_int_and_default_cache_seqlens(device, triton_path):
+    q = torch.randn(2, 1, 4, 32, device=device, dtype=torch.float16)
+    k_cache, v_cache = (torch.randn(2, 40, 2, 32, device=device, dtype=torch.float16) for _ in range(2))
+    ref, _ = attention_materialized(q.double(), k_cache[:, :25].double(), v_cache[:, :25].double(), causal=True)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=25)
+    torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=0)
+    ref, _ = attention_materialized(q.double(), k_cache.double(), v_cache.double(), causal=True)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache)  # None: the whole cache is valid
+    torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=0)
+
+
+def _bad_inputs(device):
+    q = torch.randn(2, 1, 4, 32, device=device, dtype=torch.float16)
+    k_cache, v_cache = (torch.randn(2, 40, 2, 32, device=device, dtype=torch.float16) for _ in range(2))
+    k, v = (torch.randn(2, 1, 2, 32, device=device, dtype=torch.float16) for _ in range(2))
+    seqlens = torch.tensor([3, 10], dtype=torch.int32, device=device)
+    pool_k, pool_v = (torch.randn(6, 16, 2, 32, device=device, dtype=torch.float16) for _ in range(2))
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device)
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=seqlens), dict(
+        k_cache=pool_k, v_cache=pool_v, block_table=table)
+
+
+def _i32(a, *values):
+    return torch.tensor(values, dtype=torch.int32, device=a["q"].device)
+
+
+@pytest.mark.parametrize("paged,change,match", [
+    (False, lambda a: dict(cache_seqlens=_i32(a, 3, 40)), "too small: sequence 1 needs 41"),
+    (True, lambda a: dict(cache_seqlens=_i32(a, 3, 32)), "too small: sequence 1 needs 33"),
+    (True, lambda a: dict(block_table=_i32(a, [0, 1], [6, 3])), "block_table has 1 entries outside"),
+    (True, lambda a: dict(block_table=_i32(a, [-1, 1], [2, 3])), "block_table has 1 entries outside"),
+    (True, lambda a: dict(block_table=a["block_table"].long()), "block_table must be an int32"),
+    (True, lambda a: dict(block_table=a["block_table"][:1]), "block_table must be \\(batch=2"),
+    (False, lambda a: dict(cache_seqlens=a["cache_seqlens"][:1]), "cache_seqlens must be"),
+    (False, lambda a: dict(cache_seqlens=a["cache_seqlens"].long()), "cache_seqlens must be"),
+    (False, lambda a: dict(cache_seqlens=_i32(a, -1, 3)), "cache_seqlens\\[0\\] = -1 is negative"),
+    (False, lambda a: dict(v=None), "k and v must be given together"),
+    (False, lambda a: dict(k=a["k"][:, :, :1], v=a["v"][:, :, :1]), "k has \\(heads_kv, head_dim\\)"),
+    (False, lambda a: dict(v=torch.cat([a["v"], a["v"]], 1)), "k and v must have the same shape"),
+    (False, lambda a: dict(k_cache=a["k_cache"][:1], v_cache=a["v_cache"][:1]), "needs block_table"),
+    (True, lambda a: dict(k_cache=a["k_cache"][:, :8], v_cache=a["v_cache"][:, :8]), "multiple of 16"),
+    (False, lambda a: dict(k_cache=a["k_cache"][0]), "k_cache must be a 4-D"),
+    (False, lambda a: dict(v_cache=a["v_cache"][:, :20]), "k_cache and v_cache must have the same shape"),
+    (False, lambda a: dict(k_cache=a["k_cache"].float(), v_cache=a["v_cache"].float()), "share a dtype"),
+    (False, lambda a: dict(q=a["q"].requires_grad_()), "inference-only"),
+    (False, lambda a: dict(num_splits=-1), "num_splits"),
+    (False, lambda a: dict(window_size=(1,)), "window_size"),
+])
+def test_bad_inputs_name_the_argument(paged, change, match, device, triton_path):
+    args, paged_args = _bad_inputs(device)
+    if paged:
+        args.update(paged_args)
+    args.update(change(args))
+    caches = [args["k_cache"].clone(), args["v_cache"].clone()]
+    with pytest.raises(ValueError, match=match):
+        flash_attn_with_kvcache(**args)
+    assert torch.equal(args["k_cache"], caches[0]) and torch.equal(args["v_cache"], caches[1]), "cache modified"
+
+
+def test_grad_mode_off_allows_leaf_inputs(device, triton_path):
+    args, _ = _bad_inputs(device)
+    args["q"].requires_grad_()
+    with torch.no_grad():
+        assert flash_attn_with_kvcache(**args).shape == args["q"].shape
+
+
+def test_fp32_is_exact(device, triton_path):
+    case = Case((40, 9), 2, 2, (4, 2), 32, torch.float32, 16, device)
+    out, _ = case.run()
+    ref, _ = case.reference(True)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+
+
+def test_autocast_casts_new_inputs_to_the_cache_dtype(device, triton_path):
+    case = Case((20, 3), 1, 1, (4, 2), 32, torch.bfloat16, None, device)
+    case.q, case.k, case.v = case.q.float(), case.k.float(), case.v.float()
+    with torch.autocast(device_type=device, dtype=torch.bfloat16):
+        out, _ = case.run()
+    assert out.dtype == torch.bfloat16
+    case.assert_cache_appended()
+    ref, _ = case.reference(True)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=0)

@@ -1,0 +1,97 @@
+"""Varlen (packed) attention: equal to running each sequence through the dense math, by the 2x rule."""
+
+import pytest
+import torch
+from attention_checks import assert_within_2x
+
+from flashformer.kernels import (attention_materialized, cu_seqlens_from_document_ids, cu_seqlens_from_lengths,
+                                 document_ids_from_cu_seqlens, flash_attn_varlen_func,
+                                 position_ids_from_cu_seqlens)
+
+
+def _per_sequence(q, k, v, cu_q, cu_k, grad_out, upcast, **opts):
+    """(out, lse, dq, dk, dv) of the materialized math run sequence by sequence."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    outs, lses = [], []
+    for b in range(cu_q.numel() - 1):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        out, lse = attention_materialized(leaves[0][None, q0:q1], leaves[1][None, k0:k1], leaves[2][None, k0:k1],
+                                          upcast=upcast, **opts)
+        outs.append(out[0])
+        lses.append(lse[0])
+    out = torch.cat(outs)
+    grads = torch.autograd.grad(out, leaves, grad_out.to(out.dtype), allow_unused=True)
+    grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
+    return out, torch.cat(lses, dim=1), *grads
+
+
+CASES = [  # (q lengths, k lengths or None for the same), heads, head_dim, causal, window, softcap, dtype
+    ([5, 0, 130, 1, 67], None, (8, 2), 64, True, (-1, -1), 0.0, torch.bfloat16),
+    ([33, 97, 0], [40, 97, 3], (8, 8), 40, False, (-1, -1), 0.0, torch.float16),
+    ([1, 200, 64], [17, 150, 64], (8, 1), 128, True, (20, -1), 0.0, torch.float16),
+    ([77, 3], None, (4, 2), 80, False, (16, 4), 10.0, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("lengths_q,lengths_k,heads,head_dim,causal,window,softcap,dtype", CASES)
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_varlen_matches_per_sequence(lengths_q, lengths_k, heads, head_dim, causal, window, softcap, dtype, impl,
+                                     device, monkeypatch):
+    monkeypatch.setenv("FLASHFORMER_KERNEL", impl)
+    monkeypatch.setenv("FLASHFORMER_POISON", "1")
+    lengths_k = lengths_k or lengths_q
+    cu_q, cu_k = (cu_seqlens_from_lengths(n).to(device) for n in (lengths_q, lengths_k))
+    q = torch.randn(sum(lengths_q), heads[0], head_dim, device=device, dtype=dtype)
+    k = torch.randn(sum(lengths_k), heads[1], head_dim, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    grad_out = torch.randn_like(q)
+    opts = dict(causal=causal, window_size=window, softcap=softcap)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse = flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lengths_q), max(lengths_k), return_lse=True, **opts)
+    ours = (out, *torch.autograd.grad(out, leaves, grad_out))
+    ref = _per_sequence(q.double(), k.double(), v.double(), cu_q, cu_k, grad_out, True, **opts)
+    lowp = _per_sequence(q, k, v, cu_q, cu_k, grad_out, False, **opts)
+    for name, a, r, l in zip(("out", "dq", "dk", "dv"), ours, ref[:1] + ref[2:], lowp[:1] + lowp[2:]):
+        assert_within_2x(name, a, r, l)
+    assert lse.shape == (heads[0], sum(lengths_q))
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref[1]))
+    finite = torch.isfinite(ref[1])
+    torch.testing.assert_close(lse[finite], ref[1][finite].float(), atol=1e-2, rtol=0)
+
+
+def _packed(device):
+    cu = cu_seqlens_from_lengths([3, 5]).to(device)
+    q, k, v = (torch.randn(8, 2, 32, device=device, dtype=torch.float16) for _ in range(3))
+    return q, k, v, cu
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda q, k, v, cu: (q, k, v, cu.long(), cu), "cu_seqlens_q must be a 1-d int32"),
+    (lambda q, k, v, cu: (q, k, v, cu, cu.flip(0)), "cu_seqlens_k must start at 0"),
+    (lambda q, k, v, cu: (q, k, v, torch.tensor([0, 3, 5, 8], dtype=torch.int32, device=cu.device), cu),
+     "describe 3 and 2"),
+    (lambda q, k, v, cu: (q, k, v, torch.tensor([0, 5, 3, 8], dtype=torch.int32, device=cu.device),
+                          torch.tensor([0, 2, 4, 8], dtype=torch.int32, device=cu.device)), "non-decreasing"),
+    (lambda q, k, v, cu: (q[:7], k, v, cu, cu), "token count 7"),
+    (lambda q, k, v, cu: (q, k, v, cu[:1], cu[:1]), "at least 2 entries"),
+])
+def test_varlen_bad_offsets_name_the_argument(mutate, match, device):
+    with pytest.raises(ValueError, match=match):
+        flash_attn_varlen_func(*mutate(*_packed(device)))
+
+
+def test_varlen_max_seqlen_too_small(device):
+    q, k, v, cu = _packed(device)
+    with pytest.raises(ValueError, match="max_seqlen_q=4"):
+        flash_attn_varlen_func(q, k, v, cu, cu, 4, 5)
+
+
+def test_packing_helpers_round_trip():
+    doc_ids = torch.tensor([[7, 7, 2, 2, 2], [2, 2, 9, 9, 9]])
+    cu, longest = cu_seqlens_from_document_ids(doc_ids)
+    assert cu.tolist() == [0, 2, 5, 7, 10] and cu.dtype == torch.int32 and longest == 3
+    assert document_ids_from_cu_seqlens(cu).tolist() == [0, 0, 1, 1, 1, 2, 2, 3, 3, 3]
+    assert position_ids_from_cu_seqlens(cu).tolist() == [0, 1, 0, 1, 2, 0, 1, 0, 1, 2]
+    assert cu_seqlens_from_lengths([3, 0, 2]).tolist() == [0, 3, 3, 5]
+    with pytest.raises(ValueError, match="lengths"):
+        cu_seqlens_from_lengths([2, -1])
