@@ -19,7 +19,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from .kernels import attention_materialized, flash_attn_func, flash_attn_varlen_func
+from .kernels import attention_materialized, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from .kernels.interface import check_cu_seqlens, force_kernel_impl
 from .kernels.masking import normalize_window, visible_mask
 
@@ -41,7 +41,7 @@ def _flash(q, k, v, causal, window_size, softcap, softmax_scale):
 
 
 def _reference(q, k, v, causal, window_size, softcap, softmax_scale):
-    with force_kernel_impl("torch"):
+    with _kernel_path("reference"):
         return _flash(q, k, v, causal, window_size, softcap, softmax_scale)
 
 
@@ -78,9 +78,14 @@ def _varlen_loop(dense_fn, q, k, v, cu_seqlens, causal, window_size, softcap, so
     return torch.cat(outputs, dim=0)
 
 
+def _kernel_path(backend):
+    """"reference" is the kernels' API forced onto its PyTorch path."""
+    return force_kernel_impl("torch") if backend == "reference" else contextlib.nullcontext()
+
+
 def _varlen_kernel(backend, q, k, v, cu_seqlens, max_seqlen, causal, window_size, softcap, softmax_scale):
     """flash / reference on packed documents: the kernels' varlen path."""
-    with force_kernel_impl("torch") if backend == "reference" else contextlib.nullcontext():
+    with _kernel_path(backend):
         return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=causal,
                                       softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
 
@@ -117,3 +122,25 @@ def attention(q, k, v, *, backend, causal=True, window_size=(-1, -1), softcap=0.
         check_cu_seqlens("cu_seqlens", cu_seqlens, batch * seqlen, q.device)
         out = _varlen_loop(dense_fn, q, k, v, cu_seqlens, causal, window_size, softcap, softmax_scale)
     return out.view(batch, seqlen, *out.shape[1:])
+
+
+def cached_attention(q, k, v, k_cache, v_cache, cache_length, *, backend, window_size=(-1, -1), softcap=0.0,
+                     softmax_scale=None):
+    """Decoding step: write k, v into the caches at ``cache_length`` and attend q to everything cached.
+
+    Args:
+        q: (batch, new, heads_q, head_dim); k, v: (batch, new, heads_kv, head_dim).
+        k_cache, v_cache: (batch, max_len, heads_kv, head_dim), updated in place.
+        cache_length: tokens already cached (the same for every sequence).
+    Returns:
+        (batch, new, heads_q, head_dim), causal (bottom-right) over cache_length + new keys.
+    """
+    backend = resolve_backend(backend, q.device)
+    if backend in ("flash", "reference"):
+        with _kernel_path(backend):
+            return flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_length, causal=True,
+                                           softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
+    end = cache_length + k.shape[1]
+    k_cache[:, cache_length:end] = k
+    v_cache[:, cache_length:end] = v
+    return _DENSE[backend](q, k_cache[:, :end], v_cache[:, :end], True, window_size, softcap, softmax_scale)

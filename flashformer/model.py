@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import ATTN_BACKENDS, attention, resolve_backend
+from .attention import ATTN_BACKENDS, attention, cached_attention, resolve_backend
 from .config import ConfigError
 from .rope import RotaryEmbedding, apply_rotary, normalize_rope_scaling
 
@@ -132,10 +132,8 @@ class KVCache:
         end = self.length + k.shape[1]
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} tokens; {end} needed")
-        self.keys[layer_idx][:, self.length:end] = k
-        self.values[layer_idx][:, self.length:end] = v
-        return attention(q, self.keys[layer_idx][:, :end], self.values[layer_idx][:, :end], causal=True,
-                         **attention_kwargs)
+        return cached_attention(q, k, v, self.keys[layer_idx], self.values[layer_idx], self.length,
+                                **attention_kwargs)
 
 
 class Attention(nn.Module):

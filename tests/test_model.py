@@ -1,6 +1,5 @@
 """The Transformer: attention backends agree, KV cache and packed documents are exact, API details."""
 
-import importlib.util
 import math
 
 import pytest
@@ -62,8 +61,6 @@ def test_softcap_backends_agree():
         model(input_ids)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("flashformer.kernels.flash_fwd") is None,
-                    reason="the Triton kernels are not written yet")
 def test_flash_backend_matches_reference(triton_path):
     model = tiny_model(n_layer=1, **LLAMA_LIKE)
     input_ids = torch.randint(0, 101, (1, 20))
@@ -72,8 +69,12 @@ def test_flash_backend_matches_reference(triton_path):
 
 
 @pytest.mark.parametrize("family", [GPT2_LIKE, LLAMA_LIKE], ids=["gpt2", "mistral"])
-def test_kv_cache_equals_full_recompute(family):
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "flash"])
+def test_kv_cache_equals_full_recompute(family, backend, monkeypatch):
+    """Prefill in chunks, then one token at a time; "flash" runs the Triton decode kernel."""
+    monkeypatch.setenv("FLASHFORMER_KERNEL", "triton" if backend == "flash" else "torch")
     model = tiny_model(**family)
+    model.attn_backend = backend
     input_ids = torch.randint(0, 101, (2, 30))
     with torch.no_grad():
         full = model(input_ids)
@@ -87,8 +88,9 @@ def test_kv_cache_equals_full_recompute(family):
 
 
 @pytest.mark.parametrize("family", [GPT2_LIKE, LLAMA_LIKE], ids=["gpt2", "mistral"])
-@pytest.mark.parametrize("backend", ["reference", "sdpa"])
-def test_packed_documents_equal_separate_runs(family, backend):
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "flash"])
+def test_packed_documents_equal_separate_runs(family, backend, monkeypatch):
+    monkeypatch.setenv("FLASHFORMER_KERNEL", "triton" if backend == "flash" else "torch")
     model = tiny_model(**family)
     model.attn_backend = backend
     lengths = [9, 1, 14, 6]
