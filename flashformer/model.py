@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from .attention import ATTN_BACKENDS, attention, cached_attention, resolve_backend
 from .config import ConfigError
+from .losses import lm_head_loss
 from .rope import RotaryEmbedding, apply_rotary, normalize_rope_scaling
 
 _CHOICES = {"family": ("gpt2", "llama", "mistral", "qwen2"), "norm": ("layernorm", "rmsnorm"),
@@ -243,8 +244,24 @@ class Transformer(nn.Module):
         resolve_backend(backend, torch.device("cpu"))  # validates the name
         self._attn_backend = backend
 
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The (vocab_size, d_model) output projection: ``lm_head.weight``, or ``embed.weight`` when tied."""
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
     def forward(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, kv_cache=None):
         """Next-token logits.
+
+        Args:
+            input_ids, position_ids, cu_seqlens, max_seqlen, kv_cache: as in ``hidden_states``.
+        Returns:
+            logits (batch, seqlen, vocab_size) in the model's dtype.
+        """
+        hidden = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen, kv_cache)
+        return F.linear(hidden, self.output_weight)
+
+    def hidden_states(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, kv_cache=None):
+        """The final normalized hidden states, the input of the LM head.
 
         Args:
             input_ids: (batch, seqlen) int64.
@@ -254,14 +271,8 @@ class Transformer(nn.Module):
             max_seqlen: longest document (for the varlen kernel).
             kv_cache: a KVCache; this call's tokens are appended to it.
         Returns:
-            logits (batch, seqlen, vocab_size) in the model's dtype.
+            (batch, seqlen, d_model) in the model's dtype.
         """
-        hidden = self._hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen, kv_cache)
-        if self.lm_head is None:
-            return F.linear(hidden, self.embed.weight)
-        return self.lm_head(hidden)
-
-    def _hidden_states(self, input_ids, position_ids, cu_seqlens, max_seqlen, kv_cache):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seqlen), got shape {tuple(input_ids.shape)}")
         if cu_seqlens is not None and kv_cache is not None:
@@ -288,14 +299,22 @@ class Transformer(nn.Module):
                              "of the learned position embeddings")
         return torch.arange(start, start + seqlen, device=device).expand(batch, seqlen)
 
-    def loss(self, input_ids, targets, position_ids=None, cu_seqlens=None, max_seqlen=None, ignore_index=-100):
-        """Mean next-token cross-entropy over targets != ignore_index, with logits upcast to fp32.
+    def loss(self, input_ids, targets, position_ids=None, cu_seqlens=None, max_seqlen=None, ignore_index=-100,
+             chunk_size=None):
+        """Mean next-token cross-entropy over targets != ignore_index, in fp32.
+
+        At long context the (tokens x vocab) logits outweigh the rest of the step, so the LM head and
+        the cross-entropy run through ``losses.lm_head_loss``, chunked over the tokens when asked or
+        when the logits would be large.
 
         Args:
-            input_ids, targets: (batch, seqlen) int64; other arguments as in forward.
+            input_ids, targets: (batch, seqlen) int64; position_ids, cu_seqlens, max_seqlen as in hidden_states.
+            chunk_size: tokens per LM-head chunk; setting it forces chunking (e.g.
+                ``losses.default_chunk_size(vocab_size)``). None chunks only when tokens x vocab exceeds
+                ``losses.MATERIALIZED_LOGITS_MAX_ELEMENTS``.
         """
-        logits = self(input_ids, position_ids, cu_seqlens, max_seqlen)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=ignore_index)
+        hidden = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen)
+        return lm_head_loss(hidden, self.output_weight, targets, chunk_size, ignore_index=ignore_index)
 
     def new_kv_cache(self, batch_size: int, max_len: int) -> KVCache:
         """An empty KVCache on this model's device and dtype."""

@@ -7,13 +7,12 @@ The one place that decides which implementation runs is ``kernel_impl``:
 * ``"torch"``: the tiled PyTorch path of reference.py, O(seqlen) memory. Chosen on CPU otherwise.
 
 Force one with ``FLASHFORMER_KERNEL=triton|torch`` (process-wide) or ``with force_kernel_impl(...)``
-(this thread / task only; takes precedence).
+(process-wide; takes precedence).
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import os
 from typing import Optional
 
@@ -27,24 +26,27 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 KERNEL_IMPLS = ("triton", "torch")
 
 
-_forced_impl = contextvars.ContextVar("flashformer_kernel_impl", default=None)
+# A plain module global rather than a ContextVar: torch.compile traces global reads (and guards on
+# them) but graph-breaks on ContextVar.get.
+_forced_impl = None
 
 
 @contextlib.contextmanager
 def force_kernel_impl(impl: str):
-    """Run the attention calls inside the block on ``impl`` ("triton" or "torch")."""
+    """Run the attention calls inside the block on ``impl`` ("triton" or "torch"); process-wide."""
+    global _forced_impl
     if impl not in KERNEL_IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {KERNEL_IMPLS}")
-    token = _forced_impl.set(impl)
+    previous, _forced_impl = _forced_impl, impl
     try:
         yield
     finally:
-        _forced_impl.reset(token)
+        _forced_impl = previous
 
 
 def kernel_impl(device: torch.device) -> str:
     """Which implementation runs for tensors on ``device``: "triton" or "torch"."""
-    forced = _forced_impl.get() or os.environ.get("FLASHFORMER_KERNEL", "auto")
+    forced = _forced_impl or os.environ.get("FLASHFORMER_KERNEL", "auto")
     if forced in KERNEL_IMPLS:
         return forced
     if forced != "auto":

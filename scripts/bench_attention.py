@@ -127,8 +127,17 @@ def main(argv=None):
         results.append(row)
         tqdm.write(json.dumps(row))
     with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}, f, indent=1)
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results,
+                   "autotuned_configs": autotuned_configs()}, f, indent=1)
     print(markdown_table(results, list(impls)))
+
+
+def autotuned_configs():
+    """The config each of our autotuned kernels picked, per autotune key (for docs/perf-notes.md)."""
+    from flashformer.kernels import flash_bwd, flash_fwd
+
+    tuners = {"fwd": flash_fwd._attn_fwd_tuned, "bwd_dkdv": flash_bwd._bwd_dkdv_tuned, "bwd_dq": flash_bwd._bwd_dq_tuned}
+    return {name: {str(key): str(config) for key, config in tuner.cache.items()} for name, tuner in tuners.items()}
 
 
 def markdown_table(results, names):

@@ -126,6 +126,29 @@ def test_loss_is_fp32_cross_entropy_with_ignore_index():
     assert all(p.grad is not None for p in model.parameters())
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_chunked_loss_equals_full_logits_cross_entropy(tied):
+    """Forced chunking (chunks of 7 tokens, so 2 x 24 tokens end in a partial chunk) against full logits."""
+    model = tiny_model(tie_embeddings=tied, **LLAMA_LIKE)
+    input_ids = torch.randint(0, 101, (2, 24))
+    targets = torch.randint(0, 101, (2, 24))
+    targets[1, :12] = -100  # tokens 28..34 (a whole chunk) are ignored: that chunk is skipped
+
+    def loss_and_grads(compute_loss):
+        model.zero_grad()
+        loss = compute_loss()
+        loss.backward()
+        return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    full_loss, full_grads = loss_and_grads(
+        lambda: F.cross_entropy(model(input_ids).float().flatten(0, 1), targets.flatten(), ignore_index=-100))
+    chunked_loss, chunked_grads = loss_and_grads(lambda: model.loss(input_ids, targets, chunk_size=7))
+    assert (model.lm_head is None) == tied and full_grads.keys() == chunked_grads.keys()
+    torch.testing.assert_close(chunked_loss, full_loss, atol=1e-6, rtol=1e-6)
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(chunked_grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_parameter_count_flops_and_init():
     model = tiny_model(seed=0, **GPT2_LIKE)
     cfg = model.config

@@ -1,0 +1,457 @@
+"""Text corpora -> a token cache on disk -> deterministic, resumable training batches.
+
+    train, held_out = load_corpus(cfg.data, tokenizer)          # tokenizes once, then memmaps
+    batches = TrainBatches(train, cfg.data, global_batch=32, micro_batch=8)
+    for micro_batch in batches.next_step(): ...                 # batches.position goes into checkpoints
+
+Corpora come through ``datasets`` (local text / jsonl / parquet files, a hub dataset) or, by
+default, from the Python standard library's own source files, which every machine already has.
+Each corpus is tokenized once into a flat uint16/uint32 token file plus document offsets, with an
+EOS token after each document, and cached under a key that hashes the sources, the tokenizer and
+``DATA_CACHE_VERSION``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import os
+import sysconfig
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from .checkpoint import atomic_directory
+
+# Bump when the cache layout or the tokenization rules change: old caches are then ignored.
+DATA_CACHE_VERSION = 1
+
+_BUILDER_BY_SUFFIX = {".txt": "text", ".py": "text", ".md": "text", ".json": "json", ".jsonl": "json",
+                      ".parquet": "parquet"}
+# Stdlib files that are tables or generated data rather than code a person wrote.
+_STDLIB_SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "encodings", "pydoc_data", "__pycache__"}
+_STDLIB_MAX_FILE_BYTES = 200_000
+
+
+class DataError(ValueError):
+    """A data source is missing, empty or unusable."""
+
+
+@dataclass
+class DataConfig:
+    """Where the text comes from, how it is tokenized and how it is cut into training rows.
+
+    ``source``: ``stdlib`` (the Python standard library's sources, no download), ``files``
+    (``train_files`` / ``eval_files``: paths or globs of .txt, .py, .md, .json(l) or .parquet) or
+    ``hub`` (``hub_name``, downloaded by ``datasets``). Without explicit eval files or split, every
+    ``round(1 / eval_fraction)``-th document is held out for evaluation.
+    ``packing``: ``blocks`` cuts the token stream into rows of seq_len + 1 tokens; ``packed`` does
+    the same but passes document boundaries (cu_seqlens, position_ids) so attention and positions
+    restart at every document.
+    """
+
+    source: Literal["stdlib", "files", "hub"] = "stdlib"
+    train_files: list[str] = field(default_factory=list)
+    eval_files: list[str] = field(default_factory=list)
+    hub_name: str | None = None
+    hub_config: str | None = None
+    hub_split: str = "train"
+    hub_eval_split: str | None = None
+    text_field: str = "text"
+    text_sample_by: Literal["document", "paragraph", "line"] = "document"
+    eval_fraction: float = 0.05
+    stdlib_max_bytes: int = 4_000_000
+    tokenizer: str | None = None
+    seq_len: int = 256
+    packing: Literal["blocks", "packed"] = "blocks"
+    cache_dir: str = ".cache/flashformer/data"
+
+    def validate(self) -> None:
+        if self.seq_len < 1:
+            raise DataError(f"data.seq_len must be >= 1, got {self.seq_len}")
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise DataError(f"data.eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        if self.stdlib_max_bytes < 1:
+            raise DataError(f"data.stdlib_max_bytes must be >= 1, got {self.stdlib_max_bytes}")
+        if self.source == "files" and not self.train_files:
+            raise DataError("data.source=files needs data.train_files (paths or globs)")
+        if self.source == "hub" and not self.hub_name:
+            raise DataError("data.source=hub needs data.hub_name")
+
+
+@dataclass
+class TokenCorpus:
+    """A tokenized split: ``tokens`` (n_tokens,) uint16/uint32 memmap; ``doc_starts`` (n_docs + 1,) int64
+    offsets of each document's first token, ending with n_tokens."""
+
+    tokens: np.ndarray
+    doc_starts: np.ndarray
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_docs(self) -> int:
+        return int(self.doc_starts.shape[0]) - 1
+
+
+@dataclass
+class Batch:
+    """One micro batch. input_ids, targets, position_ids: (batch, seq_len) int64; cu_seqlens: int32
+    (n_segments + 1,) document boundaries over the flattened batch*seq_len tokens (packed only)."""
+
+    input_ids: torch.Tensor
+    targets: torch.Tensor
+    position_ids: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int | None = None
+
+    def to(self, device) -> Batch:
+        """The batch with its tensors on ``device``."""
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: getattr(self, f.name).to(device, non_blocking=True)
+                for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)
+            },
+        )
+
+    def model_kwargs(self) -> dict:
+        """Keyword arguments for ``model(input_ids, **kwargs)``."""
+        return {"position_ids": self.position_ids, "cu_seqlens": self.cu_seqlens, "max_seqlen": self.max_seqlen}
+
+
+@dataclass
+class _Sources:
+    """Resolved inputs of one corpus: which ``datasets`` builder reads which files, or a hub dataset."""
+
+    builder: str
+    train_files: list[str]
+    eval_files: list[str]
+    builder_kwargs: dict
+
+    def fingerprint(self) -> list:
+        def stat(path):
+            info = os.stat(path)
+            return [os.path.abspath(path), info.st_size, info.st_mtime_ns]
+
+        return [self.builder, sorted(self.builder_kwargs.items()), [stat(p) for p in self.train_files],
+                [stat(p) for p in self.eval_files]]
+
+
+def stdlib_source_files(max_bytes: int) -> list[str]:
+    """A fixed subset of the standard library's ``*.py`` files, the default corpus.
+
+    Files are ordered by a hash of their relative path (deterministic, yet spread over the whole
+    library rather than alphabetical) and taken until ``max_bytes`` is reached. Test suites, the
+    codec tables and generated data files are left out.
+    """
+    root = sysconfig.get_paths()["stdlib"]
+    candidates = []
+    for directory, subdirs, files in os.walk(root):
+        subdirs[:] = sorted(d for d in subdirs if d not in _STDLIB_SKIP_DIRS and not d.startswith("config-"))
+        for name in files:
+            path = os.path.join(directory, name)
+            if not name.endswith(".py") or name.startswith("_sysconfigdata"):
+                continue
+            if 0 < os.path.getsize(path) <= _STDLIB_MAX_FILE_BYTES:
+                candidates.append(path)
+    candidates.sort(key=lambda p: hashlib.sha1(os.path.relpath(p, root).encode()).hexdigest())
+    chosen, total = [], 0
+    for path in candidates:
+        if total >= max_bytes:
+            break
+        chosen.append(path)
+        total += os.path.getsize(path)
+    return chosen
+
+
+def _expand_paths(patterns: list[str], what: str) -> list[str]:
+    paths = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+        matches = [m for m in matches if os.path.isfile(m)]
+        if not matches:
+            raise DataError(f"{what}: no file matches {pattern!r} (cwd: {os.getcwd()})")
+        paths.extend(matches)
+    return paths
+
+
+def _resolve_sources(cfg: DataConfig) -> _Sources:
+    if cfg.source == "stdlib":
+        return _Sources("text", stdlib_source_files(cfg.stdlib_max_bytes), [], _text_options("document"))
+    if cfg.source == "hub":
+        kwargs = {"name": cfg.hub_config, "split": cfg.hub_split, "eval_split": cfg.hub_eval_split}
+        return _Sources(cfg.hub_name, [], [], kwargs)
+    train_files = _expand_paths(cfg.train_files, "data.train_files")
+    eval_files = _expand_paths(cfg.eval_files, "data.eval_files")
+    builders = {_BUILDER_BY_SUFFIX.get(os.path.splitext(p)[1].lower()) for p in train_files + eval_files}
+    if None in builders or len(builders) != 1:
+        names = sorted(os.path.basename(p) for p in train_files + eval_files)
+        raise DataError(f"data files must all be one kind: text (.txt, .py, .md), json (.json, .jsonl) or parquet; "
+                        f"got {names[:5]}")
+    builder = builders.pop()
+    return _Sources(builder, train_files, eval_files, _text_options(cfg.text_sample_by) if builder == "text" else {})
+
+
+def _text_options(sample_by: str) -> dict:
+    # A stray non-UTF-8 byte becomes U+FFFD rather than failing the whole corpus.
+    return {"sample_by": sample_by, "encoding_errors": "replace"}
+
+
+def tokenizer_fingerprint(tokenizer_path: str | None) -> str:
+    """A hash naming the tokenizer: the bytes of its file(s), or ``byte`` for the byte-level default."""
+    if tokenizer_path is None:
+        return "byte"
+    if os.path.isdir(tokenizer_path):
+        paths = sorted(glob.glob(os.path.join(tokenizer_path, "tokenizer*")))
+    else:
+        paths = [tokenizer_path]
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()
+
+
+def corpus_cache_dir(cfg: DataConfig) -> str:
+    """The cache directory of ``cfg``'s corpus: ``cfg.cache_dir/<hash of sources, tokenizer, version>``.
+
+    Raises:
+        DataError: a data file is missing or of an unknown kind.
+    """
+    sources = _resolve_sources(cfg)
+    key = {
+        "version": DATA_CACHE_VERSION,
+        "sources": sources.fingerprint(),
+        "tokenizer": tokenizer_fingerprint(cfg.tokenizer),
+        "text_field": cfg.text_field,
+        "eval_fraction": cfg.eval_fraction,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return os.path.join(cfg.cache_dir, digest)
+
+
+def load_corpus(cfg: DataConfig, tokenizer, build: bool = True) -> tuple[TokenCorpus, TokenCorpus]:
+    """The (train, eval) token corpora of ``cfg``, tokenized on the first call and memmapped after.
+
+    Args:
+        cfg: the data section of the training config.
+        tokenizer: has ``encode(str) -> list[int]``, ``eos_id`` and ``vocab_size``; only called
+            when the cache does not exist yet.
+        build: False on processes that must find the cache built by another one (other ranks).
+    Raises:
+        DataError: missing files, an unreachable hub dataset, or a corpus too small to split.
+    """
+    cache_dir = corpus_cache_dir(cfg)
+    if not os.path.exists(os.path.join(cache_dir, "meta.json")):
+        if not build:
+            raise DataError(f"token cache {cache_dir} is missing; the main process should have built it")
+        _build_cache(cfg, _resolve_sources(cfg), tokenizer, cache_dir)
+    return _open_split(cache_dir, "train"), _open_split(cache_dir, "eval")
+
+
+def _open_split(cache_dir: str, split: str) -> TokenCorpus:
+    with open(os.path.join(cache_dir, "meta.json")) as f:
+        meta = json.load(f)
+    tokens = np.memmap(os.path.join(cache_dir, f"{split}.bin"), dtype=meta["dtype"], mode="r")
+    return TokenCorpus(tokens, np.load(os.path.join(cache_dir, f"{split}_doc_starts.npy")))
+
+
+def _load_documents(cfg: DataConfig, sources: _Sources):
+    """(train, eval or None) ``datasets.Dataset``s of the sources."""
+    import datasets
+
+    hf_cache = os.path.join(cfg.cache_dir, "hf")
+    if sources.train_files:
+        data_files = {"train": sources.train_files}
+        if sources.eval_files:
+            data_files["eval"] = sources.eval_files
+        # Local files: datasets' "Downloading data" bars would only confuse; tokenizing shows its own.
+        bars_were_on = not datasets.utils.are_progress_bars_disabled()
+        datasets.disable_progress_bars()
+        try:
+            loaded = datasets.load_dataset(sources.builder, data_files=data_files, cache_dir=hf_cache,
+                                           **sources.builder_kwargs)
+        finally:
+            if bars_were_on:
+                datasets.enable_progress_bars()
+        return loaded["train"], loaded.get("eval")
+    kwargs = sources.builder_kwargs
+    try:
+        train = datasets.load_dataset(sources.builder, kwargs["name"], split=kwargs["split"], cache_dir=hf_cache)
+        held_out = None
+        if kwargs["eval_split"]:
+            held_out = datasets.load_dataset(sources.builder, kwargs["name"], split=kwargs["eval_split"],
+                                             cache_dir=hf_cache)
+    except Exception as error:  # offline, unknown name, gated: all surface as one clear message
+        raise DataError(f"could not load hub dataset {sources.builder!r}: {error}") from error
+    return train, held_out
+
+
+def _texts(dataset, text_field: str):
+    if text_field not in dataset.column_names:
+        raise DataError(f"data.text_field={text_field!r} is not a column; columns: {dataset.column_names}")
+    for rows in dataset.select_columns([text_field]).iter(batch_size=256):
+        yield from rows[text_field]
+
+
+class _SplitWriter:
+    """Appends documents (token ids + EOS) to ``<split>.bin`` and records their offsets."""
+
+    def __init__(self, directory: str, split: str, dtype):
+        self.directory, self.split, self.dtype = directory, split, dtype
+        self.file = open(os.path.join(directory, f"{split}.bin"), "wb")
+        self.doc_starts = [0]
+
+    def add(self, ids: np.ndarray) -> None:
+        ids.astype(self.dtype).tofile(self.file)
+        self.doc_starts.append(self.doc_starts[-1] + len(ids))
+
+    def close(self) -> int:
+        self.file.close()
+        doc_starts = np.asarray(self.doc_starts, dtype=np.int64)
+        np.save(os.path.join(self.directory, f"{self.split}_doc_starts.npy"), doc_starts)
+        return len(self.doc_starts) - 1
+
+
+def _build_cache(cfg: DataConfig, sources: _Sources, tokenizer, cache_dir: str) -> None:
+    train_docs, eval_docs = _load_documents(cfg, sources)
+    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+    eval_every = max(2, round(1 / cfg.eval_fraction))
+    # Too few documents to hold whole ones out (e.g. one big .txt file): split the stream's tail instead.
+    split_tail = eval_docs is None and len(train_docs) < eval_every
+
+    def encode(text: str) -> np.ndarray:
+        return np.asarray(tokenizer.encode(text) + [tokenizer.eos_id], dtype=np.int64)
+
+    with atomic_directory(cache_dir) as tmp:
+        writers = {split: _SplitWriter(tmp, split, dtype) for split in ("train", "eval")}
+        if split_tail:
+            stream = np.concatenate([encode(t) for t in _texts(train_docs, cfg.text_field) if t.strip()])
+            n_eval = max(1, int(len(stream) * cfg.eval_fraction))
+            writers["train"].add(stream[:-n_eval])
+            writers["eval"].add(stream[-n_eval:])
+        else:
+            splits = [(train_docs, None)] + ([(eval_docs, "eval")] if eval_docs is not None else [])
+            for dataset, fixed_split in splits:
+                texts = tqdm(_texts(dataset, cfg.text_field), total=len(dataset), unit="doc",
+                             desc=f"tokenizing {fixed_split or 'corpus'}")
+                for index, text in enumerate(texts):
+                    if not text.strip():
+                        continue
+                    split = fixed_split or ("eval" if index % eval_every == eval_every - 1 else "train")
+                    writers[split].add(encode(text))
+        counts = {split: writer.close() for split, writer in writers.items()}
+        if counts["train"] == 0 or counts["eval"] == 0:
+            raise DataError(f"the corpus yields {counts['train']} training and {counts['eval']} eval documents; "
+                            "both must be > 0")
+        meta = {"version": DATA_CACHE_VERSION, "dtype": np.dtype(dtype).name, "documents": counts,
+                "eos_id": tokenizer.eos_id}
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump(meta, f)
+
+
+def _rows(corpus: TokenCorpus, starts: np.ndarray, seq_len: int, packed: bool) -> Batch:
+    """The batch of windows ``corpus.tokens[s : s + seq_len + 1]`` for s in ``starts``."""
+    windows = np.stack([np.asarray(corpus.tokens[s : s + seq_len + 1], dtype=np.int64) for s in starts])
+    windows = torch.from_numpy(windows)
+    batch = Batch(input_ids=windows[:, :-1].contiguous(), targets=windows[:, 1:].contiguous())
+    if not packed:
+        return batch
+    # Segments start at every row start and at every document start inside a row; an EOS closes its
+    # document, so its target (the next document's first token) is predicted from the document it ends.
+    boundaries, position_ids = [], np.empty((len(starts), seq_len), dtype=np.int64)
+    for row, start in enumerate(starts):
+        first, last = np.searchsorted(corpus.doc_starts, [start + 1, start + seq_len], side="left")
+        row_starts = np.concatenate([[0], corpus.doc_starts[first:last] - start])
+        lengths = np.diff(np.append(row_starts, seq_len))
+        position_ids[row] = np.arange(seq_len) - np.repeat(row_starts, lengths)
+        boundaries.append(row_starts + row * seq_len)
+    boundaries.append([len(starts) * seq_len])
+    cu_seqlens = np.concatenate(boundaries).astype(np.int32)
+    batch.position_ids = torch.from_numpy(position_ids)
+    batch.cu_seqlens = torch.from_numpy(cu_seqlens)
+    batch.max_seqlen = int(np.diff(cu_seqlens).max())
+    return batch
+
+
+def num_windows(corpus: TokenCorpus, seq_len: int) -> int:
+    """How many rows of seq_len + 1 tokens (overlapping by one, so each token is a target once) fit."""
+    return max(0, (corpus.num_tokens - 1) // seq_len)
+
+
+class TrainBatches:
+    """Deterministic, resumable stream of training micro batches.
+
+    Row ``i`` of the run (counting over all ranks, steps and epochs) is window
+    ``permutation(seed, epoch)[i % num_windows]``; ``position`` (rows consumed) is the whole
+    state. Each optimizer step takes the next ``global_batch`` rows; rank r's micro batch m
+    holds rows ``m * micro_batch * world_size + r * micro_batch + [0, micro_batch)``, so the
+    global batch is the same for any number of ranks.
+    """
+
+    def __init__(self, corpus: TokenCorpus, cfg: DataConfig, global_batch: int, micro_batch: int, seed: int,
+                 rank: int = 0, world_size: int = 1, position: int = 0):
+        if global_batch % (micro_batch * world_size):
+            raise DataError(f"batch_size {global_batch} is not a multiple of micro_batch_size {micro_batch} "
+                            f"x {world_size} ranks")
+        self.corpus, self.seq_len, self.packed = corpus, cfg.seq_len, cfg.packing == "packed"
+        self.global_batch, self.micro_batch, self.seed = global_batch, micro_batch, seed
+        self.rank, self.world_size, self.position = rank, world_size, position
+        self.num_windows = num_windows(corpus, cfg.seq_len)
+        if self.num_windows < 1:
+            raise DataError(f"the training corpus ({corpus.num_tokens} tokens) is shorter than one row "
+                            f"of seq_len={cfg.seq_len}")
+        self._epoch, self._order = -1, None
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.global_batch // (self.micro_batch * self.world_size)
+
+    def _window_starts(self, rows: range) -> np.ndarray:
+        starts = []
+        for row in rows:
+            epoch, index = divmod(row, self.num_windows)
+            if epoch != self._epoch:
+                self._epoch = epoch
+                self._order = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+            starts.append(int(self._order[index]) * self.seq_len)
+        return np.asarray(starts, dtype=np.int64)
+
+    def next_step(self) -> list[Batch]:
+        """This rank's micro batches (grad_accum_steps of them) for the next optimizer step."""
+        batches = []
+        for micro in range(self.grad_accum_steps):
+            first = self.position + (micro * self.world_size + self.rank) * self.micro_batch
+            starts = self._window_starts(range(first, first + self.micro_batch))
+            batches.append(_rows(self.corpus, starts, self.seq_len, self.packed))
+        self.position += self.global_batch
+        return batches
+
+
+def eval_batches(corpus: TokenCorpus, cfg: DataConfig, num_rows: int, micro_batch: int,
+                 rank: int = 0, world_size: int = 1) -> list[Batch]:
+    """This rank's share of the fixed eval set, in micro batches.
+
+    The eval set is the first ``num_rows`` windows of ``corpus`` in order (fewer if the corpus is
+    short, rounded down to a multiple of world_size); rank r takes every world_size-th row, so the
+    set does not depend on the number of ranks.
+    """
+    total = min(num_windows(corpus, cfg.seq_len), num_rows)
+    total -= total % world_size  # equal shares: under FSDP every rank must run the same forwards
+    if total < world_size:
+        raise DataError(f"the eval corpus ({corpus.num_tokens} tokens) has fewer rows of seq_len={cfg.seq_len} "
+                        "than ranks")
+    rows = np.arange(rank, total, world_size)
+    return [
+        _rows(corpus, rows[i : i + micro_batch] * cfg.seq_len, cfg.seq_len, cfg.packing == "packed")
+        for i in range(0, len(rows), micro_batch)
+    ]

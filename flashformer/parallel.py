@@ -1,0 +1,186 @@
+"""Everything multi-process, applied to a single-device model from outside (torchtitan style).
+
+    env = init_distributed(cfg.parallel, device)            # reads torchrun's RANK / WORLD_SIZE
+    model = parallelize(model, cfg.parallel, env, activation_checkpointing=True, compile=False)
+    with gradient_sync(model, enabled=is_last_micro_batch): loss.backward()
+
+Only two things of the model are assumed: ``model.blocks`` (an nn.ModuleList of the layers that
+activation checkpointing, compilation and FSDP wrap one by one) and the root module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class ParallelConfig:
+    """``mode``: ``ddp`` replicates the model (a single process simply runs it unwrapped), ``fsdp``
+    shards parameters, gradients and optimizer state per block (FSDP2), ``none`` refuses to run
+    under more than one process. ``backend``: ``auto`` is nccl on CUDA, gloo on CPU."""
+
+    mode: Literal["none", "ddp", "fsdp"] = "ddp"
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    timeout_minutes: int = 30
+
+    def validate(self) -> None:
+        if self.timeout_minutes < 1:
+            raise ValueError(f"parallel.timeout_minutes must be >= 1, got {self.timeout_minutes}")
+
+
+@dataclass
+class DistributedEnv:
+    """This process's place in the job; world_size 1 without torchrun."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed(cfg: ParallelConfig, device: torch.device) -> DistributedEnv:
+    """Join the process group torchrun describes in the environment (nothing to do without it).
+
+    Args:
+        cfg: the parallel section of the training config.
+        device: the device type to train on; on CUDA each process takes GPU ``LOCAL_RANK``.
+    Raises:
+        ValueError: several processes with ``mode: none``.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    env = DistributedEnv(rank, local_rank, world_size, device)
+    if not env.distributed:
+        return env
+    if cfg.mode == "none":
+        raise ValueError(f"parallel.mode=none cannot run {world_size} processes; use ddp or fsdp")
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=cfg.timeout_minutes))
+    return env
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group, if one was joined."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(env: DistributedEnv) -> None:
+    """Wait for all ranks (no-op on one process)."""
+    if env.distributed:
+        dist.barrier()
+
+
+def all_reduce(values: torch.Tensor, env: DistributedEnv, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """``values`` reduced over all ranks with ``op`` (a copy; the input is untouched)."""
+    values = values.detach().clone()
+    if env.distributed:
+        dist.all_reduce(values, op=op)
+    return values
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each block's activations in backward instead of storing them.
+
+    The block's own ``forward`` is wrapped in place, so parameter names (and checkpoints) do not change.
+    """
+    for block in model.blocks:
+        block.forward = _checkpointed(block.forward)
+
+
+def _checkpointed(forward):
+    def run(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def parallelize(model: nn.Module, cfg: ParallelConfig, env: DistributedEnv, activation_checkpointing: bool = False,
+                compile: bool = False) -> nn.Module:
+    """Wrap ``model`` (already on ``env.device``) for training: checkpointing, compile, then DDP or FSDP2.
+
+    Args:
+        model: the single-device model; must have ``model.blocks``.
+        cfg, env: parallel config and this process's place.
+        activation_checkpointing: recompute block activations in backward.
+        compile: ``torch.compile`` each block in place.
+    Returns:
+        the module to call in training (``model`` itself for one process or FSDP, a DDP wrapper for DDP).
+    """
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if compile:
+        for block in model.blocks:
+            block.compile()
+    if not env.distributed:
+        return model
+    if cfg.mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    return DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
+
+
+def gradient_sync(model: nn.Module, enabled: bool):
+    """Context for one micro batch's forward + backward: reduce gradients across ranks only when ``enabled``
+    (the last micro batch of a step); the others just accumulate locally."""
+    if isinstance(model, DistributedDataParallel):
+        return contextlib.nullcontext() if enabled else model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 module
+        model.set_requires_gradient_sync(enabled)
+    return contextlib.nullcontext()
+
+
+def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> float:
+    """Clip the global gradient norm (over all ranks' shards) to ``max_norm``; return the norm before clipping."""
+    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+_FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Unsharded (model, optimizer) state dicts on CPU, keyed by parameter name; a collective under FSDP
+    (every rank must call it); under FSDP only rank 0's dicts are filled."""
+    model_state = get_model_state_dict(model, options=_FULL_STATE)
+    return model_state, get_optimizer_state_dict(model, optimizer, options=_FULL_STATE)
+
+
+def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, optimizer_state: dict) -> None:
+    """Load an optimizer dict from ``full_state_dicts`` into the optimizer of a (possibly wrapped or sharded) model."""
+    set_optimizer_state_dict(model, optimizer, optimizer_state, options=StateDictOptions(full_state_dict=True))

@@ -1,0 +1,281 @@
+"""flashformer.train and flashformer.cli: the loop, checkpoints and resume, fine-tuning, bad input."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+
+from flashformer import train as train_module
+from flashformer.checkpoint import from_pretrained
+from flashformer.cli import main as cli_main
+from flashformer.config import ConfigError
+from flashformer.data import DataError
+from flashformer.tokenizer import load_tokenizer, train_bpe
+from flashformer.train import (
+    TRAINER_STATE_FILE,
+    OptimConfig,
+    Trainer,
+    latest_checkpoint,
+    load_train_config,
+    lr_factor,
+    read_metrics,
+    train,
+)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models train fastest on one thread, and do not stall when other processes share the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory):
+    """One token cache directory shared by every run of the session (tokenized once)."""
+    return str(tmp_path_factory.mktemp("data-cache"))
+
+
+def tiny_recipe(out_dir, cache_dir, **fields) -> dict:
+    """A recipe that trains a 2 x 64 byte-level model on 300 kB of the stdlib in about a second."""
+    recipe = {
+        "name": "test", "out_dir": str(out_dir), "steps": 12, "batch_size": 8, "micro_batch_size": 4,
+        "log_every": 1, "eval_every": 4, "eval_batches": 2, "ckpt_every": 4,
+        "model": {"vocab_size": 257, "d_model": 64, "n_layer": 2, "n_head": 4, "max_seq_len": 64},
+        "data": {"stdlib_max_bytes": 300_000, "seq_len": 32, "cache_dir": cache_dir},
+        "optim": {"warmup_steps": 2},
+        "sample": {"max_new_tokens": 0},
+    }
+    for key, value in fields.items():
+        section, _, name = key.partition("__")
+        if name:
+            recipe[section] = {**recipe[section], name: value}
+        else:
+            recipe[key] = value
+    return recipe
+
+
+def losses(run_dir):
+    """Every (step, loss / eval_loss) record of a run, in order."""
+    return [(r["step"], r.get("loss"), r.get("eval_loss")) for r in read_metrics(run_dir)]
+
+
+def write_recipe(path, recipe):
+    path.write_text(yaml.safe_dump(recipe))
+    return str(path)
+
+
+def cli_command(*args):
+    return [sys.executable, "-m", "flashformer.cli", *args]
+
+
+SUBPROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def test_lr_schedule_warms_up_then_decays_to_min_lr():
+    cfg = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=10)
+    assert lr_factor(0, cfg, 100) == pytest.approx(0.1)
+    assert lr_factor(9, cfg, 100) == pytest.approx(1.0)
+    assert lr_factor(55, cfg, 100) == pytest.approx(0.55)
+    assert lr_factor(100, cfg, 100) == pytest.approx(0.1)
+
+
+def test_a_run_writes_config_metrics_plot_and_checkpoints(tmp_path, data_cache, capsys):
+    result = train(load_train_config(tiny_recipe(tmp_path / "run", data_cache, keep_checkpoints=2,
+                                                 sample__max_new_tokens=20)))
+    assert (result.step, result.interrupted) == (12, False)
+    run = tmp_path / "run"
+    assert sorted(p.name for p in run.glob("ckpt-*")) == ["ckpt-12", "ckpt-8"]
+    assert (run / "loss.png").exists()
+    assert load_train_config(str(run / "config.yaml")).model.d_model == 64
+    records = losses(run)
+    assert [step for step, loss, _ in records if loss is not None] == list(range(1, 13))
+    assert [step for step, _, eval_loss in records if eval_loss is not None] == [4, 8, 12]
+    assert records[-2][1] < records[0][1] - 0.5  # it learns
+    out = capsys.readouterr().out
+    assert "d_model: 64" in out and "--- sample (prompt 'def ') ---" in out
+    model = from_pretrained(run / "ckpt-12")
+    state = torch.load(run / "ckpt-12" / TRAINER_STATE_FILE, weights_only=True)
+    assert (state["step"], state["data_position"]) == (12, 96)
+    assert model.config.n_layer == 2
+
+
+def test_optimizer_decays_only_matrices(tmp_path, data_cache):
+    trainer = Trainer(load_train_config(tiny_recipe(tmp_path, data_cache)))
+    decay, no_decay = trainer.optimizer.param_groups
+    assert decay["weight_decay"] == 0.1 and all(p.dim() == 2 for p in decay["params"])
+    assert no_decay["weight_decay"] == 0.0 and all(p.dim() == 1 for p in no_decay["params"])
+    assert len(no_decay["params"]) == 5  # 2 norms per block + the final norm
+
+
+def test_sigkill_then_resume_reproduces_the_uninterrupted_losses_exactly(tmp_path, data_cache):
+    recipe = tiny_recipe(tmp_path / "reference", data_cache, steps=60, ckpt_every=10, eval_every=10)
+    train(load_train_config(recipe))  # the uninterrupted run, and the shared data cache
+    killed_dir = tmp_path / "killed"
+    config = write_recipe(tmp_path / "recipe.yaml", {**recipe, "out_dir": str(killed_dir)})
+    process = subprocess.Popen(cli_command("train", config), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env=SUBPROCESS_ENV)
+    deadline = time.time() + 90
+    while not (killed_dir / "ckpt-10").exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    process.send_signal(signal.SIGKILL)
+    assert process.wait() == -signal.SIGKILL
+    assert latest_checkpoint(str(killed_dir)) != str(killed_dir / "ckpt-60"), "the run ended before the kill"
+    resumed = subprocess.run(cli_command("train", "--resume", str(killed_dir)), capture_output=True, text=True,
+                             env=SUBPROCESS_ENV)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from" in resumed.stdout
+    assert losses(killed_dir) == losses(tmp_path / "reference")
+
+
+def test_sigint_saves_a_checkpoint_and_exits_cleanly(tmp_path, data_cache):
+    run = tmp_path / "run"
+    config = write_recipe(tmp_path / "recipe.yaml", tiny_recipe(run, data_cache, steps=100_000, ckpt_every=100_000))
+    process = subprocess.Popen(cli_command("train", config), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=SUBPROCESS_ENV)
+    deadline = time.time() + 90
+    while not (run / "metrics.jsonl").exists() or os.path.getsize(run / "metrics.jsonl") == 0:
+        assert process.poll() is None and time.time() < deadline
+        time.sleep(0.01)
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr and "SIGINT" in stderr
+    checkpoint = latest_checkpoint(str(run))
+    assert checkpoint is not None
+    last_step = losses(run)[-1][0]
+    assert checkpoint.endswith(f"ckpt-{last_step}")
+
+
+def test_resume_true_in_the_same_out_dir_continues(tmp_path, data_cache):
+    train(load_train_config(tiny_recipe(tmp_path, data_cache, steps=4)))
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        Trainer(load_train_config(tiny_recipe(tmp_path, data_cache, steps=8)))
+    result = train(load_train_config(tiny_recipe(tmp_path, data_cache, steps=8, resume=True)))
+    assert result.step == 8
+    assert [step for step, loss, _ in losses(tmp_path) if loss is not None] == list(range(1, 9))
+
+
+def test_a_failed_checkpoint_write_leaves_the_previous_one_loadable(tmp_path, data_cache, monkeypatch):
+    trainer = Trainer(load_train_config(tiny_recipe(tmp_path, data_cache, steps=4)))
+    trainer.fit()
+    trainer.step = 5
+
+    def crash_midway(obj, path, *args, **kwargs):
+        with open(path, "wb") as f:
+            f.write(b"half a file")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(train_module.torch, "save", crash_midway)
+    with pytest.raises(OSError, match="disk full"):
+        trainer.save_checkpoint()
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-4", "config.yaml", "loss.png", "metrics.jsonl"]
+    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "ckpt-4")
+    from_pretrained(tmp_path / "ckpt-4")
+    assert torch.load(tmp_path / "ckpt-4" / TRAINER_STATE_FILE, weights_only=True)["step"] == 4
+
+
+def test_finetune_from_a_checkpoint_with_frozen_parameters(tmp_path, data_cache):
+    train(load_train_config(tiny_recipe(tmp_path / "base", data_cache, steps=4)))
+    base = from_pretrained(tmp_path / "base" / "ckpt-4")
+    recipe = tiny_recipe(tmp_path / "tuned", data_cache, steps=4, init_from=str(tmp_path / "base"),
+                         freeze=["embed.*", "blocks.0.*"], model={})
+    train(load_train_config(recipe))
+    tuned = from_pretrained(tmp_path / "tuned" / "ckpt-4")
+    base_state, tuned_state = base.state_dict(), tuned.state_dict()
+    for name in base_state:
+        frozen = name.startswith(("embed.", "blocks.0."))
+        assert torch.equal(base_state[name], tuned_state[name]) == frozen, name
+    saved = load_train_config(str(tmp_path / "tuned" / "config.yaml"))
+    assert saved.model.d_model == 64  # the model config comes from the checkpoint, not the recipe
+
+
+def test_finetuning_keeps_the_tokenizer_of_the_checkpoint(tmp_path, data_cache):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def add(a, b):\n    return a + b\n" * 50)
+    bpe = train_bpe([str(corpus)], 300, str(tmp_path / "bpe.json"))
+    base = tiny_recipe(tmp_path / "base", data_cache, steps=2, data__tokenizer=str(tmp_path / "bpe.json"),
+                       model__vocab_size=320)
+    train(load_train_config(base))
+    train(load_train_config(tiny_recipe(tmp_path / "tuned", data_cache, steps=2, init_from=str(tmp_path / "base"))))
+    saved = load_train_config(str(tmp_path / "tuned" / "config.yaml"))
+    assert saved.data.tokenizer == str(tmp_path / "base" / "ckpt-2" / "tokenizer.json")
+    assert load_tokenizer(str(tmp_path / "tuned" / "ckpt-2")).encode("return a") == bpe.encode("return a")
+
+
+def test_activation_checkpointing_changes_memory_not_losses(tmp_path, data_cache):
+    for name, checkpointing in (("plain", False), ("checkpointed", True)):
+        recipe = tiny_recipe(tmp_path / name, data_cache, steps=3, activation_checkpointing=checkpointing)
+        train(load_train_config(recipe))
+    assert losses(tmp_path / "checkpointed") == losses(tmp_path / "plain")
+
+
+def test_packed_batches_train(tmp_path, data_cache):
+    result = train(load_train_config(tiny_recipe(tmp_path, data_cache, steps=3, data__packing="packed",
+                                                 data__stdlib_max_bytes=1_000_000)))
+    assert result.train_loss < 5.6
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.lrr=1e-3", "unknown config key 'optim.lrr'.*did you mean 'lr'"),
+    ("stepz=3", "unknown config key 'stepz'.*did you mean 'steps'"),
+    ("steps=0", "steps must be >= 1"),
+    ("optim.min_lr=1.0", "min_lr <= lr"),
+    ("batch_size=6", "multiple of micro_batch_size"),
+    ("data.seq_len=128", "exceeds model.max_seq_len"),
+    ("data.packing=zigzag", "expected one of"),
+    ("steps=many", "steps: expected int"),
+])
+def test_invalid_configs_name_the_problem(tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_train_config(tiny_recipe(tmp_path, "unused"), [override])
+
+
+@pytest.mark.parametrize("fields, error, message", [
+    ({"data__source": "files", "data__train_files": ["missing/*.txt"]}, DataError, "no file matches"),
+    ({"out_dir": "FILE/run"}, ConfigError, "not writable"),
+    ({"init_from": "no/such/checkpoint"}, ConfigError, "init_from"),
+    ({"freeze": ["encoder.*"]}, ConfigError, "matches no parameter"),
+    ({"model__vocab_size": 200}, ConfigError, "tokenizer has 257 tokens"),
+    ({"data__tokenizer": "missing.json"}, ConfigError, "does not exist"),
+])
+def test_bad_input_fails_before_the_first_step(tmp_path, data_cache, monkeypatch, fields, error, message):
+    (tmp_path / "FILE").write_text("a file where a directory should be")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(Trainer, "_train_step", lambda self: pytest.fail("a training step ran"))
+    fields.setdefault("out_dir", str(tmp_path / "run"))
+    with pytest.raises(error, match=message):
+        train(load_train_config(tiny_recipe(fields.pop("out_dir"), data_cache, **fields)))
+
+
+def test_cli_train_overrides_generate_and_tokenizer(tmp_path, data_cache, capsys):
+    config = write_recipe(tmp_path / "recipe.yaml", tiny_recipe(tmp_path / "run", data_cache))
+    assert cli_main(["train", config, "steps=2", "optim.lr=3e-4"]) == 0
+    saved = load_train_config(str(tmp_path / "run" / "config.yaml"))
+    assert (saved.steps, saved.optim.lr) == (2, 3e-4)
+    assert cli_main(["train", config, "optim.lrr=1"]) == 2
+    assert "did you mean 'lr'" in capsys.readouterr().err
+    assert cli_main(["generate", str(tmp_path / "run" / "ckpt-2"), "--prompt", "import", "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.startswith("import")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def add(a, b):\n    return a + b\n" * 50)
+    assert cli_main(["tokenizer", "train", "--files", str(corpus), "--vocab-size", "300", "--out",
+                     str(tmp_path / "tok.json")]) == 0
+    assert (tmp_path / "tok.json").exists()
+
+
+def test_recipes_load_and_reference_model_files():
+    root = os.path.join(os.path.dirname(__file__), "..", "configs")
+    tiny = load_train_config(os.path.join(root, "tiny.yaml"))
+    assert tiny.data.source == "stdlib" and tiny.run_dir == os.path.join("runs", "tiny")
+    gpt2 = load_train_config(os.path.join(root, "gpt2-124m.yaml"), ["model.n_layer=2"])
+    assert (gpt2.model.family, gpt2.model.d_model, gpt2.model.n_layer) == ("gpt2", 768, 2)
+    assert load_train_config(os.path.join(root, "llama-125m.yaml")).model.n_kv_head == 4
