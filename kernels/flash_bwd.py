@@ -35,6 +35,7 @@ def _bwd_preprocess(
     stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh, stride_lse_b, stride_lse_h,
     seqlen_q, heads_q,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -59,8 +60,9 @@ def _bwd_preprocess(
     in_seq = rows < seqlen_q
     row_offsets = lse_base + head * stride_lse_h + rows
     lse = tl.load(LSE + row_offsets, mask=in_seq, other=0.0)
-    dlse = tl.load(DLSE + row_offsets, mask=in_seq, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1) - dlse
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + row_offsets, mask=in_seq, other=0.0)
     lse_log2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     tl.store(DELTA + row_offsets, delta, mask=in_seq)
     tl.store(LSE_LOG2 + row_offsets, lse_log2, mask=in_seq)
@@ -284,11 +286,13 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
     """Launch the backward kernels; returns (dq, dk, dv) shaped like (q, k, v).
 
     Args:
-        grad_out: like out; grad_lse: like lse (zeros when lse was not used).
+        grad_out: like out; grad_lse: like lse, or None when lse took no gradient.
         q, k, v, out, lse: as given to / returned by flash_fwd.attention_forward (dense or varlen).
     """
     is_varlen = cu_seqlens_q is not None
     q, k, v, out, grad_out = (as_descriptor_compatible(t) for t in (q, k, v, out, grad_out))
+    if grad_lse is not None:
+        grad_lse = grad_lse.contiguous()  # read with lse's (contiguous) offsets; autograd may hand us an expand
     dq, dk, dv = new_output(q), new_output(k), new_output(v)
     head_dim = q.shape[-1]
     heads_q, heads_kv = q.shape[-2], k.shape[-2]
@@ -309,6 +313,7 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
         *seq_strides(out, is_varlen), *seq_strides(grad_out, is_varlen), *strides_lse,
         seqlen_q, heads_q,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK=PREPROCESS_BLOCK, IS_VARLEN=is_varlen,
+        HAS_DLSE=grad_lse is not None,
     )
     qk_scale, softcap_log2 = log2_scales(softmax_scale, softcap)
     ensure_allocator(q.device)

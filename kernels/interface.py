@@ -133,7 +133,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_s
 
 
 @torch.library.custom_op("flashformer::flash_attn_bwd", mutates_args=())
-def _flash_attn_bwd(grad_out: torch.Tensor, grad_lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+def _flash_attn_bwd(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
                     cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
                     softmax_scale: float, window_left: int, window_right: int,
@@ -158,10 +158,9 @@ def _fwd_setup_context(ctx, inputs, output):
 
 def _fwd_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-    if grad_lse is None:
-        grad_lse = torch.zeros_like(lse)
-    dq, dk, dv = _flash_attn_bwd(grad_out.contiguous(), grad_lse.contiguous(), q, k, v, out, lse, cu_seqlens_q,
-                                 cu_seqlens_k, *ctx.params)
+    # Layouts are the launcher's business (it copies only what TMA cannot address); no grad_lse
+    # (the common case) skips its read instead of materialising zeros.
+    dq, dk, dv = _flash_attn_bwd(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.params)
     return dq, dk, dv, *([None] * 8)
 
 
