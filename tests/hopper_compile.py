@@ -1,0 +1,100 @@
+"""Compile our Triton kernels for Hopper (sm_90) on a machine without a GPU; print a JSON report.
+
+Triton's wheel carries ptxas, so the whole pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin) runs on
+CPU. Run as a child process without TRITON_INTERPRET (under the interpreter triton.jit returns
+interpreted functions, which cannot be compiled).
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from flashformer.kernels import decode, flash_bwd, flash_fwd
+
+FP32_POINTERS = {"LSE", "DELTA", "LSE_LOG2", "DLSE", "LSE_PART", "O_PART"}
+INT32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K", "BLOCK_TABLE"}
+FLOAT_SCALARS = {"qk_scale", "softcap_log2", "softmax_scale"}
+
+
+def compile_for_hopper(kernel, constexprs, num_warps, num_stages, dtype="bf16"):
+    """Compile ``kernel`` for sm_90 with the given constexprs; pointers named in CAPS, other args i32."""
+    names = kernel.arg_names
+    signature, constants = {}, {}
+    for index, name in enumerate(names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            constants[(index,)] = constexprs[name]
+        elif name.isupper():
+            signature[name] = "*fp32" if name in FP32_POINTERS else "*i32" if name in INT32_POINTERS else f"*{dtype}"
+        else:
+            signature[name] = "fp32" if name in FLOAT_SCALARS else "i32"
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def resource_usage(compiled):
+    """Registers per thread and spilled bytes, from the ptxas that Triton ships (ptxas -v)."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx_file:
+        ptx_file.write(compiled.asm["ptx"])
+        ptx_file.flush()
+        info = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", ptx_file.name, "-o", os.devnull],
+                              capture_output=True, text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", info).group(1))
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", info))
+    return registers, spills
+
+
+def attention_constexprs(head_dim, block_m, block_n, causal=True, window=False, softcap=False, varlen=False, group=1):
+    return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_M=block_m,
+                BLOCK_N=block_n, LEFT_BOUNDED=window, RIGHT_BOUNDED=causal or window, HAS_SOFTCAP=softcap,
+                IS_VARLEN=varlen, DOT_PRECISION="tf32", UPCAST_DOT=False)
+
+
+CASES = {
+    "fwd-d128-causal": (flash_fwd._attn_fwd_kernel, attention_constexprs(128, 128, 64), 8, 3),
+    "fwd-d64-window-softcap-gqa": (flash_fwd._attn_fwd_kernel,
+                                   attention_constexprs(64, 128, 64, window=True, softcap=True, group=4), 4, 3),
+    "fwd-d80-varlen": (flash_fwd._attn_fwd_kernel, attention_constexprs(80, 128, 64, varlen=True), 8, 3),
+    "fwd-d256": (flash_fwd._attn_fwd_kernel, attention_constexprs(256, 64, 32, causal=False), 4, 2),
+    "bwd_dkdv-d128-causal-gqa": (flash_bwd._bwd_dkdv_kernel, attention_constexprs(128, 32, 128, group=4), 8, 2),
+    "bwd_dkdv-d64-varlen-softcap": (flash_bwd._bwd_dkdv_kernel,
+                                    attention_constexprs(64, 64, 64, softcap=True, varlen=True), 4, 3),
+    "bwd_dq-d128-causal": (flash_bwd._bwd_dq_kernel, attention_constexprs(128, 128, 64), 8, 2),
+    "bwd_dq-d64-window": (flash_bwd._bwd_dq_kernel, attention_constexprs(64, 64, 64, window=True), 4, 3),
+    "bwd_preprocess-d128": (flash_bwd._bwd_preprocess,
+                            dict(HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK=64, IS_VARLEN=False, HAS_DLSE=True), 4, 1),
+    "decode-d128-gqa4-paged": (decode._decode_kernel,
+                               dict(GROUP=4, GROUP_PAD=4, BLOCK_T=16, BLOCK_N=64, PAGE_SIZE=256, HEAD_DIM=128,
+                                    HEAD_DIM_PAD=128, LEFT_BOUNDED=False, RIGHT_BOUNDED=True, HAS_SOFTCAP=False,
+                                    SPLIT=True, DOT_PRECISION="tf32", UPCAST_DOT=False), 4, 3),
+    "decode_combine-d128": (decode._combine_kernel, dict(SPLITS_PAD=16, HEAD_DIM=128, HEAD_DIM_PAD=128), 4, 1),
+}
+
+
+def main(selected):
+    report = {}
+    for name in selected or CASES:
+        kernel, constexprs, num_warps, num_stages = CASES[name]
+        try:
+            compiled = compile_for_hopper(kernel, constexprs, num_warps, num_stages)
+        except Exception as error:  # report every case, then let the test say which failed
+            report[name] = {"error": f"{type(error).__name__}: {str(error)[:2000]}"}
+            continue
+        ptx = compiled.asm["ptx"]
+        registers, spill_bytes = resource_usage(compiled)
+        report[name] = {"wgmma": "wgmma.mma_async" in ptx, "tma": "cp.async.bulk.tensor" in ptx,
+                        "shared_bytes": compiled.metadata.shared, "registers": registers, "spill_bytes": spill_bytes}
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
