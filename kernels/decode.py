@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .flash_fwd import log2_scales
 from .launch import as_descriptor_compatible, dot_precision, ensure_allocator, new_output, upcast_dot
-from .tile_ops import key_range, mma, tanh, visible
+from .tile_ops import attention_logits, key_range, online_softmax_step
 
 LN2 = tl.constexpr(math.log(2.0))
 # The interpreter has no SMs: use the H200's count so that CPU runs take the GPU's split decisions.
@@ -59,28 +59,14 @@ def _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_
             offset = n0
         k = k_desc.load([page * k_page_rows + offset, 0])
         v = v_desc.load([page * v_page_rows + offset, 0])
-        s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale
-        if HAS_SOFTCAP:
-            s = tanh(s) * softcap_log2
+        cols = n0 + tl.arange(0, BLOCK_N)
+        s = attention_logits(q, k, tokens, cols, qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
+                             HAS_SOFTCAP, MASKED, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
         if MASKED:
-            cols = n0 + tl.arange(0, BLOCK_N)
-            keep = visible(tokens[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
-                           LEFT_BOUNDED, RIGHT_BOUNDED)
-            s = tl.where(keep, s, float("-inf"))
             # Past the sequence's end a cache holds stale entries (NaN in a fresh torch.empty cache):
             # p = 0 there, but 0 * NaN would still poison the product, so zero those rows of V.
             v = tl.where((cols < seqlen_k)[:, None], v, 0.0)
-        new_max = tl.maximum(row_max, tl.max(s, 1))
-        if MASKED:
-            # A row with no visible key so far keeps max = -inf: shift by 0 to avoid inf - inf.
-            new_max_safe = tl.where(new_max == float("-inf"), 0.0, new_max)
-        else:
-            new_max_safe = new_max
-        p = tl.exp2(s - new_max_safe[:, None])
-        alpha = tl.exp2(row_max - new_max_safe)
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
-        row_max = new_max
+        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, s, v, MASKED, DOT_PRECISION, UPCAST_DOT)
     return acc, row_max, row_sum
 
 

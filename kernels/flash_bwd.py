@@ -24,7 +24,7 @@ import triton.language as tl
 from .flash_fwd import log2_scales
 from .launch import (as_descriptor_compatible, dot_precision, ensure_allocator, new_output, pick_kernel, seq_strides,
                      tuned, upcast_dot)
-from .tile_ops import key_range, mma, query_range, tanh, visible
+from .tile_ops import key_range, mma, query_range, rows_descriptor, sequence_bounds, tanh, visible
 
 PREPROCESS_BLOCK = 64
 
@@ -41,16 +41,10 @@ def _bwd_preprocess(
     pid_bh = tl.program_id(1)
     batch = pid_bh // heads_q
     head = pid_bh % heads_q
-    if IS_VARLEN:
-        q_start = tl.load(CU_SEQLENS_Q + batch)
-        seqlen_q = tl.load(CU_SEQLENS_Q + batch + 1) - q_start
-        o_base = q_start * stride_os
-        do_base = q_start * stride_dos
-        lse_base = q_start
-    else:
-        o_base = batch * stride_ob
-        do_base = batch * stride_dob
-        lse_base = batch * stride_lse_b
+    q_start, _, seqlen_q, _ = sequence_bounds(batch, seqlen_q, 0, CU_SEQLENS_Q, CU_SEQLENS_Q, IS_VARLEN)
+    o_base = batch * stride_ob + q_start * stride_os
+    do_base = batch * stride_dob + q_start * stride_dos
+    lse_base = batch * stride_lse_b + q_start
     rows = pid_m * BLOCK + tl.arange(0, BLOCK)
     dims = tl.arange(0, HEAD_DIM_PAD)
     valid = (rows[:, None] < seqlen_q) & (dims[None, :] < HEAD_DIM)
@@ -117,33 +111,15 @@ def _bwd_dkdv_kernel(
     pid_bh = tl.program_id(1)
     batch = pid_bh // heads_kv
     kv_head = pid_bh % heads_kv
-    if IS_VARLEN:
-        q_start = tl.load(CU_SEQLENS_Q + batch)
-        k_start = tl.load(CU_SEQLENS_K + batch)
-        seqlen_q = tl.load(CU_SEQLENS_Q + batch + 1) - q_start
-        seqlen_k = tl.load(CU_SEQLENS_K + batch + 1) - k_start
-        q_base = q_start * stride_qs
-        do_base = q_start * stride_dos
-        k_base = k_start * stride_ks
-        v_base = k_start * stride_vs
-        dk_base = k_start * stride_dks
-        dv_base = k_start * stride_dvs
-        lse_base = q_start
-    else:
-        q_base = batch * stride_qb
-        do_base = batch * stride_dob
-        k_base = batch * stride_kb
-        v_base = batch * stride_vb
-        dk_base = batch * stride_dkb
-        dv_base = batch * stride_dvb
-        lse_base = batch * stride_lse_b
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(batch, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K,
+                                                           IS_VARLEN)
     n0 = pid_n * BLOCK_N
     if n0 >= seqlen_k:
         return
-    k_desc = tl.make_tensor_descriptor(K + k_base + kv_head * stride_kh, shape=[seqlen_k, HEAD_DIM],
-                                       strides=[stride_ks, 1], block_shape=[BLOCK_N, HEAD_DIM_PAD])
-    v_desc = tl.make_tensor_descriptor(V + v_base + kv_head * stride_vh, shape=[seqlen_k, HEAD_DIM],
-                                       strides=[stride_vs, 1], block_shape=[BLOCK_N, HEAD_DIM_PAD])
+    k_desc = rows_descriptor(K + batch * stride_kb + k_start * stride_ks + kv_head * stride_kh, seqlen_k, stride_ks,
+                             BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
+    v_desc = rows_descriptor(V + batch * stride_vb + k_start * stride_vs + kv_head * stride_vh, seqlen_k, stride_vs,
+                             BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
     k = k_desc.load([n0, 0])
     v = v_desc.load([n0, 0])
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -151,14 +127,13 @@ def _bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     start, un_lo, un_hi, end = query_range(n0, seqlen_q, seqlen_k, window_left, window_right,
                                            BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
-    # max(seqlen_q, 1): an empty query sequence issues no load, but a descriptor wants a non-zero shape.
-    rows_q = tl.maximum(seqlen_q, 1)
+    lse_base = batch * stride_lse_b + q_start
     for g in range(GROUP):
         head = kv_head * GROUP + g
-        q_desc = tl.make_tensor_descriptor(Q + q_base + head * stride_qh, shape=[rows_q, HEAD_DIM],
-                                           strides=[stride_qs, 1], block_shape=[BLOCK_M, HEAD_DIM_PAD])
-        do_desc = tl.make_tensor_descriptor(DO + do_base + head * stride_doh, shape=[rows_q, HEAD_DIM],
-                                            strides=[stride_dos, 1], block_shape=[BLOCK_M, HEAD_DIM_PAD])
+        q_desc = rows_descriptor(Q + batch * stride_qb + q_start * stride_qs + head * stride_qh, seqlen_q, stride_qs,
+                                 BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
+        do_desc = rows_descriptor(DO + batch * stride_dob + q_start * stride_dos + head * stride_doh, seqlen_q,
+                                  stride_dos, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
         lse_ptr = LSE_LOG2 + lse_base + head * stride_lse_h
         delta_ptr = DELTA + lse_base + head * stride_lse_h
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, lse_ptr, delta_ptr, cols, start, un_lo,
@@ -170,10 +145,10 @@ def _bwd_dkdv_kernel(
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, lse_ptr, delta_ptr, cols, un_hi, end,
                              qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
                              BLOCK_M, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
-    dk_desc = tl.make_tensor_descriptor(DK + dk_base + kv_head * stride_dkh, shape=[seqlen_k, HEAD_DIM],
-                                        strides=[stride_dks, 1], block_shape=[BLOCK_N, HEAD_DIM_PAD])
-    dv_desc = tl.make_tensor_descriptor(DV + dv_base + kv_head * stride_dvh, shape=[seqlen_k, HEAD_DIM],
-                                        strides=[stride_dvs, 1], block_shape=[BLOCK_N, HEAD_DIM_PAD])
+    dk_desc = rows_descriptor(DK + batch * stride_dkb + k_start * stride_dks + kv_head * stride_dkh, seqlen_k,
+                              stride_dks, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
+    dv_desc = rows_descriptor(DV + batch * stride_dvb + k_start * stride_dvs + kv_head * stride_dvh, seqlen_k,
+                              stride_dvs, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
     dk_desc.store([n0, 0], (dk * softmax_scale).to(DK.dtype.element_ty))
     dv_desc.store([n0, 0], dv.to(DV.dtype.element_ty))
 
@@ -223,41 +198,24 @@ def _bwd_dq_kernel(
     pid_bh = tl.program_id(1)
     batch = pid_bh // heads_q
     head = pid_bh % heads_q
-    if IS_VARLEN:
-        q_start = tl.load(CU_SEQLENS_Q + batch)
-        k_start = tl.load(CU_SEQLENS_K + batch)
-        seqlen_q = tl.load(CU_SEQLENS_Q + batch + 1) - q_start
-        seqlen_k = tl.load(CU_SEQLENS_K + batch + 1) - k_start
-        q_base = q_start * stride_qs
-        do_base = q_start * stride_dos
-        dq_base = q_start * stride_dqs
-        k_base = k_start * stride_ks
-        v_base = k_start * stride_vs
-        lse_base = q_start
-    else:
-        q_base = batch * stride_qb
-        do_base = batch * stride_dob
-        dq_base = batch * stride_dqb
-        k_base = batch * stride_kb
-        v_base = batch * stride_vb
-        lse_base = batch * stride_lse_b
+    kv_head = head // GROUP
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(batch, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K,
+                                                           IS_VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 >= seqlen_q:
         return
-    kv_head = head // GROUP
-    q_desc = tl.make_tensor_descriptor(Q + q_base + head * stride_qh, shape=[seqlen_q, HEAD_DIM],
-                                       strides=[stride_qs, 1], block_shape=[BLOCK_M, HEAD_DIM_PAD])
-    do_desc = tl.make_tensor_descriptor(DO + do_base + head * stride_doh, shape=[seqlen_q, HEAD_DIM],
-                                        strides=[stride_dos, 1], block_shape=[BLOCK_M, HEAD_DIM_PAD])
-    # max(seqlen_k, 1): an empty key sequence issues no load, but a descriptor wants a non-zero shape.
-    k_desc = tl.make_tensor_descriptor(K + k_base + kv_head * stride_kh, shape=[tl.maximum(seqlen_k, 1), HEAD_DIM],
-                                       strides=[stride_ks, 1], block_shape=[BLOCK_N, HEAD_DIM_PAD])
-    v_desc = tl.make_tensor_descriptor(V + v_base + kv_head * stride_vh, shape=[tl.maximum(seqlen_k, 1), HEAD_DIM],
-                                       strides=[stride_vs, 1], block_shape=[BLOCK_N, HEAD_DIM_PAD])
+    q_desc = rows_descriptor(Q + batch * stride_qb + q_start * stride_qs + head * stride_qh, seqlen_q, stride_qs,
+                             BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
+    do_desc = rows_descriptor(DO + batch * stride_dob + q_start * stride_dos + head * stride_doh, seqlen_q,
+                              stride_dos, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
+    k_desc = rows_descriptor(K + batch * stride_kb + k_start * stride_ks + kv_head * stride_kh, seqlen_k, stride_ks,
+                             BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
+    v_desc = rows_descriptor(V + batch * stride_vb + k_start * stride_vs + kv_head * stride_vh, seqlen_k, stride_vs,
+                             BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
     rows = m0 + tl.arange(0, BLOCK_M)
     q = q_desc.load([m0, 0])
     do = do_desc.load([m0, 0])
-    row_offsets = lse_base + head * stride_lse_h + rows
+    row_offsets = batch * stride_lse_b + q_start + head * stride_lse_h + rows
     lse_log2 = tl.load(LSE_LOG2 + row_offsets, mask=rows < seqlen_q, other=float("inf"))
     delta = tl.load(DELTA + row_offsets, mask=rows < seqlen_q, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
@@ -272,8 +230,8 @@ def _bwd_dq_kernel(
     dq = _dq_tiles(dq, q, do, lse_log2, delta, k_desc, v_desc, rows, un_hi, end,
                    qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
                    BLOCK_N, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
-    dq_desc = tl.make_tensor_descriptor(DQ + dq_base + head * stride_dqh, shape=[seqlen_q, HEAD_DIM],
-                                        strides=[stride_dqs, 1], block_shape=[BLOCK_M, HEAD_DIM_PAD])
+    dq_desc = rows_descriptor(DQ + batch * stride_dqb + q_start * stride_dqs + head * stride_dqh, seqlen_q,
+                              stride_dqs, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
     dq_desc.store([m0, 0], (dq * softmax_scale).to(DQ.dtype.element_ty))
 
 

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .launch import (as_descriptor_compatible, dot_precision, ensure_allocator, new_output, pick_kernel, seq_strides,
                      tuned, upcast_dot)
-from .tile_ops import key_range, mma, tanh, visible
+from .tile_ops import attention_logits, key_range, online_softmax_step, rows_descriptor, sequence_bounds
 
 LOG2E = 1.4426950408889634
 
@@ -35,25 +35,10 @@ def _fwd_tiles(acc, row_max, row_sum, q, k_desc, v_desc, rows, start, end,
     for n0 in tl.range(start, end, BLOCK_N):
         k = k_desc.load([n0, 0])
         v = v_desc.load([n0, 0])
-        s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale
-        if HAS_SOFTCAP:
-            s = tanh(s) * softcap_log2
-        if MASKED:
-            cols = n0 + tl.arange(0, BLOCK_N)
-            keep = visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
-                           LEFT_BOUNDED, RIGHT_BOUNDED)
-            s = tl.where(keep, s, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(s, 1))
-        if MASKED:
-            # A row with no visible key so far keeps max = -inf: shift by 0 to avoid inf - inf.
-            new_max_safe = tl.where(new_max == float("-inf"), 0.0, new_max)
-        else:
-            new_max_safe = new_max
-        p = tl.exp2(s - new_max_safe[:, None])
-        alpha = tl.exp2(row_max - new_max_safe)
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
-        row_max = new_max
+        s = attention_logits(q, k, rows, n0 + tl.arange(0, BLOCK_N), qk_scale, softcap_log2, seqlen_q, seqlen_k,
+                             window_left, window_right, HAS_SOFTCAP, MASKED, LEFT_BOUNDED, RIGHT_BOUNDED,
+                             DOT_PRECISION, UPCAST_DOT)
+        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, s, v, MASKED, DOT_PRECISION, UPCAST_DOT)
     return acc, row_max, row_sum
 
 
@@ -77,35 +62,20 @@ def _attn_fwd_kernel(
     pid_bh = tl.program_id(1)
     batch = pid_bh // heads_q
     head = pid_bh % heads_q
-    if IS_VARLEN:
-        q_start = tl.load(CU_SEQLENS_Q + batch)
-        k_start = tl.load(CU_SEQLENS_K + batch)
-        seqlen_q = tl.load(CU_SEQLENS_Q + batch + 1) - q_start
-        seqlen_k = tl.load(CU_SEQLENS_K + batch + 1) - k_start
-        q_base = q_start * stride_qs
-        k_base = k_start * stride_ks
-        v_base = k_start * stride_vs
-        o_base = q_start * stride_os
-        lse_base = q_start
-    else:
-        q_base = batch * stride_qb
-        k_base = batch * stride_kb
-        v_base = batch * stride_vb
-        o_base = batch * stride_ob
-        lse_base = batch * stride_lse_b
+    kv_head = head // GROUP
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(batch, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K,
+                                                           IS_VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 >= seqlen_q:
         return
-    kv_head = head // GROUP
-    q_desc = tl.make_tensor_descriptor(Q + q_base + head * stride_qh, shape=[seqlen_q, HEAD_DIM],
-                                       strides=[stride_qs, 1], block_shape=[BLOCK_M, HEAD_DIM_PAD])
-    # max(seqlen_k, 1): an empty sequence issues no load, but a descriptor wants a non-zero shape.
-    k_desc = tl.make_tensor_descriptor(K + k_base + kv_head * stride_kh, shape=[tl.maximum(seqlen_k, 1), HEAD_DIM],
-                                       strides=[stride_ks, 1], block_shape=[BLOCK_N, HEAD_DIM_PAD])
-    v_desc = tl.make_tensor_descriptor(V + v_base + kv_head * stride_vh, shape=[tl.maximum(seqlen_k, 1), HEAD_DIM],
-                                       strides=[stride_vs, 1], block_shape=[BLOCK_N, HEAD_DIM_PAD])
-    o_desc = tl.make_tensor_descriptor(O + o_base + head * stride_oh, shape=[seqlen_q, HEAD_DIM],
-                                       strides=[stride_os, 1], block_shape=[BLOCK_M, HEAD_DIM_PAD])
+    q_desc = rows_descriptor(Q + batch * stride_qb + q_start * stride_qs + head * stride_qh, seqlen_q, stride_qs,
+                             BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
+    k_desc = rows_descriptor(K + batch * stride_kb + k_start * stride_ks + kv_head * stride_kh, seqlen_k, stride_ks,
+                             BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
+    v_desc = rows_descriptor(V + batch * stride_vb + k_start * stride_vs + kv_head * stride_vh, seqlen_k, stride_vs,
+                             BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
+    o_desc = rows_descriptor(O + batch * stride_ob + q_start * stride_os + head * stride_oh, seqlen_q, stride_os,
+                             BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
 
     rows = m0 + tl.arange(0, BLOCK_M)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -130,7 +100,7 @@ def _attn_fwd_kernel(
     acc = acc / tl.where(empty, 1.0, row_sum)[:, None]
     lse = tl.where(empty, float("-inf"), (row_max + tl.log2(row_sum)) * 0.6931471805599453)
     o_desc.store([m0, 0], acc.to(O.dtype.element_ty))
-    tl.store(LSE + lse_base + head * stride_lse_h + rows, lse, mask=rows < seqlen_q)
+    tl.store(LSE + batch * stride_lse_b + q_start + head * stride_lse_h + rows, lse, mask=rows < seqlen_q)
 
 
 _attn_fwd_tuned = tuned(_attn_fwd_kernel, "fwd")

@@ -91,3 +91,63 @@ def visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right,
     if LEFT_BOUNDED:
         mask = mask & (cols >= shifted - window_left)
     return mask
+
+
+@triton.jit
+def sequence_bounds(batch, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K, IS_VARLEN: tl.constexpr):
+    """(first q row, first k row, seqlen_q, seqlen_k) of sequence ``batch``.
+
+    Varlen inputs are packed rows located by cu_seqlens (their batch strides are 0); dense inputs
+    start at row 0 of their batch (located by the batch strides).
+    """
+    if IS_VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + batch)
+        k_start = tl.load(CU_SEQLENS_K + batch)
+        seqlen_q = tl.load(CU_SEQLENS_Q + batch + 1) - q_start
+        seqlen_k = tl.load(CU_SEQLENS_K + batch + 1) - k_start
+    else:
+        q_start = 0
+        k_start = 0
+    return q_start, k_start, seqlen_q, seqlen_k
+
+
+@triton.jit
+def rows_descriptor(BASE, rows, stride_rows, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    HEAD_DIM_PAD: tl.constexpr):
+    """TMA view of one head: (rows, HEAD_DIM) from BASE, loaded in (BLOCK, HEAD_DIM_PAD) tiles that
+    read zeros past either end. max(rows, 1): an empty sequence issues no load, but a descriptor
+    wants a non-zero shape."""
+    return tl.make_tensor_descriptor(BASE, shape=[tl.maximum(rows, 1), HEAD_DIM], strides=[stride_rows, 1],
+                                     block_shape=[BLOCK, HEAD_DIM_PAD])
+
+
+@triton.jit
+def attention_logits(q, k, rows, cols, qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
+                     HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr, LEFT_BOUNDED: tl.constexpr,
+                     RIGHT_BOUNDED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """Logits in log2 units of query tile q (M, D) against key tile k (N, D); -inf where masked."""
+    s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale
+    if HAS_SOFTCAP:
+        s = tanh(s) * softcap_log2
+    if MASKED:
+        keep = visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
+                       LEFT_BOUNDED, RIGHT_BOUNDED)
+        s = tl.where(keep, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def online_softmax_step(acc, row_max, row_sum, s, v, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        UPCAST_DOT: tl.constexpr):
+    """Fold one tile of logits s (M, N) and values v (N, D) into the running (acc, max, sum)."""
+    new_max = tl.maximum(row_max, tl.max(s, 1))
+    if MASKED:
+        # A row with no visible key so far keeps max = -inf: shift by 0 to avoid inf - inf.
+        new_max_safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+    else:
+        new_max_safe = new_max
+    p = tl.exp2(s - new_max_safe[:, None])
+    alpha = tl.exp2(row_max - new_max_safe)
+    row_sum = row_sum * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+    return acc, new_max, row_sum
