@@ -63,7 +63,13 @@ def _generate(argv: list[str]) -> int:
     return main(argv)
 
 
-COMMANDS = {"train": _train, "generate": _generate, "tokenizer": _tokenizer}
+def _finetune_long(argv: list[str]) -> int:
+    from .finetune_long import main
+
+    return main(argv)
+
+
+COMMANDS = {"train": _train, "generate": _generate, "tokenizer": _tokenizer, "finetune-long": _finetune_long}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -112,17 +112,34 @@ def autocast_inputs(*tensors):
     return tensors
 
 
-# --- the Triton path as torch.library ops, so torch.compile sees one opaque node with a fake. ---
-# Dense and varlen share the ops: cu_seqlens_q/_k None means dense (batch, seqlen, heads, head_dim).
+# --- The Triton path. Eagerly it is a plain autograd.Function over the launchers: no dispatcher
+# round trip per call (less overhead, and it sidesteps intermittent crashes seen inside torch 2.13's
+# custom-op dispatch on CPU, see docs/perf-notes.md). Under torch.compile it is the torch.library ops
+# below, which the compiler sees as opaque nodes with fakes. Dense and varlen share everything:
+# cu_seqlens_q/_k None means dense (batch, seqlen, heads, head_dim).
 
-@torch.library.custom_op("flashformer::flash_attn_fwd", mutates_args=())
-def _flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
-                    cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
-                    window_left: int, window_right: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
+                  cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
+                  window_left: int, window_right: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
     from .flash_fwd import attention_forward
 
     return attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap,
                              cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+def _backward_impl(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
+                   cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                   softmax_scale: float, window_left: int, window_right: int,
+                   softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .flash_bwd import attention_backward
+
+    return attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, window_left, window_right,
+                              softcap, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+_flash_attn_fwd = torch.library.custom_op("flashformer::flash_attn_fwd", _forward_impl, mutates_args=())
+_flash_attn_bwd = torch.library.custom_op("flashformer::flash_attn_bwd", _backward_impl, mutates_args=())
 
 
 @_flash_attn_fwd.register_fake
@@ -132,45 +149,56 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_s
     return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("flashformer::flash_attn_bwd", mutates_args=())
-def _flash_attn_bwd(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
-                    v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
-                    cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
-                    softmax_scale: float, window_left: int, window_right: int,
-                    softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .flash_bwd import attention_backward
-
-    return attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, window_left, window_right,
-                              softcap, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-
-
 @_flash_attn_bwd.register_fake
 def _(grad_out, grad_lse, q, k, v, out, lse, *args):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _fwd_setup_context(ctx, inputs, output):
+def _save_for_backward(ctx, inputs, output):
     q, k, v, cu_seqlens_q, cu_seqlens_k, *params = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
     ctx.params = params
 
 
-def _fwd_backward(ctx, grad_out, grad_lse):
+def _gradients(ctx, grad_out, grad_lse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    if grad_out is None:  # only lse was used
+        grad_out = torch.zeros_like(out)
     # Layouts are the launcher's business (it copies only what TMA cannot address); no grad_lse
     # (the common case) skips its read instead of materialising zeros.
-    dq, dk, dv = _flash_attn_bwd(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.params)
+    backward = _flash_attn_bwd if torch.compiler.is_compiling() else _backward_impl
+    dq, dk, dv = backward(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.params)
     return dq, dk, dv, *([None] * 8)
 
 
-_flash_attn_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+_flash_attn_fwd.register_autograd(_gradients, setup_context=_save_for_backward)
+
+
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, *inputs):
+        ctx.set_materialize_grads(False)
+        output = _forward_impl(*inputs)
+        _save_for_backward(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        return _gradients(ctx, grad_out, grad_lse)
+
+
+def _triton_attention(*inputs):
+    """(out, lse) through the Triton kernels; ``inputs`` as ``_forward_impl`` takes them."""
+    if torch.compiler.is_compiling():
+        return _flash_attn_fwd(*inputs)
+    return _FlashAttention.apply(*inputs)
 
 
 def attention_with_lse(q, k, v, softmax_scale, window_left, window_right, softcap):
     """Dispatch validated dense inputs to the chosen path; returns (out, lse), both differentiable."""
     if kernel_impl(q.device) == "triton":
-        return _flash_attn_fwd(q, k, v, None, None, 0, 0, softmax_scale, window_left, window_right, softcap)
+        return _triton_attention(q, k, v, None, None, 0, 0, softmax_scale, window_left, window_right, softcap)
     return attention_tiled(q, k, v, softmax_scale, window_left, window_right, softcap)
 
 
@@ -241,7 +269,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     q, k, v = autocast_inputs(q, k, v)
     window_left, window_right = normalize_window(causal, window_size)
     if kernel_impl(q.device) == "triton":
-        out, lse = _flash_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+        out, lse = _triton_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                    window_left, window_right, float(softcap))
     else:
         out, lse = _varlen_tiled(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right,

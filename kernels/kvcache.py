@@ -18,14 +18,17 @@ from .reference import attention_tiled
 PAGE_MULTIPLE = 16  # a page must hold whole 16-key tiles (tl.dot's smallest K dimension)
 
 
-@torch.library.custom_op("flashformer::flash_attn_kvcache_fwd", mutates_args=())
-def _kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens_k: torch.Tensor,
-                 block_table: Optional[torch.Tensor], max_seqlen_k: int, softmax_scale: float, window_left: int,
-                 window_right: int, softcap: float, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens_k: torch.Tensor,
+                  block_table: Optional[torch.Tensor], max_seqlen_k: int, softmax_scale: float, window_left: int,
+                  window_right: int, softcap: float, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
     from .decode import decode_attention
 
     return decode_attention(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, softmax_scale,
                             window_left, window_right, softcap, num_splits)
+
+
+# Eagerly the launcher is called directly; torch.compile sees the op (see interface.py for why).
+_kvcache_fwd = torch.library.custom_op("flashformer::flash_attn_kvcache_fwd", _kvcache_impl, mutates_args=())
 
 
 @_kvcache_fwd.register_fake
@@ -189,8 +192,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     window_left, window_right = normalize_window(causal, window_size)
     if kernel_impl(q.device) == "triton":
         seqlens_k = cache_seqlens + seqlen_new
-        out, lse = _kvcache_fwd(q, k_cache, v_cache, seqlens_k, block_table, max(lengths, default=0), softmax_scale,
-                                window_left, window_right, float(softcap), num_splits)
+        kvcache_fwd = _kvcache_fwd if torch.compiler.is_compiling() else _kvcache_impl
+        out, lse = kvcache_fwd(q, k_cache, v_cache, seqlens_k, block_table, max(lengths, default=0), softmax_scale,
+                               window_left, window_right, float(softcap), num_splits)
     else:
         out, lse = _kvcache_torch(q, k_cache, v_cache, lengths, block_table, softmax_scale, window_left,
                                   window_right, float(softcap))
