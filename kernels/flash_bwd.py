@@ -17,7 +17,6 @@ d qk = dS * scale (times 1 - tanh^2 with softcap).
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 

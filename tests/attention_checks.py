@@ -10,6 +10,8 @@ kernel's dP (tensor-core sum) and delta (rowsum of dO * O) round differently in 
 
 import torch
 
+from flashformer.kernels import attention_materialized
+
 
 def assert_within_2x(name, ours, ref, lowp):
     assert not torch.isnan(ours).any(), f"{name}: NaN in result (an element left unwritten?)"
@@ -27,3 +29,12 @@ def attention_grads(fn, q, k, v, grad_out, **kwargs):
     out = out[0] if isinstance(out, tuple) else out
     grads = torch.autograd.grad(out, leaves, grad_out.to(out.dtype))
     return (out, *grads)
+
+
+def assert_matches_reference(fn, q, k, v, grad_out, **opts):
+    """out, dq, dk, dv of ``fn`` against fp64 math, by the 2x rule against PyTorch in q's precision."""
+    ours = attention_grads(fn, q, k, v, grad_out, **opts)
+    ref = attention_grads(attention_materialized, q.double(), k.double(), v.double(), grad_out, **opts)
+    lowp = attention_grads(attention_materialized, q, k, v, grad_out, upcast=False, **opts)
+    for name, a, r, l in zip(("out", "dq", "dk", "dv"), ours, ref, lowp):
+        assert_within_2x(name, a, r, l)

@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 import torch
-from attention_checks import assert_within_2x, attention_grads
+from attention_checks import assert_matches_reference, assert_within_2x, attention_grads
 
 from flashformer.kernels import attention_materialized, flash_attn_func
 
@@ -65,11 +65,7 @@ def test_flash_matches_reference(seqlens, head_dim, heads, mask, dtype, device, 
     v = torch.randn(batch, seqlen_k, heads_kv, head_dim, device=device, dtype=dtype)
     grad_out = torch.randn_like(q)
     opts = dict(causal=causal, window_size=window_size, softcap=softcap)
-    ours = attention_grads(flash_attn_func, q, k, v, grad_out, **opts)
-    ref = attention_grads(attention_materialized, q.double(), k.double(), v.double(), grad_out, **opts)
-    lowp = attention_grads(attention_materialized, q, k, v, grad_out, upcast=False, **opts)
-    for name, a, r, l in zip(("out", "dq", "dk", "dv"), ours, ref, lowp):
-        assert_within_2x(name, a, r, l)
+    assert_matches_reference(flash_attn_func, q, k, v, grad_out, **opts)
 
 
 def test_lse_and_empty_rows(device, triton_path):
@@ -123,11 +119,7 @@ def test_non_contiguous_fused_qkv(device, triton_path):
     q, k, v = qkv.unbind(2)
     assert not q.is_contiguous()
     grad_out = torch.randn_like(q)
-    ours = attention_grads(flash_attn_func, q, k, v, grad_out, causal=True)
-    ref = attention_grads(attention_materialized, q.double(), k.double(), v.double(), grad_out, causal=True)
-    lowp = attention_grads(attention_materialized, q, k, v, grad_out, causal=True, upcast=False)
-    for name, a, r, l in zip(("out", "dq", "dk", "dv"), ours, ref, lowp):
-        assert_within_2x(name, a, r, l)
+    assert_matches_reference(flash_attn_func, q, k, v, grad_out, causal=True)
 
 
 def test_fp32_inputs_are_exact(device, triton_path):
