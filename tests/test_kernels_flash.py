@@ -5,6 +5,8 @@ adds the full product of shapes, head dims, GQA ratios, masks and dtypes.
 """
 
 import itertools
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -139,16 +141,29 @@ def test_autocast(device, triton_path):
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=0)
 
 
+# Run in a fresh interpreter: on CPU, torch 2.13's custom-op dispatch intermittently raises
+# ValueError('vector::reserve') in a process that has already run hundreds of other tests (seen in CI and
+# reproduced with MALLOC_PERTURB_; never alone, never on the H200's torch 2.11; docs/perf-notes.md).
+COMPILE_CHECK = """
+import sys
+import torch
+from flashformer.kernels import flash_attn_func
+
+device = sys.argv[1]
+q, k, v = (torch.randn(1, 40, 2, 32, device=device, dtype=torch.float16, requires_grad=True) for _ in range(3))
+
+def attend(q, k, v):
+    return flash_attn_func(q * 1.0, k, v, causal=True).float().square().sum()
+
+loss = torch.compile(attend, fullgraph=True, backend="aot_eager")(q, k, v)
+loss.backward()
+torch.testing.assert_close(loss, attend(q, k, v))
+assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+"""
+
+
 def test_torch_compile_full_graph(device, triton_path):
     """The op is one torch.library node with a fake: fullgraph compile (no graph break) fwd + bwd."""
-    q, k, v = (torch.randn(1, 40, 2, 32, device=device, dtype=torch.float16, requires_grad=True) for _ in range(3))
-
-    def attend(q, k, v):
-        return flash_attn_func(q * 1.0, k, v, causal=True).float().square().sum()
-
-    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
-    loss = compiled(q, k, v)
-    loss.backward()
-    expected = attend(q, k, v)
-    torch.testing.assert_close(loss, expected)
-    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+    result = subprocess.run([sys.executable, "-c", COMPILE_CHECK, device], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
