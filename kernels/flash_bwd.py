@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .flash_fwd import log2_scales
 from .launch import (as_descriptor_compatible, dot_precision, ensure_allocator, new_output, pick_kernel, seq_strides,
-                     tuned, upcast_dot)
+                     table_mask, tuned, upcast_dot)
 from .tile_ops import key_range, mma, query_range, rows_descriptor, sequence_bounds, tanh, visible
 
 PREPROCESS_BLOCK = 64
@@ -284,13 +284,15 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
     strides_qkv = (*seq_strides(q, is_varlen), *seq_strides(k, is_varlen), *seq_strides(v, is_varlen),
                    *seq_strides(grad_out, is_varlen))
 
-    kernel, config = pick_kernel(q.device, "bwd_dkdv", _bwd_dkdv_kernel, _bwd_dkdv_tuned, head_dim_pad)
+    mask = table_mask(window_left, window_right, softcap)
+    kernel, config = pick_kernel(q.device, "bwd_dkdv", _bwd_dkdv_kernel, _bwd_dkdv_tuned, head_dim_pad, mask,
+                                 buckets[0])
     kernel[lambda meta: (triton.cdiv(seqlen_k, meta["BLOCK_N"]), batch * heads_kv)](
         q, k, v, grad_out, dk, dv, lse_log2, delta, cu_seqlens_q, cu_seqlens_k,
         *strides_qkv, *seq_strides(dk, is_varlen), *seq_strides(dv, is_varlen), *strides_lse,
         seqlen_q, seqlen_k, heads_kv, *scalars, **common, **config,
     )
-    kernel, config = pick_kernel(q.device, "bwd_dq", _bwd_dq_kernel, _bwd_dq_tuned, head_dim_pad)
+    kernel, config = pick_kernel(q.device, "bwd_dq", _bwd_dq_kernel, _bwd_dq_tuned, head_dim_pad, mask, buckets[0])
     kernel[lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * heads_q)](
         q, k, v, grad_out, dq, lse_log2, delta, cu_seqlens_q, cu_seqlens_k,
         *strides_qkv, *seq_strides(dq, is_varlen), *strides_lse,

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .launch import (as_descriptor_compatible, dot_precision, ensure_allocator, new_output, pick_kernel, seq_strides,
-                     tuned, upcast_dot)
+                     table_mask, tuned, upcast_dot)
 from .tile_ops import attention_logits, key_range, online_softmax_step, rows_descriptor, sequence_bounds
 
 LOG2E = 1.4426950408889634
@@ -151,14 +151,16 @@ def attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap
     qk_scale, softcap_log2 = log2_scales(softmax_scale, softcap)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     ensure_allocator(q.device)
-    kernel, config = pick_kernel(q.device, "fwd", _attn_fwd_kernel, _attn_fwd_tuned, head_dim_pad)
+    seqlen_q_bucket = triton.next_power_of_2(max(seqlen_q, 1))
+    kernel, config = pick_kernel(q.device, "fwd", _attn_fwd_kernel, _attn_fwd_tuned, head_dim_pad,
+                                 table_mask(window_left, window_right, softcap), seqlen_q_bucket)
     grid = lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * heads_q)
     kernel[grid](
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
         *(stride for t in (q, k, v, out) for stride in seq_strides(t, is_varlen)), *strides_lse,
         seqlen_q, seqlen_k, heads_q,
         qk_scale, softcap_log2, window_left, window_right,
-        triton.next_power_of_2(max(seqlen_q, 1)), triton.next_power_of_2(max(seqlen_k, 1)),
+        seqlen_q_bucket, triton.next_power_of_2(max(seqlen_k, 1)),
         GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
         IS_VARLEN=is_varlen, DOT_PRECISION=dot_precision(q.dtype), UPCAST_DOT=upcast_dot(q.dtype),

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import json
+import math
 import os
 
 import torch
@@ -70,11 +73,58 @@ def _default_gpu_config(kind, head_dim_pad):
             "num_stages": 2}
 
 
-def pick_kernel(device, kind, kernel, tuned_kernel, head_dim_pad):
-    """(launcher, fixed meta-parameters): the autotuner on CUDA (unless FLASHFORMER_AUTOTUNE=0),
-    a fixed config in the interpreter."""
+# Configs measured offline by scripts/tune_attention.py (long timing runs per shape; the autotuner's
+# short runs picked differently from run to run for sub-millisecond shapes). Per GPU name, kernel and
+# "d<HEAD_DIM_PAD>-<causal|full>", a map from seqlen bucket to [BLOCK_M, BLOCK_N, num_warps, num_stages].
+TUNED_CONFIGS_PATH = os.path.join(os.path.dirname(__file__), "tuned_configs.json")
+# A config per kernel kind that overrides every other choice (scripts/tune_attention.py sets it).
+FORCED_CONFIGS: dict[str, dict] = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _measured_table(device_index):
+    if not os.path.exists(TUNED_CONFIGS_PATH):
+        return {}
+    with open(TUNED_CONFIGS_PATH) as f:
+        return json.load(f).get(torch.cuda.get_device_name(device_index), {})
+
+
+def measured_config(device, kind, head_dim_pad, causal, seqlen_bucket):
+    """The offline-measured config for this shape (nearest seqlen bucket, log scale), or None."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    entries = _measured_table(index).get(kind, {}).get(
+        f"d{head_dim_pad}-{'causal' if causal else 'full'}")
+    if not entries:
+        return None
+    nearest = min(entries, key=lambda bucket: abs(math.log2(int(bucket)) - math.log2(seqlen_bucket)))
+    block_m, block_n, warps, stages = entries[nearest]
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+
+
+def table_mask(window_left, window_right, softcap):
+    """The offline table's mask name for these options: "causal", "full", or None (not covered)."""
+    if window_left >= 0 or softcap > 0.0:
+        return None
+    return "causal" if window_right == 0 else "full" if window_right < 0 else None
+
+
+def pick_kernel(device, kind, kernel, tuned_kernel, head_dim_pad, mask=None, seqlen_bucket=1):
+    """(launcher, fixed meta-parameters) for one launch.
+
+    Args:
+        mask: "causal" or "full" for shapes the offline table covers (no window, no softcap), else None.
+        seqlen_bucket: the power of two at or above the query length.
+    Order: a forced config (tuning runs); the interpreter's fixed config; the offline table; the
+    default config when FLASHFORMER_AUTOTUNE=0; otherwise the autotuner.
+    """
+    if kind in FORCED_CONFIGS:
+        return kernel, dict(FORCED_CONFIGS[kind])
     if device.type != "cuda":
         return kernel, dict(INTERPRETER_CONFIGS[kind])
+    if mask is not None:
+        config = measured_config(device, kind, head_dim_pad, mask == "causal", seqlen_bucket)
+        if config is not None:
+            return kernel, config
     if os.environ.get("FLASHFORMER_AUTOTUNE", "1") == "0":
         return kernel, _default_gpu_config(kind, head_dim_pad)
     return tuned_kernel, {}

@@ -1,0 +1,54 @@
+"""Config choice for the kernels: the offline-measured table and forced configs (tuning runs)."""
+
+import json
+
+import pytest
+import torch
+from attention_checks import assert_matches_reference
+
+from flashformer.kernels import flash_attn_func, launch
+
+
+@pytest.mark.parametrize("window_left,window_right,softcap,expected", [
+    (-1, 0, 0.0, "causal"), (-1, -1, 0.0, "full"), (16, 0, 0.0, None), (-1, 4, 0.0, None), (-1, 0, 5.0, None),
+])
+def test_table_covers_plain_masks_only(window_left, window_right, softcap, expected):
+    assert launch.table_mask(window_left, window_right, softcap) == expected
+
+
+def test_measured_config_takes_the_nearest_bucket(tmp_path, monkeypatch):
+    table = {"Some GPU": {"fwd": {"d128-causal": {"512": [64, 32, 4, 2], "4096": [128, 64, 8, 3]}}}}
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setattr(launch, "TUNED_CONFIGS_PATH", str(path))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Some GPU")
+    launch._measured_table.cache_clear()
+    try:
+        gpu = torch.device("cuda", 0)
+        assert launch.measured_config(gpu, "fwd", 128, True, 1024)["BLOCK_M"] == 64  # log2 distance 1 vs 2
+        assert launch.measured_config(gpu, "fwd", 128, True, 65536) == {
+            "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+        assert launch.measured_config(gpu, "fwd", 128, False, 1024) is None  # not measured: autotune
+        assert launch.measured_config(gpu, "bwd_dq", 128, True, 1024) is None
+        assert launch.measured_config(gpu, "fwd", 64, True, 1024) is None
+    finally:
+        launch._measured_table.cache_clear()
+
+
+@pytest.mark.parametrize("config", [
+    {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1},
+    {"BLOCK_M": 128, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
+])
+def test_forced_configs_compute_the_same_attention(config, device, triton_path, monkeypatch):
+    """Tile shapes other than the interpreter's defaults (as a tuning run forces them) stay exact."""
+    monkeypatch.setattr(launch, "FORCED_CONFIGS", {kind: config for kind in ("fwd", "bwd_dkdv", "bwd_dq")})
+    q, k, v, grad_out = (torch.randn(1, 77, 2, 32, device=device, dtype=torch.float16) for _ in range(4))
+    assert_matches_reference(flash_attn_func, q, k, v, grad_out, causal=True)
+
+
+def test_forced_config_overrides_every_other_choice(monkeypatch):
+    forced = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
+    monkeypatch.setattr(launch, "FORCED_CONFIGS", {"bwd_dq": forced})
+    assert launch.pick_kernel(torch.device("cpu"), "bwd_dq", "kernel", "tuned", 64) == ("kernel", forced)
+    assert launch.pick_kernel(torch.device("cpu"), "fwd", "kernel", "tuned", 64) == (
+        "kernel", launch.INTERPRETER_CONFIGS["fwd"])
