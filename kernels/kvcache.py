@@ -64,6 +64,10 @@ def _kvcache_torch(q, k_cache, v_cache, lengths, block_table, softmax_scale, win
 def _append(k_cache, v_cache, k, v, cache_seqlens, block_table):
     """Write k, v (batch, seqlen_new, heads_kv, head_dim) into the caches at positions
     cache_seqlens[b] + i, through block_table (batch, max_blocks) for a paged cache."""
+    if isinstance(cache_seqlens, int):  # one position for every sequence of a contiguous cache
+        k_cache[:, cache_seqlens:cache_seqlens + k.shape[1]] = k
+        v_cache[:, cache_seqlens:cache_seqlens + v.shape[1]] = v
+        return
     positions = cache_seqlens[:, None].long() + torch.arange(k.shape[1], device=k.device)
     if block_table is None:
         index = (torch.arange(k.shape[0], device=k.device)[:, None].expand_as(positions), positions)
@@ -75,7 +79,8 @@ def _append(k_cache, v_cache, k, v, cache_seqlens, block_table):
 
 
 def _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits):
-    """Validate everything but the cache contents; return cache_seqlens as int32 (batch,) on q's device."""
+    """Validate everything but the cache contents; return cache_seqlens as int32 (batch,) on q's device,
+    or as the given int for a contiguous cache."""
     batch = q.shape[0]
     if block_table is None:
         if k_cache.shape[0] != batch:
@@ -97,6 +102,8 @@ def _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, n
     if cache_seqlens is None:  # as flash-attn: the whole cache is valid
         cache_seqlens = _capacity(k_cache, block_table)
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if block_table is None:  # kept on the host: no sync to validate it (see _check_lengths)
+            return cache_seqlens
         return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
     if (not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype != torch.int32
             or cache_seqlens.shape != (batch,) or cache_seqlens.device != q.device):
@@ -106,8 +113,13 @@ def _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, n
 
 
 def _check_lengths(k_cache, cache_seqlens, seqlen_new, block_table):
-    """Validate what depends on the values (one host sync); return the valid entries per sequence
-    after the append, as host ints."""
+    """Validate what depends on the values; return the valid entries per sequence after the append,
+    as host ints. One host sync, except for an int cache_seqlens with a contiguous cache (the model's
+    decoding loop), whose lengths the host already knows."""
+    if isinstance(cache_seqlens, int):
+        lengths = [cache_seqlens + seqlen_new] * k_cache.shape[0]
+        _check_length_values(k_cache, lengths, seqlen_new, block_table)
+        return lengths
     lengths_t = cache_seqlens + seqlen_new
     bad_pages = torch.zeros((), dtype=torch.int32, device=cache_seqlens.device)
     if block_table is not None:
@@ -116,6 +128,14 @@ def _check_lengths(k_cache, cache_seqlens, seqlen_new, block_table):
         in_use = torch.arange(block_table.shape[1], device=block_table.device) < pages_used
         bad_pages = (((block_table < 0) | (block_table >= k_cache.shape[0])) & in_use).sum()
     bad, *lengths = torch.cat([bad_pages.view(1).int(), lengths_t]).tolist()
+    _check_length_values(k_cache, lengths, seqlen_new, block_table)
+    if bad:
+        raise ValueError(f"block_table has {bad} entries outside [0, num_blocks={k_cache.shape[0]}) among the pages "
+                         "in use")
+    return lengths
+
+
+def _check_length_values(k_cache, lengths, seqlen_new, block_table):
     capacity = _capacity(k_cache, block_table)
     for b, length in enumerate(lengths):
         if length < seqlen_new:
@@ -123,10 +143,6 @@ def _check_lengths(k_cache, cache_seqlens, seqlen_new, block_table):
         if length > capacity:
             raise ValueError(f"k_cache is too small: sequence {b} needs {length} entries ({length - seqlen_new} "
                              f"cached + {seqlen_new} new) but holds {capacity}")
-    if bad:
-        raise ValueError(f"block_table has {bad} entries outside [0, num_blocks={k_cache.shape[0]}) among the pages "
-                         "in use")
-    return lengths
 
 
 def _capacity(k_cache, block_table):
@@ -191,7 +207,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         _append(k_cache, v_cache, k, v, cache_seqlens, block_table)
     window_left, window_right = normalize_window(causal, window_size)
     if kernel_impl(q.device) == "triton":
-        seqlens_k = cache_seqlens + seqlen_new
+        if isinstance(cache_seqlens, int):
+            seqlens_k = torch.full((q.shape[0],), cache_seqlens + seqlen_new, dtype=torch.int32, device=q.device)
+        else:
+            seqlens_k = cache_seqlens + seqlen_new
         kvcache_fwd = _kvcache_fwd if torch.compiler.is_compiling() else _kvcache_impl
         out, lse = kvcache_fwd(q, k_cache, v_cache, seqlens_k, block_table, max(lengths, default=0), softmax_scale,
                                window_left, window_right, float(softcap), num_splits)

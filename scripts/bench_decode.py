@@ -5,10 +5,13 @@ heads, head_dim 128, bf16, seqlen_q 1, every cache fully used. Times (median of
 triton.testing.do_bench, which flushes L2 between runs):
 
 * ours: the kernel launcher on a contiguous cache; ours paged: the same cache as shuffled pages of
-  256; ours API: flash_attn_with_kvcache (contiguous), i.e. the kernel plus the argument checks and
-  their host sync;
+  256; ours API: flash_attn_with_kvcache (contiguous) with cache_seqlens as an int, as the model's
+  decoding loop calls it (argument checks, no host sync);
 * SDPA with the flash and cuDNN backends, q (b, 32, 1, 128) against k/v (b, 8, L, 128),
-  enable_gqa=True.
+  enable_gqa=True;
+* "graph": ours and SDPA cuDNN captured in a CUDA graph and replayed, i.e. the device time alone
+  (no Python launch cost), as a decoding loop under CUDA graphs would see it;
+* host µs: wall time per call of the launcher (ours) when the GPU is not the bottleneck.
 
 TB/s = bytes of K and V read / time. Each cell checks ours (both layouts) against SDPA flash. Cells
 whose tensors would pass MEMORY_LIMIT are skipped. Prints a markdown table last; writes JSON to --out.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import torch
 import triton
@@ -32,7 +36,8 @@ HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
 PAGE_SIZE = 256
 DTYPE = torch.bfloat16
 MEMORY_LIMIT = 60e9  # peak bytes of one cell: the cache plus one other layout of it
-METHODS = ("ours", "ours paged", "ours API", "SDPA flash", "SDPA cuDNN")
+METHODS = ("ours", "ours paged", "ours API", "SDPA flash", "SDPA cuDNN", "ours graph", "SDPA cuDNN graph")
+HOST_CALLS = 200
 
 
 def _time(fn):
@@ -44,6 +49,41 @@ def _time(fn):
         return None, str(error).splitlines()[0]
 
 
+def _time_graphed(fn):
+    """_time of fn captured in a CUDA graph and replayed (same output tensor every replay)."""
+    try:
+        return _time(_graphed(fn))
+    except RuntimeError as error:  # a capture failure is a result to report, not a crash
+        return None, str(error).splitlines()[0]
+
+
+def _graphed(fn):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compilation, allocator) outside the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+
+    def replay():
+        graph.replay()
+        return out
+    return replay
+
+
+def _host_us(fn):
+    """Microseconds of host time per call, over HOST_CALLS calls queued without waiting."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(HOST_CALLS):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / HOST_CALLS * 1e6
+
+
 def run_cell(batch, length):
     """Times and max |ours - SDPA flash| of one (batch, cache length) cell."""
     device = torch.device("cuda")
@@ -53,9 +93,12 @@ def run_cell(batch, length):
     seqlens = torch.full((batch,), length, dtype=torch.int32, device=device)
     times, outs = {}, {}
     with torch.inference_mode():
-        times["ours"], outs["ours"] = _time(lambda: decode_attention(
-            q, k_cache, v_cache, seqlens, None, length, scale, -1, 0, 0.0)[0])
-        times["ours API"], _ = _time(lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens))
+        def ours():
+            return decode_attention(q, k_cache, v_cache, seqlens, None, length, scale, -1, 0, 0.0)[0]
+        times["ours"], outs["ours"] = _time(ours)
+        times["ours graph"], outs["ours graph"] = _time_graphed(ours)
+        host_us = _host_us(ours)
+        times["ours API"], _ = _time(lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=length))
 
         pages = length // PAGE_SIZE
         table = torch.randperm(batch * pages, device=device).view(batch, pages)
@@ -77,18 +120,22 @@ def run_cell(batch, length):
                     return torch.nn.functional.scaled_dot_product_attention(q_sdpa, k_sdpa, v_sdpa, scale=scale,
                                                                             enable_gqa=True).transpose(1, 2)
             times[name], outs[name] = _time(sdpa)
+            if name == "SDPA cuDNN" and times[name] is not None:
+                times["SDPA cuDNN graph"], outs["SDPA cuDNN graph"] = _time_graphed(sdpa)
 
     kv_bytes = 2 * batch * length * HEADS_KV * HEAD_DIM * torch.finfo(DTYPE).bits // 8
     reference = outs["SDPA flash"]
     diffs = {name: (outs[name].float() - reference.float()).abs().max().item()
              if times[name] is not None and times["SDPA flash"] is not None else None
-             for name in ("ours", "ours paged")}
+             for name in ("ours", "ours paged", "ours graph")}
     return {
         "batch": batch, "cache_len": length,
         "num_splits": choose_num_splits(batch * HEADS_KV, length, device),
         "ms": times,
-        "tb_per_s": {name: kv_bytes / (ms * 1e-3) / 1e12 if ms is not None else None for name, ms in times.items()},
-        "errors": {name: outs[name] for name in METHODS if times[name] is None},
+        "ours_host_us": host_us,
+        "tb_per_s": {name: kv_bytes / (times[name] * 1e-3) / 1e12 if times.get(name) is not None else None
+                     for name in METHODS},
+        "errors": {name: outs.get(name) for name in METHODS if times.get(name) is None},
         "max_abs_diff_vs_sdpa_flash": diffs,
     }
 
@@ -99,16 +146,20 @@ def _fmt(value, spec):
 
 def markdown(cells):
     header = (["batch", "cache length", "splits"] + [f"{name} TB/s" for name in METHODS]
-              + ["max abs diff vs SDPA flash (ours / paged)"])
+              + ["graph: ours / cuDNN", "ours host µs", "max abs diff vs SDPA flash (ours / paged / graph)"])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for cell in cells:
         if "skipped" in cell:
             lines.append(f"| {cell['batch']} | {cell['cache_len']} | {cell['skipped']} |" + " |" * (len(header) - 3))
             continue
         diffs = cell["max_abs_diff_vs_sdpa_flash"]
+        rates = cell["tb_per_s"]
+        ratio = (rates["ours graph"] / rates["SDPA cuDNN graph"]
+                 if rates["ours graph"] is not None and rates["SDPA cuDNN graph"] is not None else None)
         row = ([str(cell["batch"]), str(cell["cache_len"]), str(cell["num_splits"])]
-               + [_fmt(cell["tb_per_s"][name], ".2f") for name in METHODS]
-               + [f"{_fmt(diffs['ours'], '.1e')} / {_fmt(diffs['ours paged'], '.1e')}"])
+               + [_fmt(rates[name], ".2f") for name in METHODS]
+               + [_fmt(ratio, ".2f"), f"{cell['ours_host_us']:.0f}",
+                  " / ".join(_fmt(diffs[name], ".1e") for name in ("ours", "ours paged", "ours graph"))])
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

@@ -217,6 +217,26 @@ def test_int_and_default_cache_seqlens(device, triton_path):
     torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=0)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_int_cache_seqlens_equals_tensor(paged, device, triton_path):
+    """An int cache_seqlens (validated on the host, appended by slicing) = the same tensor of lengths."""
+    args, paged_args = _bad_inputs(device)
+    if paged:
+        args.update(paged_args)
+    runs = []
+    for lengths in (7, torch.full((2,), 7, dtype=torch.int32, device=device)):
+        caches = {name: args[name].clone() for name in ("k_cache", "v_cache")}
+        out = flash_attn_with_kvcache(**{**args, **caches, "cache_seqlens": lengths})
+        runs.append((out, caches))
+    (out_int, caches_int), (out_tensor, caches_tensor) = runs
+    assert torch.equal(out_int, out_tensor)
+    for name in ("k_cache", "v_cache"):
+        assert torch.equal(caches_int[name], caches_tensor[name])
+        assert not torch.equal(caches_int[name], args[name])  # the new entries landed
+    with pytest.raises(ValueError, match="too small"):
+        flash_attn_with_kvcache(**{**args, "cache_seqlens": 40 if not paged else 32})
+
+
 def _bad_inputs(device):
     q = torch.randn(2, 1, 4, 32, device=device, dtype=torch.float16)
     k_cache, v_cache = (torch.randn(2, 40, 2, 32, device=device, dtype=torch.float16) for _ in range(2))
