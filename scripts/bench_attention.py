@@ -7,6 +7,16 @@ inputs in the same process, and each cell also records ours' max abs difference 
 
     python scripts/bench_attention.py --out bench.json            # head_dim 64 and 128, the full grid
     python scripts/bench_attention.py --head-dims 256 --heads-256 8
+
+``--varlen`` instead times a packed batch: seeded random document lengths (short and long ones, no
+block-size multiples) summing exactly to --tokens, through flash_attn_varlen_func, beside ours dense at
+the same total tokens with seqlen = the mean document length rounded to 64 (the headline ratio
+varlen / dense@mean; the bar is >= 0.9, ideally 0.95) and seqlen = the longest document. FLOPs are
+summed per document. FlexAttention with a document mask (if in --impls and --flex-head-dims) is the
+outside reference; the max diff is ours varlen against each document run through flash_attn_func alone.
+
+    python scripts/bench_attention.py --varlen --doc-lengths lognormal --seed 0 --impls ours flex \
+        --flex-head-dims 64 128 --out bench_varlen.json
 """
 
 from __future__ import annotations
@@ -20,13 +30,15 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
-from flashformer.kernels import flash_attn_func
+from flashformer.kernels import (cu_seqlens_from_lengths, document_ids_from_cu_seqlens, flash_attn_func,
+                                 flash_attn_varlen_func)
 
 SDPA_BACKENDS = {
     "sdpa-flash": SDPBackend.FLASH_ATTENTION,
     "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
     "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
 }
+DOC_SIGMA = 1.25  # lognormal spread: at mean 1024, 16k tokens hold documents of tens to thousands of tokens
 
 
 def attention_flops(batch, heads, seqlen, head_dim, causal):
@@ -48,26 +60,81 @@ def _sdpa(backend):
     return run
 
 
-def _flex():
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+def _flex(document_ids=None):
+    """FlexAttention; with ``document_ids`` (per token of a (1, total) packed batch) no query sees another document."""
+    from torch.nn.attention.flex_attention import and_masks, create_block_mask, flex_attention
 
     compiled = torch.compile(flex_attention, dynamic=False)
     masks = {}
 
+    def causal_mod(b, h, qi, ki):
+        return qi >= ki
+
+    def document_mod(b, h, qi, ki):
+        return document_ids[qi] == document_ids[ki]
+
     def run(q, k, v, causal):
         seqlen = q.shape[1]
-        block_mask = None
-        if causal:
-            if seqlen not in masks:
-                masks[seqlen] = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, seqlen, seqlen)
-            block_mask = masks[seqlen]
+        mods = ([causal_mod] if causal else []) + ([document_mod] if document_ids is not None else [])
+        if mods and (seqlen, causal) not in masks:
+            masks[seqlen, causal] = create_block_mask(and_masks(*mods), None, None, seqlen, seqlen)
+        block_mask = masks.get((seqlen, causal))
         out = compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask)
         return out.transpose(1, 2)
     return run
 
 
-def time_fwd_bwd(fn, q, k, v, causal, grad_out):
-    """(forward ms, backward ms, output) of ``fn``; None times when the backend refuses the shape."""
+def document_lengths(tokens, kind="lognormal", seed=0, mean=1024):
+    """Seeded random document lengths (ints >= 1) summing exactly to ``tokens``.
+
+    uniform: integers in [1, 2 * mean); lognormal: mean ``mean``, sigma DOC_SIGMA, i.e. many short
+    documents beside a few long ones that hold much of the batch, as packed pretraining data does.
+    The document that crosses ``tokens`` is cut to fit.
+    """
+    if tokens < 1 or mean < 1:
+        raise ValueError(f"tokens and mean must be >= 1, got {tokens}, {mean}")
+    gen = torch.Generator().manual_seed(seed)
+    draws = 2 * math.ceil(tokens / mean) + 8  # one round nearly always suffices
+
+    def draw():
+        if kind == "uniform":
+            return torch.randint(1, 2 * mean, (draws,), generator=gen)
+        if kind == "lognormal":  # mu = log(mean) - sigma^2 / 2 puts the distribution's mean at `mean`
+            lengths = torch.empty(draws, dtype=torch.float64).log_normal_(math.log(mean) - DOC_SIGMA ** 2 / 2,
+                                                                            DOC_SIGMA, generator=gen)
+            return lengths.round().clamp(1, tokens).long()
+        raise ValueError(f"unknown document length distribution {kind!r}")
+
+    lengths, remaining = [], tokens
+    while remaining:
+        for n in draw().tolist():
+            lengths.append(min(n, remaining))
+            remaining -= lengths[-1]
+            if not remaining:
+                break
+    return lengths
+
+
+def dense_shapes(lengths):
+    """{"mean": (batch, seqlen), "max": (batch, seqlen)}: the dense batches varlen is compared with, at (up to)
+    the same total tokens; the mean length is rounded to a multiple of 64 as a dense benchmark would pick it."""
+    tokens = sum(lengths)
+    mean_len = max(64, round(tokens / len(lengths) / 64) * 64)
+    return {"mean": (max(1, tokens // mean_len), mean_len), "max": (max(1, tokens // max(lengths)), max(lengths))}
+
+
+def per_document_reference(q, k, v, lengths, causal):
+    """Packed (total, heads, head_dim) attention run one document at a time through the dense kernel."""
+    docs = zip(*(t.split(lengths) for t in (q, k, v)))
+    return torch.cat([flash_attn_func(dq[None], dk[None], dv[None], causal=causal)[0] for dq, dk, dv in docs])
+
+
+def time_fwd_bwd(fn, q, k, v, causal, grad_out, flops):
+    """(TFLOP/s cell, forward output) of ``fn``; (None, None) when the backend refuses the shape.
+
+    ``flops`` is the forward's; backward counts 2.5 x that. The forward is timed on inputs without
+    requires_grad, the backward on fresh leaves, so dense, varlen and flex are timed alike.
+    """
     import triton
 
     try:
@@ -79,15 +146,20 @@ def time_fwd_bwd(fn, q, k, v, causal, grad_out):
                                          grad_to_none=leaves, return_mode="median")
     except RuntimeError as err:  # e.g. a backend without a kernel for this head_dim
         tqdm.write(f"  skipped: {str(err).splitlines()[0][:120]}")
-        return None, None, None
-    return fwd_ms, bwd_ms, out
+        return None, None
+    return {"fwd_tflops": flops / fwd_ms / 1e9, "bwd_tflops": 2.5 * flops / bwd_ms / 1e9,
+            "fwd_ms": fwd_ms, "bwd_ms": bwd_ms}, out
+
+
+def heads_for(args, head_dim):
+    return args.heads_256 if head_dim == 256 else args.width // head_dim
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
-    parser.add_argument("--tokens", type=int, default=16384, help="batch * seqlen")
+    parser.add_argument("--tokens", type=int, default=16384, help="batch * seqlen; with --varlen, the packed total")
     parser.add_argument("--width", type=int, default=2048, help="heads * head_dim")
     parser.add_argument("--heads-256", type=int, default=8, help="heads at head_dim 256 (flash-attn uses 8)")
     parser.add_argument("--impls", nargs="+", default=["ours", *SDPA_BACKENDS, "flex"])
@@ -95,19 +167,36 @@ def main(argv=None):
                         help="FlexAttention compiles per shape: only these lengths")
     parser.add_argument("--flex-head-dims", type=int, nargs="+", default=[128])
     parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    parser.add_argument("--varlen", action="store_true", help="time a packed batch of documents instead of the grid")
+    parser.add_argument("--doc-lengths", choices=["uniform", "lognormal"], default="lognormal")
+    parser.add_argument("--doc-mean", type=int, default=1024, help="mean document length of the distribution")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the document lengths")
     parser.add_argument("--out", default="bench_attention.json")
     args = parser.parse_args(argv)
+    causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if args.varlen:
+        record["varlen"] = run_varlen(args, causals)
+        table = varlen_table(record["varlen"])
+    else:
+        record["results"], names = run_grid(args, causals)
+        table = markdown_table(record["results"], names)
+    with open(args.out, "w") as f:
+        json.dump({**record, "autotuned_configs": autotuned_configs()}, f, indent=1)
+    print(table)
 
+
+def run_grid(args, causals):
+    """(rows of the dense grid, implementation names in column order)."""
     impls = {"ours": _ours, **{name: _sdpa(b) for name, b in SDPA_BACKENDS.items()}}
     if "flex" in args.impls:
         impls["flex"] = _flex()
     impls = {name: fn for name, fn in impls.items() if name in args.impls}
-    causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     cells = [(d, c, s) for d in args.head_dims for c in causals for s in args.seqlens]
     results = []
     for head_dim, causal, seqlen in tqdm(cells, desc="attention grid"):
         batch = max(1, args.tokens // seqlen)
-        heads = args.heads_256 if head_dim == 256 else args.width // head_dim
+        heads = heads_for(args, head_dim)
         q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         grad_out = torch.randn_like(q)
         flops = attention_flops(batch, heads, seqlen, head_dim, causal)
@@ -116,20 +205,58 @@ def main(argv=None):
         for name, fn in impls.items():
             if name == "flex" and (seqlen not in args.flex_seqlens or head_dim not in args.flex_head_dims):
                 continue
-            fwd_ms, bwd_ms, out = time_fwd_bwd(fn, q, k, v, causal, grad_out)
-            if fwd_ms is None:
-                continue
-            outputs[name] = out
-            row[name] = {"fwd_tflops": flops / fwd_ms / 1e9, "bwd_tflops": 2.5 * flops / bwd_ms / 1e9,
-                         "fwd_ms": fwd_ms, "bwd_ms": bwd_ms}
+            cell, out = time_fwd_bwd(fn, q, k, v, causal, grad_out, flops)
+            if cell is not None:
+                outputs[name], row[name] = out, cell
         if "ours" in outputs and "sdpa-flash" in outputs:
             row["max_abs_diff_vs_sdpa_flash"] = (outputs["ours"].float() - outputs["sdpa-flash"].float()).abs().max().item()
         results.append(row)
         tqdm.write(json.dumps(row))
-    with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results,
-                   "autotuned_configs": autotuned_configs()}, f, indent=1)
-    print(markdown_table(results, list(impls)))
+    return results, list(impls)
+
+
+def run_varlen(args, causals):
+    """The "varlen" JSON section: drawn lengths, dense shapes, and per (head_dim, causal) a row of
+    ours varlen, ours dense@mean / dense@max, flex with a document mask, ratios and the max diff."""
+    lengths = document_lengths(args.tokens, args.doc_lengths, args.seed, args.doc_mean)
+    cu_seqlens = cu_seqlens_from_lengths(lengths).cuda()
+    max_len, shapes = max(lengths), dense_shapes(lengths)
+    flex = _flex(document_ids_from_cu_seqlens(cu_seqlens)) if "flex" in args.impls else None
+
+    def varlen(q, k, v, causal):
+        return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, causal=causal)
+
+    def flex_packed(q, k, v, causal):  # the packed tokens as one (1, total) sequence
+        return flex(q[None], k[None], v[None], causal)[0]
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+
+    rows = []
+    for head_dim, causal in tqdm([(d, c) for d in args.head_dims for c in causals], desc="varlen"):
+        heads = heads_for(args, head_dim)
+        row = {"head_dim": head_dim, "causal": causal, "docs": len(lengths), "tokens": args.tokens, "heads": heads}
+        q, k, v, grad_out = (randn(args.tokens, heads, head_dim) for _ in range(4))
+        flops = sum(attention_flops(1, heads, n, head_dim, causal) for n in lengths)
+        cell, out = time_fwd_bwd(varlen, q, k, v, causal, grad_out, flops)
+        if cell is not None:
+            row["ours-varlen"] = cell
+            ref = per_document_reference(q, k, v, lengths, causal)
+            row["max_abs_diff_vs_per_doc"] = (out.float() - ref.float()).abs().max().item()
+        if flex is not None and head_dim in args.flex_head_dims:
+            row["flex-document"], _ = time_fwd_bwd(flex_packed, q, k, v, causal, grad_out, flops)
+        for name, (batch, seqlen) in shapes.items():
+            dq, dk, dv, dgrad = (randn(batch, seqlen, heads, head_dim) for _ in range(4))
+            dense_flops = attention_flops(batch, heads, seqlen, head_dim, causal)
+            cell, _ = time_fwd_bwd(_ours, dq, dk, dv, causal, dgrad, dense_flops)
+            row[f"ours-dense@{name}"] = cell and {"batch": batch, "seqlen": seqlen, **cell}
+        if row.get("ours-varlen") and row.get("ours-dense@mean"):
+            row["varlen_over_dense_mean"] = [row["ours-varlen"][p] / row["ours-dense@mean"][p]
+                                             for p in ("fwd_tflops", "bwd_tflops")]
+        rows.append(row)
+        tqdm.write(json.dumps(row))
+    return {"distribution": args.doc_lengths, "doc_mean": args.doc_mean, "seed": args.seed, "tokens": args.tokens,
+            "lengths": lengths, "dense_shapes": shapes, "results": rows}
 
 
 def autotuned_configs():
@@ -157,6 +284,27 @@ def markdown_table(results, names):
         diff = r.get("max_abs_diff_vs_sdpa_flash", math.nan)
         lines.append(f"| {r['head_dim']} | {'yes' if r['causal'] else 'no'} | {r['seqlen']} | {r['batch']} | "
                      + " | ".join(cells) + f" | {ratio} | {diff:.1e} |")
+    return "\n".join(lines)
+
+
+def varlen_table(section):
+    """Fwd / bwd TFLOP/s of the varlen section, a caption line with the drawn lengths and dense shapes."""
+    def tflops(cell):
+        return f"{cell['fwd_tflops']:.0f} / {cell['bwd_tflops']:.0f}" if cell else "–"
+
+    lengths, shapes = section["lengths"], section["dense_shapes"]
+    caption = (f"{len(lengths)} {section['distribution']} documents (seed {section['seed']}), lengths "
+               f"{min(lengths)}..{max(lengths)}; dense@mean = {shapes['mean'][0]} x {shapes['mean'][1]}, "
+               f"dense@max = {shapes['max'][0]} x {shapes['max'][1]} (batch x seqlen)")
+    head = ("| head_dim | causal | docs | tokens | ours varlen | ours dense@mean | ours dense@max "
+            "| varlen / dense@mean (fwd, bwd) | flex document mask | max diff vs per-doc |")
+    lines = [caption, "", head, "|" + "---|" * (head.count("|") - 1)]
+    for r in section["results"]:
+        ratio = ", ".join(f"{x:.2f}" for x in r["varlen_over_dense_mean"]) if "varlen_over_dense_mean" in r else "–"
+        lines.append(f"| {r['head_dim']} | {'yes' if r['causal'] else 'no'} | {r['docs']} | {r['tokens']} | "
+                     f"{tflops(r.get('ours-varlen'))} | {tflops(r.get('ours-dense@mean'))} | "
+                     f"{tflops(r.get('ours-dense@max'))} | {ratio} | {tflops(r.get('flex-document'))} | "
+                     f"{r.get('max_abs_diff_vs_per_doc', math.nan):.1e} |")
     return "\n".join(lines)
 
 

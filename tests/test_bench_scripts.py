@@ -1,0 +1,81 @@
+"""The CPU-checkable parts of scripts/bench_attention.py's varlen mode (the timing itself needs a GPU)."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from flashformer.kernels import flash_attn_varlen_func
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_attention.py")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    # scripts/ is not a package: load the file as a module without running main().
+    spec = importlib.util.spec_from_file_location("bench_attention", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("kind", ["uniform", "lognormal"])
+@pytest.mark.parametrize("tokens,mean", [(16384, 1024), (1000, 64), (1, 8), (50, 4096)])
+def test_document_lengths_sum_exactly_and_are_seeded(bench, kind, tokens, mean):
+    lengths = bench.document_lengths(tokens, kind, seed=0, mean=mean)
+    assert sum(lengths) == tokens and min(lengths) >= 1
+    assert all(isinstance(n, int) for n in lengths)
+    assert bench.document_lengths(tokens, kind, seed=0, mean=mean) == lengths
+    if tokens >= 1000:
+        assert bench.document_lengths(tokens, kind, seed=1, mean=mean) != lengths
+        assert len(lengths) > 1
+
+
+def test_lognormal_lengths_mix_short_and_long_documents(bench):
+    for seed in range(5):
+        lengths = bench.document_lengths(16384, "lognormal", seed=seed, mean=1024)
+        assert min(lengths) < 256 and max(lengths) > 2048, lengths
+        assert any(n % 64 for n in lengths)  # not aligned to any kernel block size
+
+
+def test_bad_arguments_raise(bench):
+    with pytest.raises(ValueError):
+        bench.document_lengths(0)
+    with pytest.raises(ValueError):
+        bench.document_lengths(100, "zipf")
+
+
+def test_cu_seqlens_and_dense_shapes(bench):
+    lengths = bench.document_lengths(16384, "lognormal", seed=0)
+    cu = bench.cu_seqlens_from_lengths(lengths)
+    assert cu.dtype == torch.int32 and cu[0] == 0 and int(cu[-1]) == 16384
+    assert cu.diff().tolist() == lengths
+    shapes = bench.dense_shapes(lengths)
+    batch, seqlen = shapes["mean"]
+    assert seqlen % 64 == 0 and abs(seqlen - 16384 / len(lengths)) <= 32 and batch == 16384 // seqlen
+    assert shapes["max"] == (max(1, 16384 // max(lengths)), max(lengths))
+    assert bench.dense_shapes([10, 20]) == {"mean": (1, 64), "max": (1, 20)}
+
+
+def test_per_document_reference_matches_varlen(bench):
+    lengths = [37, 1, 82]  # few documents: each is a call into the (slow on CPU) dense path
+    q, k, v = (torch.randn(sum(lengths), 2, 16) for _ in range(3))
+    cu = bench.cu_seqlens_from_lengths(lengths)
+    for causal in (False, True):
+        ref = bench.per_document_reference(q, k, v, lengths, causal)
+        out = flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal)
+        # the script's own metric; torch.testing.assert_close's first call imports DTensor (~1 s)
+        assert (out - ref).abs().max().item() < 1e-5
+
+
+def test_varlen_table(bench):
+    cell = {"fwd_tflops": 500.0, "bwd_tflops": 400.0, "fwd_ms": 1.0, "bwd_ms": 2.0}
+    section = {"distribution": "lognormal", "seed": 0, "lengths": [100, 924],
+               "dense_shapes": bench.dense_shapes([100, 924]),
+               "results": [{"head_dim": 128, "causal": True, "docs": 2, "tokens": 1024, "ours-varlen": cell,
+                            "ours-dense@mean": {**cell, "fwd_tflops": 550.0}, "ours-dense@max": None,
+                            "varlen_over_dense_mean": [500 / 550, 1.0], "max_abs_diff_vs_per_doc": 0.0}]}
+    table = bench.varlen_table(section)
+    assert "dense@mean = 2 x 512" in table
+    assert table.splitlines()[-1] == "| 128 | yes | 2 | 1024 | 500 / 400 | 550 / 400 | – | 0.91, 1.00 | – | 0.0e+00 |"
