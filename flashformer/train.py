@@ -462,7 +462,7 @@ class Trainer:
             logits = self.wrapped(batch.input_ids, **batch.model_kwargs())
         return F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten())
 
-    def _train_step(self) -> tuple[torch.Tensor, float, float]:
+    def train_step(self) -> tuple[torch.Tensor, float, float]:
         """One optimizer step; returns (mean loss over this rank's micro batches, grad norm, lr used)."""
         micro_batches = self.batches.next_step()
         loss_sum = torch.zeros((), device=self.device)
@@ -546,7 +546,7 @@ class Trainer:
         with _StopRequests() as stop:
             while self.step < cfg.steps:
                 step_start = time.perf_counter()
-                loss, grad_norm, lr = self._train_step()  # grad_norm is a float: the step has finished
+                loss, grad_norm, lr = self.train_step()  # grad_norm is a float: the step has finished
                 interval_seconds += time.perf_counter() - step_start
                 self.step += 1
                 interval_steps += 1

@@ -250,7 +250,7 @@ def test_invalid_configs_name_the_problem(tmp_path, override, message):
 def test_bad_input_fails_before_the_first_step(tmp_path, data_cache, monkeypatch, fields, error, message):
     (tmp_path / "FILE").write_text("a file where a directory should be")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(Trainer, "_train_step", lambda self: pytest.fail("a training step ran"))
+    monkeypatch.setattr(Trainer, "train_step", lambda self: pytest.fail("a training step ran"))
     fields.setdefault("out_dir", str(tmp_path / "run"))
     with pytest.raises(error, match=message):
         train(load_train_config(tiny_recipe(fields.pop("out_dir"), data_cache, **fields)))
