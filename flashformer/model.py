@@ -249,14 +249,21 @@ class Transformer(nn.Module):
         """The (vocab_size, d_model) output projection: ``lm_head.weight``, or ``embed.weight`` when tied."""
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, kv_cache=None):
-        """Next-token logits.
+    def forward(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, kv_cache=None, *,
+                targets=None, loss_chunk_size=None):
+        """Next-token logits, or with ``targets`` the loss (``self.loss``): the form a DDP / FSDP
+        wrapper, which only hooks ``forward``, can compute without full logits.
 
         Args:
             input_ids, position_ids, cu_seqlens, max_seqlen, kv_cache: as in ``hidden_states``.
+            targets, loss_chunk_size: as ``targets`` and ``chunk_size`` of ``loss``.
         Returns:
-            logits (batch, seqlen, vocab_size) in the model's dtype.
+            logits (batch, seqlen, vocab_size) in the model's dtype, or the fp32 scalar loss.
         """
+        if targets is not None:
+            if kv_cache is not None:
+                raise ValueError("targets (a training loss) and kv_cache (decoding) cannot be combined")
+            return self.loss(input_ids, targets, position_ids, cu_seqlens, max_seqlen, chunk_size=loss_chunk_size)
         hidden = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen, kv_cache)
         return F.linear(hidden, self.output_weight)
 

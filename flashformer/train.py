@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from .checkpoint import atomic_directory, from_pretrained, write_pretrained_files
 from .config import ConfigError, config_to_dict, load_config, save_config
 from .data import DataConfig, TrainBatches, corpus_cache_dir, eval_batches, load_corpus
+from .losses import default_chunk_size
 from .model import ModelConfig, Transformer
 from .parallel import (
     ParallelConfig,
@@ -54,6 +55,7 @@ from .tokenizer import TOKENIZER_FILE, load_tokenizer
 TRAINER_STATE_FILE = "trainer_state.pt"
 METRICS_FILE = "metrics.jsonl"
 _CHECKPOINT_NAME = re.compile(r"^ckpt-(\d+)$")
+CHUNKED_LOSS_MIN_SEQ_LEN = 8192  # chunked_loss=None chunks from here: the logits outgrow the activations
 INTERRUPTED_EXIT_CODE = 130  # the shell's code for a process ended by Ctrl-C
 
 
@@ -113,6 +115,9 @@ class TrainConfig:
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 elsewhere
     compile: bool = False
     activation_checkpointing: bool = False
+    # LM head + cross-entropy in chunks, never holding (tokens x vocab) logits: costs one more LM-head
+    # matmul, saves tens of GB at long context. None: chunk when data.seq_len >= CHUNKED_LOSS_MIN_SEQ_LEN.
+    chunked_loss: bool | None = None
     peak_flops_per_gpu: float = 780e12  # for MFU; H200 dense bf16
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -366,6 +371,8 @@ class Trainer:
         self.optimizer = self._build_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, cfg.optim, cfg.steps))
+        chunked = cfg.chunked_loss if cfg.chunked_loss is not None else cfg.data.seq_len >= CHUNKED_LOSS_MIN_SEQ_LEN
+        self.loss_chunk_size = default_chunk_size(self.model.config.vocab_size) if chunked else None
         self.step = 0
         if self.resume_from is not None:
             self._load_trainer_state(self.resume_from)
@@ -459,6 +466,9 @@ class Trainer:
     def _loss(self, batch) -> torch.Tensor:
         batch = batch.to(self.device)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            if self.loss_chunk_size:
+                return self.wrapped(batch.input_ids, targets=batch.targets, loss_chunk_size=self.loss_chunk_size,
+                                    **batch.model_kwargs())
             logits = self.wrapped(batch.input_ids, **batch.model_kwargs())
         return F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten())
 

@@ -44,7 +44,8 @@ def test_ddp_with_packed_documents_matches_one_process(tmp_path, data_cache):
 
 
 def test_fsdp_matches_one_process_and_resumes(tmp_path, data_cache):
-    fields = dict(steps=6, eval_every=3, ckpt_every=3, batch_size=8, micro_batch_size=4)
+    # chunked_loss: the loss comes out of the sharded root module's forward (DDP above covers logits).
+    fields = dict(steps=6, eval_every=3, ckpt_every=3, batch_size=8, micro_batch_size=4, chunked_loss=True)
     train(load_train_config(tiny_recipe(tmp_path / "one", data_cache, **fields)))
     sharded = tmp_path / "fsdp"
     torchrun(tiny_recipe(sharded, data_cache, parallel={"mode": "fsdp"}, **fields), tmp_path)

@@ -15,6 +15,7 @@ from flashformer.checkpoint import from_pretrained
 from flashformer.cli import main as cli_main
 from flashformer.config import ConfigError
 from flashformer.data import DataError
+from flashformer.model import Transformer
 from flashformer.tokenizer import load_tokenizer, train_bpe
 from flashformer.train import (
     TRAINER_STATE_FILE,
@@ -216,6 +217,34 @@ def test_activation_checkpointing_changes_memory_not_losses(tmp_path, data_cache
         recipe = tiny_recipe(tmp_path / name, data_cache, steps=3, activation_checkpointing=checkpointing)
         train(load_train_config(recipe))
     assert losses(tmp_path / "checkpointed") == losses(tmp_path / "plain")
+
+
+def test_chunked_loss_trains_like_full_logits(tmp_path, data_cache, monkeypatch):
+    """chunked_loss goes through the model's forward (as DDP / FSDP call it) and never builds the
+    (tokens x vocab) logits; its losses equal the full-logits path's up to fp32 rounding."""
+    runs = {}
+    for name, chunked in (("full", False), ("chunked", True)):
+        recipe = tiny_recipe(tmp_path / name, data_cache, steps=3, chunked_loss=chunked)
+        train(load_train_config(recipe))
+        runs[name] = losses(tmp_path / name)
+    for (step, loss, eval_loss), (step_c, loss_c, eval_loss_c) in zip(runs["full"], runs["chunked"]):
+        assert step == step_c
+        assert (loss is None) == (loss_c is None) and (eval_loss is None) == (eval_loss_c is None)
+        for a, b in ((loss, loss_c), (eval_loss, eval_loss_c)):
+            assert a is None or abs(a - b) < 1e-4
+    # The trainer materializes logits only when not chunking: the LM head's full output never appears.
+    seen = []
+    monkeypatch.setattr(Transformer, "forward", _recording_forward(Transformer.forward, seen))
+    train(load_train_config(tiny_recipe(tmp_path / "again", data_cache, steps=1, chunked_loss=True)))
+    assert seen and all(kind == "loss" for kind in seen)
+
+
+def _recording_forward(forward, seen):
+    def record(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        seen.append("loss" if out.dim() == 0 else "logits")
+        return out
+    return record
 
 
 def test_packed_batches_train(tmp_path, data_cache):
