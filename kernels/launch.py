@@ -28,11 +28,13 @@ def _gpu_configs(kind):
         shapes = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
                   (128, 32, 4, 3)]
     elif kind == "bwd_dkdv":
+        # 8 warps at BLOCK_N 64: the dK/dV accumulators of head_dim 256 (128 KB) fit the registers
+        # of 256 threads (148 B spilled vs 7.8 KB with 4 warps; tests/hopper_compile.py).
         shapes = [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 2), (64, 128, 8, 3), (64, 64, 4, 4),
-                  (128, 128, 8, 2)]
+                  (128, 128, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2)]
     else:
         shapes = [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 8, 3), (64, 64, 4, 4),
-                  (128, 128, 8, 2)]
+                  (128, 128, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2)]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
@@ -68,9 +70,8 @@ def _default_gpu_config(kind, head_dim_pad):
         return {"BLOCK_M": 64 if wide else 128, "BLOCK_N": 32 if wide else 64, "num_warps": 4 if wide else 8,
                 "num_stages": 2 if wide else 3}
     if kind == "bwd_dkdv":
-        return {"BLOCK_M": 32, "BLOCK_N": 64 if wide else 128, "num_warps": 4 if wide else 8, "num_stages": 2}
-    return {"BLOCK_M": 64 if wide else 128, "BLOCK_N": 32 if wide else 64, "num_warps": 4 if wide else 8,
-            "num_stages": 2}
+        return {"BLOCK_M": 32, "BLOCK_N": 64 if wide else 128, "num_warps": 8, "num_stages": 2}
+    return {"BLOCK_M": 64 if wide else 128, "BLOCK_N": 32 if wide else 64, "num_warps": 8, "num_stages": 2}
 
 
 # Configs measured offline by scripts/tune_attention.py (long timing runs per shape; the autotuner's

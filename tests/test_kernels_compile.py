@@ -34,3 +34,10 @@ def test_attention_kernels_use_wgmma_and_tma(report):
         if name.startswith(HOPPER_MATRIX_KERNELS):
             assert case["wgmma"] and case["tma"], f"{name}: wgmma={case['wgmma']} tma={case['tma']}"
             assert case["shared_bytes"] <= 227 * 1024, f"{name} needs {case['shared_bytes']} B of shared memory"
+
+
+def test_head_dim_256_backward_fits_the_registers(report):
+    """The default head_dim-256 backward configs (kernels/launch.py) keep their accumulators in
+    registers: a few hundred bytes of spill at most (4 warps spilled 7.8 KB per thread)."""
+    for name in ("bwd_dkdv-d256", "bwd_dq-d256"):
+        assert report[name]["spill_bytes"] <= 512, report[name]
