@@ -192,19 +192,20 @@ def main(argv=None):
     cells = [(d, s, args.heads_256 if d == 256 else args.width // d, c)
              for d in args.head_dims for c in causal_values for s in args.seqlens]
     precompile(cells, args.workers)
+    device_name = torch.cuda.get_device_name()
     results = []
     for head_dim, seqlen, heads, causal in tqdm(cells, desc="tune"):
         picks, rejected = tune_cell(head_dim, seqlen, heads, causal, args.tokens, args.rep_ms)
         for kind, config, why in rejected:
             print(f"rejected d{head_dim} causal={causal} s{seqlen} {kind} {config}: {why}")
         results.append({"head_dim": head_dim, "seqlen": seqlen, "heads": heads, "causal": causal, "picks": picks})
-    device_name = torch.cuda.get_device_name()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": device_name, "torch": torch.__version__, "triton": triton.__version__,
-                       "results": results}, f, indent=1)
+        if not args.dry_run:  # after every cell: a run cut short by a time limit keeps what it measured
+            write_table(args.out, device_name, results[-1:])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": device_name, "torch": torch.__version__, "triton": triton.__version__,
+                           "results": results}, f, indent=1)
     if not args.dry_run:
-        write_table(args.out, device_name, results)
         print(f"wrote {args.out} [{device_name}]")
     print(markdown_table(results))
 
