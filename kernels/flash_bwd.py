@@ -193,7 +193,7 @@ def _bwd_dq_kernel(
     LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest causal programs first, as in the forward
     pid_bh = tl.program_id(1)
     batch = pid_bh // heads_q
     head = pid_bh % heads_q

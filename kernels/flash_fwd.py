@@ -58,7 +58,9 @@ def _attn_fwd_kernel(
     LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    # Query tiles last to first: under a causal mask the last rows see the most keys, so the longest
+    # programs start first and the final wave holds short ones.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
     batch = pid_bh // heads_q
     head = pid_bh % heads_q
