@@ -18,7 +18,7 @@ for stage in "${stages[@]}"; do
               -W ignore 2>&1 | tee "$OUT/quick.log" | tail -4 ;;
     compile) FLASHFORMER_AUTOTUNE=0 timeout 60 python3 -m pytest tests/test_kernels_flash.py -k compile -q \
               -p no:cacheprovider -W ignore 2>&1 | tail -2 ;;
-    slow)   FLASHFORMER_AUTOTUNE=0 timeout 200 python3 -m pytest tests/test_kernels_flash.py -m slow -q -n 15 \
+    slow)   FLASHFORMER_AUTOTUNE=0 timeout 540 python3 -m pytest tests/test_kernels_flash.py -m slow -q -n 15 \
               -p no:cacheprovider -W ignore 2>&1 | tee "$OUT/slow.log" | tail -4 ;;
     tune)   # offline config sweep; the table lands in the working tree (later stages use it) and in $OUT
             timeout 420 python3 scripts/tune_attention.py --rep-ms 120 --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" \
