@@ -11,10 +11,14 @@ From a checkpoint (ours, a run directory, or a Hugging Face directory) trained a
    defaults otherwise) with ``init_from=extended-init``, ``data.seq_len=target``,
    ``data.packing=packed`` (attention never crosses documents) and activation checkpointing, then
    ``flashformer.train.Trainer`` fine-tunes it: the same loop, checkpoints and metrics as ``train``.
-3. Before and after: held-out perplexity at each evaluated length (the same windows, cut from
-   held-out documents, for both models) and passkey retrieval (a 5-digit key hidden at several
-   depths of filler text, scored by greedy decoding). ``long_context_report.json``,
-   ``perplexity_vs_length.png`` and a markdown table (printed last) land in the run directory.
+3. Three models on the same held-out windows at each evaluated length: the original (RoPE as
+   trained), the scaled one before fine-tuning (extended-init) and the fine-tuned one; perplexity
+   and passkey retrieval (a 5-digit key hidden at several depths of filler text, scored by greedy
+   decoding). Then the position-interpolation claim (Chen et al. 2023) as PASS / FAIL: the fine-tuned
+   model at the target is no worse than the original at its own context L, while the original read
+   at the target is more than CLAIM_DEGRADATION times worse. ``long_context_report.json``,
+   ``long_context_report.md`` (table + verdict, also printed last) and ``perplexity_vs_length.png``
+   land in the run directory.
 
 Single process only: evaluation runs where the command runs, not under torchrun.
 """
@@ -54,10 +58,15 @@ SCALINGS = ("linear", "dynamic", "yarn", "llama3", "ntk")
 LLAMA3_LOW_FREQ_FACTOR, LLAMA3_HIGH_FREQ_FACTOR = 1.0, 4.0
 DEFAULT_PASSKEY_DEPTHS = (0.1, 0.5, 0.9)
 REPORT_FILE = "long_context_report.json"
+MARKDOWN_FILE = "long_context_report.md"
 PLOT_FILE = "perplexity_vs_length.png"
 EXTENDED_INIT_DIR = "extended-init"
 PASSKEY_TRAIN_DIR = "passkey-train"
 USAGE_ERROR_EXIT_CODE = 2
+# The models every report compares: RoPE as trained, rescaled but not fine-tuned, rescaled + fine-tuned.
+MODELS = ("original", "scaled", "finetuned")
+# "Far worse" in the claim: the original model read at the target, against itself at its own context.
+CLAIM_DEGRADATION = 2.0
 
 # The passkey task of Mohtashami & Jaggi (2023, "Landmark Attention"), without its preamble so that
 # short contexts still hold a prompt: filler sentences, the needle somewhere inside, the question.
@@ -419,7 +428,7 @@ def evaluate_long_context(model: Transformer, tokenizer, windows: dict[int, torc
         prompts: {length: passkey prompts}, for every length of ``windows``.
         batch_size: windows per forward.
         bf16: perplexity under bf16 autocast.
-        label: prefix of the progress bars ("before" / "after").
+        label: prefix of the progress bars (one of MODELS).
     Returns:
         {length: {"ppl": float, "passkey": float or None (no prompt fits), "passkey_by_depth": {depth: float}}}.
     """
@@ -438,21 +447,60 @@ def evaluate_long_context(model: Transformer, tokenizer, windows: dict[int, torc
 # ----- report -----
 
 
-def markdown_table(report: dict) -> str:
-    """length x (ppl before, ppl after, passkey before, passkey after) as a markdown table."""
+def extension_claim(rows: list[dict], original_len: int, target_len: int) -> dict | None:
+    """Position interpolation's claim on the report's rows, or None when L or the target was not evaluated.
+
+    Returns:
+        The three perplexities it compares, ``finetuned_no_worse`` (fine-tuned at the target <=
+        original at L), ``original_degrades`` (original at the target > CLAIM_DEGRADATION x original
+        at L) and ``passed`` (both).
+    """
+    by_length = {row["length"]: row for row in rows}
+    if original_len not in by_length or target_len not in by_length:
+        return None
+    reference = by_length[original_len]["ppl_original"]
+    finetuned, unextended = by_length[target_len]["ppl_finetuned"], by_length[target_len]["ppl_original"]
+    claim = {"ppl_original_at_original": reference, "ppl_finetuned_at_target": finetuned,
+             "ppl_original_at_target": unextended, "finetuned_no_worse": finetuned <= reference,
+             "original_degrades": unextended > CLAIM_DEGRADATION * reference}
+    return {**claim, "passed": claim["finetuned_no_worse"] and claim["original_degrades"]}
+
+
+def _model_labels(scaling: str) -> dict[str, str]:
+    return {"original": "original", "scaled": f"{scaling} (no fine-tune)", "finetuned": f"{scaling} + fine-tune"}
+
+
+def markdown_report(report: dict) -> str:
+    """Perplexity and passkey accuracy of every model at every length as a markdown table, then the
+    claim's PASS / FAIL line."""
 
     def accuracy(value):
         return "n/a" if value is None else f"{value:.0%}"
 
-    lines = ["| length | ppl before | ppl after | passkey before | passkey after |", "|---:|---:|---:|---:|---:|"]
+    labels = _model_labels(report["scaling"]).values()
+    header = [*(f"ppl {label}" for label in labels), *(f"passkey {label}" for label in labels)]
+    lines = [f"| length | {' | '.join(header)} |", "|---:" * (len(header) + 1) + "|"]
     for row in report["lengths"]:
-        lines.append(f"| {row['length']} | {row['ppl_before']:.3f} | {row['ppl_after']:.3f} | "
-                     f"{accuracy(row['passkey_before'])} | {accuracy(row['passkey_after'])} |")
-    return "\n".join(lines)
+        cells = [*(f"{row[f'ppl_{m}']:.3f}" for m in MODELS), *(accuracy(row[f"passkey_{m}"]) for m in MODELS)]
+        lines.append(f"| {row['length']} | {' | '.join(cells)} |")
+    original_len, target_len, claim = report["original_length"], report["target_length"], report["claim"]
+    if claim is None:
+        verdict = (f"claim not checked: the evaluated lengths must include the original context {original_len} "
+                   f"and the target {target_len}")
+    else:
+        ratio = claim["ppl_original_at_target"] / claim["ppl_original_at_original"]
+        verdict = (f"{'PASS' if claim['passed'] else 'FAIL'}: {_model_labels(report['scaling'])['finetuned']} @ "
+                   f"{target_len}: ppl {claim['ppl_finetuned_at_target']:.3f} "
+                   f"{'<=' if claim['finetuned_no_worse'] else '>'} original @ {original_len}: ppl "
+                   f"{claim['ppl_original_at_original']:.3f} (needs <=); original @ {target_len}: ppl "
+                   f"{claim['ppl_original_at_target']:.3f} = {ratio:.1f}x original @ {original_len} "
+                   f"(needs > {CLAIM_DEGRADATION:g}x)")
+    return "\n".join(lines) + "\n\n" + verdict
 
 
 def plot_perplexity(report: dict, path: str) -> str | None:
-    """Perplexity against evaluated length, unextended vs extended model; None without matplotlib."""
+    """Perplexity (left) and passkey accuracy (right) against evaluated length, one line per model;
+    None without matplotlib."""
     try:
         import matplotlib
 
@@ -462,21 +510,31 @@ def plot_perplexity(report: dict, path: str) -> str | None:
     except ImportError:
         print("matplotlib is not installed: no perplexity plot (pip install matplotlib)")
         return None
-    lengths = [row["length"] for row in report["lengths"]]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(lengths, [row["ppl_before"] for row in report["lengths"]], marker="o", label="unextended (before)")
-    ax.plot(lengths, [row["ppl_after"] for row in report["lengths"]], marker="o",
-            label=f"extended, {report['scaling']} + fine-tuned (after)")
-    ax.axvline(report["original_length"], color="gray", linestyle=":", label="original context")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(lengths, [str(n) for n in lengths])
-    ax.set_yscale("log")  # an unextended model's perplexity beyond its context can be orders larger
-    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.set_xlabel("evaluated context length (tokens)")
-    ax.set_ylabel("held-out perplexity")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    rows, original_len = report["lengths"], report["original_length"]
+    lengths = [row["length"] for row in rows]
+    labels = _model_labels(report["scaling"])
+    labels["original"] = "original (RoPE as trained)"
+    fig, (ppl_ax, passkey_ax) = plt.subplots(1, 2, figsize=(12, 4))
+    for model, style in zip(MODELS, ("-", "--", "-")):
+        ppl_ax.plot(lengths, [row[f"ppl_{model}"] for row in rows], style, marker="o", label=labels[model])
+        passkey_ax.plot(lengths, [math.nan if row[f"passkey_{model}"] is None else row[f"passkey_{model}"]
+                                  for row in rows], style, marker="o", label=labels[model])
+    if report["claim"] is not None:  # the bar the fine-tuned model must stay under at the target
+        ppl_ax.axhline(report["claim"]["ppl_original_at_original"], color="gray", linestyle="--", linewidth=0.8,
+                       label=f"original @ {original_len}")
+    for ax in (ppl_ax, passkey_ax):
+        ax.axvline(original_len, color="gray", linestyle=":", label="original context")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.set_xlabel("evaluated context length (tokens)")
+        ax.grid(alpha=0.3)
+    ppl_ax.set_yscale("log")  # an unextended model's perplexity beyond its context can be orders larger
+    ppl_ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ppl_ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
+    ppl_ax.set_ylabel("held-out perplexity")
+    ppl_ax.legend()
+    passkey_ax.set_ylim(-0.05, 1.05)
+    passkey_ax.set_ylabel("passkey accuracy")
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
@@ -500,7 +558,7 @@ def finetune_long(args: argparse.Namespace) -> dict | None:
     Args:
         args: ``main``'s parsed arguments.
     Returns:
-        The report (also written as JSON), or None when training was interrupted.
+        The report (also written as JSON and markdown), or None when training was interrupted.
     """
     checkpoint = resolve_checkpoint(args.checkpoint)
     original = from_pretrained(checkpoint)
@@ -528,15 +586,25 @@ def finetune_long(args: argparse.Namespace) -> dict | None:
     trainer = Trainer(cfg)
     windows = held_out_windows(load_corpus(held_out_data, tokenizer)[1], lengths, args.eval_windows)
     prompts = {n: passkey_prompts(tokenizer, n, args.passkey_depths, args.passkey_trials, cfg.seed) for n in lengths}
-    before = evaluate_long_context(original.to(trainer.device), tokenizer, windows, prompts, cfg.micro_batch_size,
-                                   trainer.bf16, "before")
+
+    def evaluate(model: Transformer, label: str) -> dict[int, dict]:
+        return evaluate_long_context(model.to(trainer.device), tokenizer, windows, prompts, cfg.micro_batch_size,
+                                     trainer.bf16, label)
+
+    def load(path: str) -> Transformer:
+        return from_pretrained(path, device=trainer.device, attn_backend=cfg.model.attn_backend)
+
+    results = {"original": evaluate(original, "original")}
     del original  # its memory is the fine-tuning's
+    results["scaled"] = evaluate(load(cfg.init_from), "scaled")
     result = trainer.fit()
     if result.interrupted:
         return None
     finetuned_dir = latest_checkpoint(trainer.run_dir)
-    finetuned = from_pretrained(finetuned_dir, device=trainer.device, attn_backend=cfg.model.attn_backend)
-    after = evaluate_long_context(finetuned, tokenizer, windows, prompts, cfg.micro_batch_size, trainer.bf16, "after")
+    results["finetuned"] = evaluate(load(finetuned_dir), "finetuned")
+    rows = [{"length": n, **{f"{metric}_{model}": results[model][n][metric]
+                             for metric in ("ppl", "passkey", "passkey_by_depth") for model in MODELS}}
+            for n in lengths]
     report = {
         "checkpoint": checkpoint,
         "run_dir": trainer.run_dir,
@@ -552,22 +620,20 @@ def finetune_long(args: argparse.Namespace) -> dict | None:
         "passkey_train_fraction": args.passkey_train_fraction,
         "passkey_depths": list(args.passkey_depths),
         "passkey_prompts_per_length": {n: len(p) for n, p in prompts.items()},
-        "lengths": [
-            {"length": n, "ppl_before": before[n]["ppl"], "ppl_after": after[n]["ppl"],
-             "passkey_before": before[n]["passkey"], "passkey_after": after[n]["passkey"],
-             "passkey_by_depth_before": before[n]["passkey_by_depth"],
-             "passkey_by_depth_after": after[n]["passkey_by_depth"]}
-            for n in lengths
-        ],
+        "lengths": rows,
+        "claim": extension_claim(rows, original_len, args.target_len),
     }
     with open(os.path.join(trainer.run_dir, REPORT_FILE), "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2)
+    with open(os.path.join(trainer.run_dir, MARKDOWN_FILE), "w", encoding="utf-8") as f:
+        f.write(markdown_report(report) + "\n")
     plot_perplexity(report, os.path.join(trainer.run_dir, PLOT_FILE))
     return report
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``flashformer finetune-long CHECKPOINT --target-len N``: extend the context, report before / after."""
+    """``flashformer finetune-long CHECKPOINT --target-len N``: extend the context, report original / scaled /
+    fine-tuned."""
     parser = argparse.ArgumentParser(prog="flashformer finetune-long", description=main.__doc__)
     parser.add_argument("checkpoint", help="our checkpoint or run directory, or a Hugging Face directory")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
@@ -596,5 +662,5 @@ def main(argv: list[str] | None = None) -> int:
     if report is None:
         return INTERRUPTED_EXIT_CODE
     print(f"report: {os.path.join(report['run_dir'], REPORT_FILE)}")
-    print(markdown_table(report))
+    print(markdown_report(report))
     return 0

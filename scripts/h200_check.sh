@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
 # One H200 session: install, correctness (kernels without the interpreter), then the benchmarks.
-# Each stage has its own time limit so that one slow stage cannot eat the lease; logs go to $OUT.
+# Each stage has its own time limit so that one slow stage cannot eat the lease; results come back
+# as $OUT/results.tgz (and $OUT/tuned_configs.json after the tune stage).
 # Usage on the device machine: bash scripts/h200_check.sh [stage ...]   (default: all stages)
 set -uo pipefail
 OUT="${OUT:-out}"; mkdir -p "$OUT"
+# The device tool returns at most 8 files from $OUT: stages write to RES, packed into one archive at exit.
+RES=/tmp/h200-results; mkdir -p "$RES"
+# Checkpoints and weights stay behind (the archive may hold 16 MiB).
+trap 'tar czf "$OUT/results.tgz" --exclude="*.safetensors" --exclude="*.pt" --exclude="*.bin" -C "$RES" .;
+      cp -f kernels/tuned_configs.json "$OUT/" 2>/dev/null' EXIT
 export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then  # packages the device image lacks (datasets and its pure-Python deps)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
@@ -15,23 +21,26 @@ for stage in "${stages[@]}"; do
   case $stage in
     quick)  FLASHFORMER_AUTOTUNE=0 timeout 120 python3 -m pytest tests/test_kernels_flash.py tests/test_kernels_api.py \
               tests/test_kernels_varlen.py tests/test_kernels_decode.py tests/test_kernels_launch.py -q -n 15 -p no:cacheprovider \
-              -W ignore 2>&1 | tee "$OUT/quick.log" | tail -4 ;;
+              -W ignore 2>&1 | tee "$RES/quick.log" | tail -4 ;;
     compile) FLASHFORMER_AUTOTUNE=0 timeout 60 python3 -m pytest tests/test_kernels_flash.py -k compile -q \
               -p no:cacheprovider -W ignore 2>&1 | tail -2 ;;
     slow)   FLASHFORMER_AUTOTUNE=0 timeout 540 python3 -m pytest tests/test_kernels_flash.py -m slow -q -n 15 \
-              -p no:cacheprovider -W ignore 2>&1 | tee "$OUT/slow.log" | tail -4 ;;
+              -p no:cacheprovider -W ignore 2>&1 | tee "$RES/slow.log" | tail -4 ;;
     tune)   # offline config sweep; the table lands in the working tree (later stages use it) and in $OUT
-            timeout 420 python3 scripts/tune_attention.py --rep-ms 120 --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" \
-              | grep -v "it/s\]" | tail -45; cp kernels/tuned_configs.json "$OUT/" ;;
-    decode) timeout 150 python3 scripts/bench_decode.py --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" \
+            timeout 420 python3 scripts/tune_attention.py --rep-ms 120 --json "$RES/tune.json" 2>&1 | tee "$RES/tune.log" \
+              | grep -v "it/s\]" | tail -45 ;;
+    decode) timeout 150 python3 scripts/bench_decode.py --out "$RES/decode.json" 2>&1 | tee "$RES/decode.log" \
               | grep "^|" ;;
     attention) timeout 240 python3 scripts/bench_attention.py --impls ours sdpa-flash sdpa-cudnn --head-dims 64 128 256 \
-              --out "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | grep "^|" ;;
-    varlen) timeout 120 python3 scripts/bench_attention.py --varlen --impls ours --out "$OUT/varlen.json" 2>&1 \
-              | tee "$OUT/varlen.log" | grep "documents\|^|" ;;
+              --out "$RES/attention.json" 2>&1 | tee "$RES/attention.log" | grep "^|" ;;
+    varlen) timeout 120 python3 scripts/bench_attention.py --varlen --impls ours --out "$RES/varlen.json" 2>&1 \
+              | tee "$RES/varlen.log" | grep "documents\|^|" ;;
     train)  timeout 300 python3 scripts/bench_train.py configs/gpt2-124m.yaml --seqlens 1024 4096 16384 --steps 60 \
-              --profile 5 --out "$OUT/train.json" 2>&1 | tee "$OUT/train.log" | grep "^|\| @ " ;;
-    memory) timeout 420 python3 scripts/memory_savings.py --device cuda --max 524288 --out "$OUT/memory.json" \
-              --plot "$OUT/memory.png" 2>&1 | tee "$OUT/memory.log" | grep -v "it/s\]" | tail -30 ;;
+              --profile 5 --out "$RES/train.json" 2>&1 | tee "$RES/train.log" | grep "^|\| @ " ;;
+    memory) timeout 420 python3 scripts/memory_savings.py --device cuda --max 524288 --out "$RES/memory.json" \
+              --plot "$RES/memory.png" 2>&1 | tee "$RES/memory.log" | grep -v "it/s\]" | tail -30 ;;
+    pi)     # position interpolation 1k -> 8k (issue #6); ~7.5 min alone
+            FLASHFORMER_AUTOTUNE=0 timeout 540 bash scripts/pi_reproduction.sh "$RES/pi" > "$RES/pi.log" 2>&1
+            tr '\r' '\n' < "$RES/pi.log" | grep -a -v '%|' | tail -30 ;;
   esac
 done
