@@ -15,7 +15,7 @@ if [ -d .whl ]; then  # packages the device image lacks (datasets and its pure-P
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING
-stages=("$@"); [ ${#stages[@]} -eq 0 ] && stages=(quick compile tune slow attention varlen decode train)
+stages=("$@"); [ ${#stages[@]} -eq 0 ] && stages=(quick compile tune slow attention varlen descriptors decode train)
 for stage in "${stages[@]}"; do
   echo "=== $stage $(date -u +%FT%TZ)"
   case $stage in
@@ -29,6 +29,7 @@ for stage in "${stages[@]}"; do
     tune)   # offline config sweep; the table lands in the working tree (later stages use it) and in $OUT
             timeout 420 python3 scripts/tune_attention.py --rep-ms 120 --json "$RES/tune.json" 2>&1 | tee "$RES/tune.log" \
               | grep -v "it/s\]" | tail -45 ;;
+    descriptors) timeout 90 python3 scripts/bench_descriptors.py 2>&1 | tee "$RES/descriptors.log" | grep "^|" ;;
     decode) timeout 150 python3 scripts/bench_decode.py --out "$RES/decode.json" 2>&1 | tee "$RES/decode.log" \
               | grep "^|" ;;
     attention) timeout 240 python3 scripts/bench_attention.py --impls ours sdpa-flash sdpa-cudnn --head-dims 64 128 256 \

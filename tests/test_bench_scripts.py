@@ -1,4 +1,4 @@
-"""The CPU-checkable parts of scripts/bench_attention.py's varlen mode (the timing itself needs a GPU)."""
+"""The CPU-checkable parts of the benchmark scripts (their timing needs a GPU)."""
 
 import importlib.util
 import os
@@ -8,16 +8,20 @@ import torch
 
 from flashformer.kernels import flash_attn_varlen_func
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_attention.py")
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+
+
+def _load_script(name):
+    """scripts/ is not a package: load one file as a module without running its main()."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    # scripts/ is not a package: load the file as a module without running main().
-    spec = importlib.util.spec_from_file_location("bench_attention", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _load_script("bench_attention")
 
 
 @pytest.mark.parametrize("kind", ["uniform", "lognormal"])
@@ -79,3 +83,11 @@ def test_varlen_table(bench):
     table = bench.varlen_table(section)
     assert "dense@mean = 2 x 512" in table
     assert table.splitlines()[-1] == "| 128 | yes | 2 | 1024 | 500 / 400 | 550 / 400 | – | 0.91, 1.00 | – | 0.0e+00 |"
+
+
+def test_descriptor_benchmark_variants_agree(monkeypatch):
+    """bench_descriptors' three kernels (device / host TMA descriptor, pointers) sum the same tiles."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    bench = _load_script("bench_descriptors")
+    failed = {name: run for name, run in bench.checked_launchers(3, 2, "cpu").items() if isinstance(run, str)}
+    assert not failed
