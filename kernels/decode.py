@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .flash_fwd import log2_scales
 from .launch import as_descriptor_compatible, dot_precision, ensure_allocator, new_output, upcast_dot
-from .tile_ops import attention_logits, key_range, online_softmax_step
+from .tile_ops import attention_logits, key_range, narrow, online_softmax_step
 
 LN2 = tl.constexpr(math.log(2.0))
 # The interpreter has no SMs: use the H200's count so that CPU runs take the GPU's split decisions.
@@ -139,7 +139,7 @@ def _decode_kernel(
         tl.store(O_PART + part_row[:, None] * HEAD_DIM + dims[None, :], acc, mask=tile_ok)
         tl.store(LSE_PART + part_row, lse, mask=row_ok)
     else:
-        tl.store(O + out_row[:, None] * HEAD_DIM + dims[None, :], acc.to(O.dtype.element_ty), mask=tile_ok)
+        tl.store(O + out_row[:, None] * HEAD_DIM + dims[None, :], narrow(acc, O.dtype.element_ty), mask=tile_ok)
         tl.store(LSE + (batch * heads_q + heads) * seqlen_q + tokens, lse, mask=row_ok)
 
 
@@ -160,7 +160,7 @@ def _combine_kernel(O_PART, LSE_PART, O, LSE, seqlen_q, heads_q, num_splits,
     total = tl.sum(weights, 0)
     out = tl.sum(out_s * weights[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     lse = tl.where(total == 0.0, float("-inf"), lse_max_safe + tl.log(total))
-    tl.store(O + row * HEAD_DIM + dims, out.to(O.dtype.element_ty), mask=dims < HEAD_DIM)
+    tl.store(O + row * HEAD_DIM + dims, narrow(out, O.dtype.element_ty), mask=dims < HEAD_DIM)
     batch = row // (seqlen_q * heads_q)
     token = (row // heads_q) % seqlen_q
     head = row % heads_q

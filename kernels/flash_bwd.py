@@ -1,4 +1,5 @@
-"""FlashAttention backward in Triton, deterministic: no atomics, every gradient written by one program.
+"""FlashAttention backward in Triton. Deterministic by default: no atomics, every gradient written by
+one program.
 
 Three launches:
 1. ``_bwd_preprocess``: delta_i = sum_d dO_id * O_id - dLSE_i (a gradient into lse enters as -delta,
@@ -11,19 +12,25 @@ Three launches:
 3. ``_bwd_dq_kernel``: one program per query tile and query head; it walks the key tiles like the
    forward does and accumulates dQ.
 
+With deterministic=False, step 3 is folded into step 2: the dK/dV program also forms each query
+tile's dQ share dS K and adds it to an fp32 buffer (a TMA reduction on the GPU, pointer atomics in
+the interpreter), saving the dQ kernel's two recomputed products (5 tile matmuls instead of 7) at
+the price of a summation order that varies between runs.
+
 With s = qk * scale (or softcap * tanh(qk * scale / softcap)): dS = P * (dP - delta), and
 d qk = dS * scale (times 1 - tanh^2 with softcap).
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from .flash_fwd import log2_scales
-from .launch import (as_descriptor_compatible, dot_precision, ensure_allocator, new_output, pick_kernel, seq_strides,
-                     table_mask, tuned, upcast_dot)
-from .tile_ops import key_range, mma, query_range, rows_descriptor, sequence_bounds, tanh, visible
+from .launch import (INTERPRETED, as_descriptor_compatible, dot_precision, ensure_allocator, new_output, pick_kernel,
+                     seq_strides, table_mask, tuned, upcast_dot)
+from .tile_ops import key_range, mma, narrow, query_range, rows_descriptor, sequence_bounds, tanh, visible
 
 PREPROCESS_BLOCK = 64
 
@@ -62,11 +69,12 @@ def _bwd_preprocess(
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, LSE_LOG2, DELTA, cols, start, end,
+def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, DQ_ACC, stride_dq_acc, LSE_LOG2, DELTA, cols, start, end,
                 qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
-                BLOCK_M: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
-                LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
+                LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, ACCUMULATE_DQ: tl.constexpr,
+                DQ_TMA_REDUCE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
     for m0 in tl.range(start, end, BLOCK_M):
         q = q_desc.load([m0, 0])
         do = do_desc.load([m0, 0])
@@ -83,20 +91,30 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, LSE_LOG2, DELTA, cols, start, end
             keep = visible(rows[None, :], cols[:, None], seqlen_q, seqlen_k, window_left, window_right,
                            LEFT_BOUNDED, RIGHT_BOUNDED)
             p_t = tl.where(keep, p_t, 0.0)
-        dv += mma(p_t.to(do.dtype), do, DOT_PRECISION, UPCAST_DOT)
+        dv += mma(narrow(p_t, do.dtype), do, DOT_PRECISION, UPCAST_DOT)
         dp_t = mma(v, tl.trans(do), DOT_PRECISION, UPCAST_DOT)
         ds_t = p_t * (dp_t - delta[None, :])
         if HAS_SOFTCAP:
             ds_t = ds_t * (1.0 - tanh_t * tanh_t)
-        dk += mma(ds_t.to(q.dtype), q, DOT_PRECISION, UPCAST_DOT)
+        ds_t = narrow(ds_t, q.dtype)
+        dk += mma(ds_t, q, DOT_PRECISION, UPCAST_DOT)
+        if ACCUMULATE_DQ:  # this key tile's share of dQ, added to the fp32 accumulator in arrival order
+            dq = mma(tl.trans(ds_t), k, DOT_PRECISION, UPCAST_DOT)
+            if DQ_TMA_REDUCE:
+                dq_desc.atomic_add([m0, 0], dq)
+            else:  # Triton's interpreter has no TMA reduction
+                dims = tl.arange(0, HEAD_DIM_PAD)
+                tl.atomic_add(DQ_ACC + rows[:, None] * stride_dq_acc + dims[None, :], dq,
+                              mask=(rows[:, None] < seqlen_q) & (dims[None, :] < HEAD_DIM))
     return dk, dv
 
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, LSE_LOG2, DELTA, CU_SEQLENS_Q, CU_SEQLENS_K,
+    Q, K, V, DO, DK, DV, DQ_ACC, LSE_LOG2, DELTA, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+    stride_dqab, stride_dqas, stride_dqah,
     stride_lse_b, stride_lse_h,
     seqlen_q, seqlen_k, heads_kv,
     softmax_scale, qk_scale, softcap_log2, window_left, window_right,
@@ -104,7 +122,8 @@ def _bwd_dkdv_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, DQ_TMA_REDUCE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -135,21 +154,30 @@ def _bwd_dkdv_kernel(
                                   stride_dos, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
         lse_ptr = LSE_LOG2 + lse_base + head * stride_lse_h
         delta_ptr = DELTA + lse_base + head * stride_lse_h
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, lse_ptr, delta_ptr, cols, start, un_lo,
-                             qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
-                             BLOCK_M, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, lse_ptr, delta_ptr, cols, un_lo, un_hi,
-                             qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
-                             BLOCK_M, HAS_SOFTCAP, False, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, lse_ptr, delta_ptr, cols, un_hi, end,
-                             qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
-                             BLOCK_M, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
+        dq_acc = DQ_ACC
+        dq_desc = q_desc  # a placeholder unless the TMA reduction is used
+        if ACCUMULATE_DQ:
+            dq_acc = DQ_ACC + batch * stride_dqab + q_start * stride_dqas + head * stride_dqah
+            if DQ_TMA_REDUCE:
+                dq_desc = rows_descriptor(dq_acc, seqlen_q, stride_dqas, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_acc, stride_dqas, lse_ptr, delta_ptr, cols,
+                             start, un_lo, qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
+                             BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED,
+                             ACCUMULATE_DQ, DQ_TMA_REDUCE, DOT_PRECISION, UPCAST_DOT)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_acc, stride_dqas, lse_ptr, delta_ptr, cols,
+                             un_lo, un_hi, qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
+                             BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HAS_SOFTCAP, False, LEFT_BOUNDED, RIGHT_BOUNDED,
+                             ACCUMULATE_DQ, DQ_TMA_REDUCE, DOT_PRECISION, UPCAST_DOT)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_acc, stride_dqas, lse_ptr, delta_ptr, cols,
+                             un_hi, end, qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
+                             BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED,
+                             ACCUMULATE_DQ, DQ_TMA_REDUCE, DOT_PRECISION, UPCAST_DOT)
     dk_desc = rows_descriptor(DK + batch * stride_dkb + k_start * stride_dks + kv_head * stride_dkh, seqlen_k,
                               stride_dks, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
     dv_desc = rows_descriptor(DV + batch * stride_dvb + k_start * stride_dvs + kv_head * stride_dvh, seqlen_k,
                               stride_dvs, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
-    dk_desc.store([n0, 0], (dk * softmax_scale).to(DK.dtype.element_ty))
-    dv_desc.store([n0, 0], dv.to(DV.dtype.element_ty))
+    dk_desc.store([n0, 0], narrow(dk * softmax_scale, DK.dtype.element_ty))
+    dv_desc.store([n0, 0], narrow(dv, DV.dtype.element_ty))
 
 
 @triton.jit
@@ -175,7 +203,7 @@ def _dq_tiles(dq, q, do, lse_log2, delta, k_desc, v_desc, rows, start, end,
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             ds = ds * (1.0 - tanh_s * tanh_s)
-        dq += mma(ds.to(k.dtype), k, DOT_PRECISION, UPCAST_DOT)
+        dq += mma(narrow(ds, k.dtype), k, DOT_PRECISION, UPCAST_DOT)
     return dq
 
 
@@ -231,20 +259,26 @@ def _bwd_dq_kernel(
                    BLOCK_N, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
     dq_desc = rows_descriptor(DQ + batch * stride_dqb + q_start * stride_dqs + head * stride_dqh, seqlen_q,
                               stride_dqs, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
-    dq_desc.store([m0, 0], (dq * softmax_scale).to(DQ.dtype.element_ty))
+    dq_desc.store([m0, 0], narrow(dq * softmax_scale, DQ.dtype.element_ty))
 
 
-_bwd_dkdv_tuned = tuned(_bwd_dkdv_kernel, "bwd_dkdv")
+# One kernel, two autotuned launchers: the dQ-accumulating variant has its own config space.
+_bwd_dkdv_tuned = tuned(_bwd_dkdv_kernel, "bwd_dkdv", extra_key=("ACCUMULATE_DQ",))
+_bwd_fused_tuned = tuned(_bwd_dkdv_kernel, "bwd_fused", extra_key=("ACCUMULATE_DQ",))
 _bwd_dq_tuned = tuned(_bwd_dq_kernel, "bwd_dq")
 
 
 def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, window_left, window_right,
-                       softcap, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+                       softcap, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                       deterministic=True):
     """Launch the backward kernels; returns (dq, dk, dv) shaped like (q, k, v).
 
     Args:
         grad_out: like out; grad_lse: like lse, or None when lse took no gradient.
         q, k, v, out, lse: as given to / returned by flash_fwd.attention_forward (dense or varlen).
+        deterministic: True: the dQ kernel recomputes the tiles (7 tile matmuls, bit-identical
+            results). False: the dK/dV kernel also adds each tile's dQ share into an fp32 buffer
+            (5 matmuls; TMA reductions on the GPU, whose order varies from run to run).
     """
     is_varlen = cu_seqlens_q is not None
     q, k, v, out, grad_out = (as_descriptor_compatible(t) for t in (q, k, v, out, grad_out))
@@ -285,13 +319,18 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
                    *seq_strides(grad_out, is_varlen))
 
     mask = table_mask(window_left, window_right, softcap)
-    kernel, config = pick_kernel(q.device, "bwd_dkdv", _bwd_dkdv_kernel, _bwd_dkdv_tuned, head_dim_pad, mask,
-                                 buckets[0])
+    dq_acc = None if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kind, tuned_kernel = ("bwd_dkdv", _bwd_dkdv_tuned) if deterministic else ("bwd_fused", _bwd_fused_tuned)
+    kernel, config = pick_kernel(q.device, kind, _bwd_dkdv_kernel, tuned_kernel, head_dim_pad, mask, buckets[0])
     kernel[lambda meta: (triton.cdiv(seqlen_k, meta["BLOCK_N"]), batch * heads_kv)](
-        q, k, v, grad_out, dk, dv, lse_log2, delta, cu_seqlens_q, cu_seqlens_k,
-        *strides_qkv, *seq_strides(dk, is_varlen), *seq_strides(dv, is_varlen), *strides_lse,
-        seqlen_q, seqlen_k, heads_kv, *scalars, **common, **config,
+        q, k, v, grad_out, dk, dv, dq_acc, lse_log2, delta, cu_seqlens_q, cu_seqlens_k,
+        *strides_qkv, *seq_strides(dk, is_varlen), *seq_strides(dv, is_varlen),
+        *(seq_strides(dq_acc, is_varlen) if dq_acc is not None else (0, 0, 0)), *strides_lse,
+        seqlen_q, seqlen_k, heads_kv, *scalars, **common, ACCUMULATE_DQ=not deterministic,
+        DQ_TMA_REDUCE=not INTERPRETED, **config,
     )
+    if not deterministic:
+        return dq.copy_(dq_acc.mul_(softmax_scale)), dk, dv
     kernel, config = pick_kernel(q.device, "bwd_dq", _bwd_dq_kernel, _bwd_dq_tuned, head_dim_pad, mask, buckets[0])
     kernel[lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * heads_q)](
         q, k, v, grad_out, dq, lse_log2, delta, cu_seqlens_q, cu_seqlens_k,

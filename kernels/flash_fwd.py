@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .launch import (as_descriptor_compatible, dot_precision, ensure_allocator, new_output, pick_kernel, seq_strides,
                      table_mask, tuned, upcast_dot)
-from .tile_ops import attention_logits, key_range, online_softmax_step, rows_descriptor, sequence_bounds
+from .tile_ops import attention_logits, key_range, narrow, online_softmax_step, rows_descriptor, sequence_bounds
 
 LOG2E = 1.4426950408889634
 
@@ -101,7 +101,7 @@ def _attn_fwd_kernel(
     empty = row_sum == 0.0
     acc = acc / tl.where(empty, 1.0, row_sum)[:, None]
     lse = tl.where(empty, float("-inf"), (row_max + tl.log2(row_sum)) * 0.6931471805599453)
-    o_desc.store([m0, 0], acc.to(O.dtype.element_ty))
+    o_desc.store([m0, 0], narrow(acc, O.dtype.element_ty))
     tl.store(LSE + batch * stride_lse_b + q_start + head * stride_lse_h + rows, lse, mask=rows < seqlen_q)
 
 

@@ -120,7 +120,9 @@ def autocast_inputs(*tensors):
 
 def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
                   cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
-                  window_left: int, window_right: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  window_left: int, window_right: int, softcap: float,
+                  deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # ``deterministic`` only shapes the backward; it rides along so that autograd hands it back.
     from .flash_fwd import attention_forward
 
     return attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap,
@@ -131,11 +133,11 @@ def _backward_impl(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: 
                    v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
                    cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
                    softmax_scale: float, window_left: int, window_right: int,
-                   softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from .flash_bwd import attention_backward
 
     return attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, window_left, window_right,
-                              softcap, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                              softcap, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic)
 
 
 _flash_attn_fwd = torch.library.custom_op("flashformer::flash_attn_fwd", _forward_impl, mutates_args=())
@@ -144,7 +146,7 @@ _flash_attn_bwd = torch.library.custom_op("flashformer::flash_attn_bwd", _backwa
 
 @_flash_attn_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
-      softcap):
+      softcap, deterministic):
     lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else (q.shape[0], q.shape[2], q.shape[1])
     return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
 
@@ -169,7 +171,7 @@ def _gradients(ctx, grad_out, grad_lse):
     # (the common case) skips its read instead of materialising zeros.
     backward = _flash_attn_bwd if torch.compiler.is_compiling() else _backward_impl
     dq, dk, dv = backward(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.params)
-    return dq, dk, dv, *([None] * 8)
+    return dq, dk, dv, *([None] * 9)
 
 
 _flash_attn_fwd.register_autograd(_gradients, setup_context=_save_for_backward)
@@ -195,10 +197,11 @@ def _triton_attention(*inputs):
     return _FlashAttention.apply(*inputs)
 
 
-def attention_with_lse(q, k, v, softmax_scale, window_left, window_right, softcap):
+def attention_with_lse(q, k, v, softmax_scale, window_left, window_right, softcap, deterministic=True):
     """Dispatch validated dense inputs to the chosen path; returns (out, lse), both differentiable."""
     if kernel_impl(q.device) == "triton":
-        return _triton_attention(q, k, v, None, None, 0, 0, softmax_scale, window_left, window_right, softcap)
+        return _triton_attention(q, k, v, None, None, 0, 0, softmax_scale, window_left, window_right, softcap,
+                                 deterministic)
     return attention_tiled(q, k, v, softmax_scale, window_left, window_right, softcap)
 
 
@@ -244,7 +247,8 @@ def _max_seqlen(name, given, cu_seqlens):
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, causal=False,
-                           softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False):
+                           softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False,
+                           deterministic=True):
     """Exact attention over sequences packed along the token dim, flash-attn's varlen API.
 
     No attention crosses a sequence boundary; every option of flash_attn_func applies per sequence
@@ -255,10 +259,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) offsets: sequence b is rows
             [cu[b], cu[b + 1]). Same batch for q and k.
         max_seqlen_q, max_seqlen_k: longest sequence lengths (computed when None).
+        causal, softmax_scale, window_size, softcap, return_lse, deterministic: as flash_attn_func.
     Returns:
         out (total_q, heads_q, head_dim), or (out, lse) with lse (heads_q, total_q) fp32.
     """
     softmax_scale, window_size = check_attention_args(q, k, v, 0, softmax_scale, window_size, softcap)
+    deterministic = _check_deterministic(deterministic)
     check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
     check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
@@ -270,15 +276,21 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     window_left, window_right = normalize_window(causal, window_size)
     if kernel_impl(q.device) == "triton":
         out, lse = _triton_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                                   window_left, window_right, float(softcap))
+                                   window_left, window_right, float(softcap), deterministic)
     else:
         out, lse = _varlen_tiled(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right,
                                  float(softcap))
     return (out, lse) if return_lse else out
 
 
+def _check_deterministic(deterministic):
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"deterministic must be a bool, got {deterministic!r}")
+    return deterministic
+
+
 def flash_attn_func(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                    return_lse=False):
+                    return_lse=False, deterministic=True):
     """Exact attention, flash-attn's dense API.
 
     Args:
@@ -291,11 +303,15 @@ def flash_attn_func(q, k, v, causal=False, softmax_scale=None, window_size=(-1, 
         softcap: if > 0, scores become softcap * tanh(scores / softcap) before masking.
         return_lse: also return lse (batch, heads_q, seqlen_q), fp32, natural log; -inf for a row
             that sees no key (its output is 0).
+        deterministic: True (the default): the backward gives bit-identical gradients run after run.
+            False: a faster backward (5 tile matmuls instead of 7) that adds dQ in whatever order the
+            GPU's reductions arrive, as flash-attn does by default. The PyTorch path ignores it.
     Returns:
         out (batch, seqlen_q, heads_q, head_dim), or (out, lse).
     """
     softmax_scale, window_size = check_attention_args(q, k, v, 1, softmax_scale, window_size, softcap)
     q, k, v = autocast_inputs(q, k, v)
     window_left, window_right = normalize_window(causal, window_size)
-    out, lse = attention_with_lse(q, k, v, softmax_scale, window_left, window_right, float(softcap))
+    out, lse = attention_with_lse(q, k, v, softmax_scale, window_left, window_right, float(softcap),
+                                  _check_deterministic(deterministic))
     return (out, lse) if return_lse else out

@@ -19,6 +19,7 @@ INTERPRETER_CONFIGS = {
     "fwd": {"BLOCK_M": 64, "BLOCK_N": 32},
     "bwd_dkdv": {"BLOCK_M": 32, "BLOCK_N": 64},
     "bwd_dq": {"BLOCK_M": 64, "BLOCK_N": 32},
+    "bwd_fused": {"BLOCK_M": 32, "BLOCK_N": 64},
 }
 
 
@@ -27,6 +28,11 @@ def _gpu_configs(kind):
     if kind == "fwd":
         shapes = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
                   (128, 32, 4, 3)]
+    elif kind == "bwd_fused":
+        # dK/dV plus each tile's dQ share: one more (BLOCK_M, HEAD_DIM) product live per step, so
+        # smaller query tiles than bwd_dkdv (at head_dim 128, 32 x 64 and 16 x 128 spill nothing).
+        shapes = [(32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (16, 128, 8, 2), (32, 128, 8, 3),
+                  (16, 64, 8, 2), (32, 64, 4, 2)]
     elif kind == "bwd_dkdv":
         # 8 warps at BLOCK_N 64: the dK/dV accumulators of head_dim 256 (128 KB) fit the registers
         # of 256 threads (148 B spilled vs 7.8 KB with 4 warps; tests/hopper_compile.py).
@@ -51,12 +57,13 @@ def _prune_for_shared_memory(configs, named_args, **kwargs):
     return kept or configs[-1:]
 
 
-def tuned(kernel, kind):
-    """The CUDA launcher of ``kernel``: autotuned per shape bucket, results cached on disk."""
+def tuned(kernel, kind, extra_key=()):
+    """The CUDA launcher of ``kernel``: autotuned per shape bucket (and ``extra_key`` arguments),
+    results cached on disk."""
     return triton.autotune(
         configs=_gpu_configs(kind),
         key=["seqlen_q_bucket", "seqlen_k_bucket", "HEAD_DIM", "GROUP", "LEFT_BOUNDED", "RIGHT_BOUNDED",
-             "HAS_SOFTCAP", "IS_VARLEN"],
+             "HAS_SOFTCAP", "IS_VARLEN", *extra_key],
         prune_configs_by={"early_config_prune": _prune_for_shared_memory},
         cache_results=True,
     )(kernel)
@@ -71,6 +78,9 @@ def _default_gpu_config(kind, head_dim_pad):
                 "num_stages": 2 if wide else 3}
     if kind == "bwd_dkdv":
         return {"BLOCK_M": 32, "BLOCK_N": 64 if wide else 128, "num_warps": 8, "num_stages": 2}
+    if kind == "bwd_fused":
+        return {"BLOCK_M": 16 if wide else 32, "BLOCK_N": 64 if head_dim_pad >= 128 else 128, "num_warps": 8,
+                "num_stages": 2}
     return {"BLOCK_M": 64 if wide else 128, "BLOCK_N": 32 if wide else 64, "num_warps": 8, "num_stages": 2}
 
 

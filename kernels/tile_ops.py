@@ -1,7 +1,11 @@
 """Tile-level helpers shared by the forward and backward kernels."""
 
+import os
+
 import triton
 import triton.language as tl
+
+ROUND_BF16_ON_BITS = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @triton.jit
@@ -12,6 +16,19 @@ def mma(a, b, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
         # and the tensor cores multiply bf16 exactly into fp32 too, so the numbers match the GPU's.
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def narrow(x, DTYPE: tl.constexpr):
+    """fp32 ``x`` in DTYPE, rounded to nearest even as the GPU's conversion does. Triton 3.6's
+    interpreter truncates fp32 -> bf16 instead (up to one ulp of error, not half; with or without
+    fp_downcast_rounding), so there the rounding is done on the bits first."""
+    if DTYPE == tl.bfloat16 and ROUND_BF16_ON_BITS:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)).to(tl.float32, bitcast=True)
+        # Zeros and subnormals stay as they are: the interpreter's conversion mangles subnormals.
+        x = tl.where(tl.abs(x) < 1.1754943508222875e-38, x, rounded)
+    return x.to(DTYPE)
 
 
 @triton.jit
@@ -149,5 +166,5 @@ def online_softmax_step(acc, row_max, row_sum, s, v, MASKED: tl.constexpr, DOT_P
     p = tl.exp2(s - new_max_safe[:, None])
     alpha = tl.exp2(row_max - new_max_safe)
     row_sum = row_sum * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+    acc = acc * alpha[:, None] + mma(narrow(p, v.dtype), v, DOT_PRECISION, UPCAST_DOT)
     return acc, new_max, row_sum

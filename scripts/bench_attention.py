@@ -50,6 +50,10 @@ def _ours(q, k, v, causal):
     return flash_attn_func(q, k, v, causal=causal)
 
 
+def _ours_nondeterministic(q, k, v, causal):
+    return flash_attn_func(q, k, v, causal=causal, deterministic=False)
+
+
 def _sdpa(backend):
     def run(q, k, v, causal):
         # SDPA wants (batch, heads, seqlen, head_dim); transposes are views, as a model would pass.
@@ -162,7 +166,8 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, default=16384, help="batch * seqlen; with --varlen, the packed total")
     parser.add_argument("--width", type=int, default=2048, help="heads * head_dim")
     parser.add_argument("--heads-256", type=int, default=8, help="heads at head_dim 256 (flash-attn uses 8)")
-    parser.add_argument("--impls", nargs="+", default=["ours", *SDPA_BACKENDS, "flex"])
+    parser.add_argument("--impls", nargs="+", default=["ours", "ours-nondet", *SDPA_BACKENDS, "flex"],
+                        help="ours-nondet: deterministic=False (the backward accumulates dQ by TMA reductions)")
     parser.add_argument("--flex-seqlens", type=int, nargs="+", default=[1024, 4096, 16384],
                         help="FlexAttention compiles per shape: only these lengths")
     parser.add_argument("--flex-head-dims", type=int, nargs="+", default=[128])
@@ -188,7 +193,8 @@ def main(argv=None):
 
 def run_grid(args, causals):
     """(rows of the dense grid, implementation names in column order)."""
-    impls = {"ours": _ours, **{name: _sdpa(b) for name, b in SDPA_BACKENDS.items()}}
+    impls = {"ours": _ours, "ours-nondet": _ours_nondeterministic,
+             **{name: _sdpa(b) for name, b in SDPA_BACKENDS.items()}}
     if "flex" in args.impls:
         impls["flex"] = _flex()
     impls = {name: fn for name, fn in impls.items() if name in args.impls}

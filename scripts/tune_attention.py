@@ -8,8 +8,9 @@ fastest per (kernel, head_dim, causal, seqlen). The launchers then use that tabl
 varlen calls without window or softcap, and the autotuner for everything else.
 
 Order: the forward; then the dK/dV kernel with dQ at its default config; then dQ with dK/dV at
-its pick. Every candidate's results are compared with the default config's (a candidate that
-computes something else is dropped and reported). Compilation, the slow part, is spread over
+its pick; then, alone, the dK/dV kernel that also accumulates dQ (deterministic=False). Every
+candidate's results are compared with the default config's (a candidate that computes something
+else is dropped and reported). Compilation, the slow part, is spread over
 worker processes first (they fill Triton's on-disk cache).
 
     python scripts/tune_attention.py                     # the full grid, head_dim 64 / 128 / 256
@@ -36,7 +37,7 @@ from flashformer.kernels import launch
 from flashformer.kernels.flash_bwd import attention_backward
 from flashformer.kernels.flash_fwd import attention_forward
 
-KINDS = ("fwd", "bwd_dkdv", "bwd_dq")
+KINDS = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_fused")  # bwd_fused: the deterministic=False backward
 
 
 def candidates(kind, head_dim):
@@ -65,7 +66,8 @@ def run_once(kind, inputs, causal, forced, forward=None):
     if kind == "fwd":
         return forward
     out, lse = forward
-    return attention_backward(grad_out, None, q, k, v, out, lse, scale, -1, window_right, 0.0)
+    return attention_backward(grad_out, None, q, k, v, out, lse, scale, -1, window_right, 0.0,
+                              deterministic=kind != "bwd_fused")
 
 
 def default_configs(head_dim):
@@ -160,8 +162,8 @@ def write_table(path, device_name, results):
 def markdown_table(results):
     """Per grid point: each kernel's pick and its speed-up over the default config (the pick's
     time includes what the kernel needs first: the forward under the backward kernels)."""
-    lines = ["| head_dim | causal | seqlen | fwd pick | x default | dK/dV pick | x default | dQ pick | x default |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| head_dim | causal | seqlen | fwd pick | x default | dK/dV pick | x default | dQ pick | x default "
+             "| fused (deterministic=False) pick | x default |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         cells = []
         for kind in KINDS:

@@ -6,6 +6,7 @@ PyTorch one; tests of the Triton path ask for it with the ``triton_path`` fixtur
 """
 
 import os
+import zlib
 
 import pytest
 import torch
@@ -27,3 +28,10 @@ def triton_path(monkeypatch):
     """Route flash_attn_* through the Triton kernels, with outputs NaN-poisoned before launch."""
     monkeypatch.setenv("FLASHFORMER_KERNEL", "triton")
     monkeypatch.setenv("FLASHFORMER_POISON", "1")
+
+
+@pytest.fixture(autouse=True)
+def seed_per_test(request):
+    """Every test draws its own random inputs (seeded by its id), the same on every run: a failure
+    reproduces, and a tolerance near its edge (the 2x rule in bf16) cannot make CI flaky."""
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))

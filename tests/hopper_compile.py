@@ -18,7 +18,7 @@ from triton.compiler import ASTSource
 
 from flashformer.kernels import decode, flash_bwd, flash_fwd
 
-FP32_POINTERS = {"LSE", "DELTA", "LSE_LOG2", "DLSE", "LSE_PART", "O_PART"}
+FP32_POINTERS = {"LSE", "DELTA", "LSE_LOG2", "DLSE", "LSE_PART", "O_PART", "DQ_ACC"}
 INT32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K", "BLOCK_TABLE"}
 FLOAT_SCALARS = {"qk_scale", "softcap_log2", "softmax_scale"}
 
@@ -53,10 +53,12 @@ def resource_usage(compiled):
     return registers, spills
 
 
-def attention_constexprs(head_dim, block_m, block_n, causal=True, window=False, softcap=False, varlen=False, group=1):
+def attention_constexprs(head_dim, block_m, block_n, causal=True, window=False, softcap=False, varlen=False, group=1,
+                         accumulate_dq=False):
     return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_M=block_m,
                 BLOCK_N=block_n, LEFT_BOUNDED=window, RIGHT_BOUNDED=causal or window, HAS_SOFTCAP=softcap,
-                IS_VARLEN=varlen, DOT_PRECISION="tf32", UPCAST_DOT=False)
+                IS_VARLEN=varlen, ACCUMULATE_DQ=accumulate_dq, DQ_TMA_REDUCE=accumulate_dq, DOT_PRECISION="tf32",
+                UPCAST_DOT=False)
 
 
 CASES = {
@@ -68,6 +70,10 @@ CASES = {
     "bwd_dkdv-d128-causal-gqa": (flash_bwd._bwd_dkdv_kernel, attention_constexprs(128, 32, 128, group=4), 8, 2),
     "bwd_dkdv-d64-varlen-softcap": (flash_bwd._bwd_dkdv_kernel,
                                     attention_constexprs(64, 64, 64, softcap=True, varlen=True), 4, 3),
+    "bwd_fused-d128-causal-gqa": (flash_bwd._bwd_dkdv_kernel,
+                                  attention_constexprs(128, 32, 128, group=4, accumulate_dq=True), 8, 2),
+    "bwd_fused-d64-varlen": (flash_bwd._bwd_dkdv_kernel,
+                             attention_constexprs(64, 64, 128, varlen=True, accumulate_dq=True), 8, 2),
     "bwd_dkdv-d256": (flash_bwd._bwd_dkdv_kernel, attention_constexprs(256, 32, 64, causal=False), 8, 2),
     "bwd_dq-d128-causal": (flash_bwd._bwd_dq_kernel, attention_constexprs(128, 128, 64), 8, 2),
     "bwd_dq-d256": (flash_bwd._bwd_dq_kernel, attention_constexprs(256, 64, 32, causal=False), 8, 2),
@@ -94,6 +100,7 @@ def main(selected):
         ptx = compiled.asm["ptx"]
         registers, spill_bytes = resource_usage(compiled)
         report[name] = {"wgmma": "wgmma.mma_async" in ptx, "tma": "cp.async.bulk.tensor" in ptx,
+                        "tma_reduce": "cp.reduce.async.bulk.tensor" in ptx,
                         "shared_bytes": compiled.metadata.shared, "registers": registers, "spill_bytes": spill_bytes}
     print(json.dumps(report))
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-HOPPER_MATRIX_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "decode-")
+HOPPER_MATRIX_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_fused", "decode-")
 
 
 @pytest.fixture(scope="module")
@@ -41,3 +41,10 @@ def test_head_dim_256_backward_fits_the_registers(report):
     registers: a few hundred bytes of spill at most (4 warps spilled 7.8 KB per thread)."""
     for name in ("bwd_dkdv-d256", "bwd_dq-d256"):
         assert report[name]["spill_bytes"] <= 512, report[name]
+
+
+def test_nondeterministic_backward_reduces_dq_through_tma(report):
+    """deterministic=False adds dQ shares with TMA bulk reductions (cp.reduce.async.bulk), not
+    element-wise atomics; the deterministic kernels issue none."""
+    for name, case in report.items():
+        assert case.get("tma_reduce", False) == name.startswith("bwd_fused"), (name, case)

@@ -4,6 +4,7 @@ On CPU they run in Triton's interpreter: the default selection is small; ``-m sl
 adds the full product of shapes, head dims, GQA ratios, masks and dtypes.
 """
 
+import functools
 import itertools
 import subprocess
 import sys
@@ -68,6 +69,36 @@ def test_flash_matches_reference(seqlens, head_dim, heads, mask, dtype, device, 
     grad_out = torch.randn_like(q)
     opts = dict(causal=causal, window_size=window_size, softcap=softcap)
     assert_matches_reference(flash_attn_func, q, k, v, grad_out, **opts)
+
+
+# deterministic=False: the dK/dV kernel also accumulates dQ (atomics). Quick cases on CPU cover GQA,
+# windows, softcap, single keys and head_dim 256; the slow selection runs every mask, head_dim and
+# length at GQA 8:2 in bf16.
+NONDETERMINISTIC_QUICK = [QUICK[i] for i in (1, 3, 4, 6, 7, 9)]
+NONDETERMINISTIC_CASES = [pytest.param(*c, id=_case_id(*c)) for c in NONDETERMINISTIC_QUICK] + [
+    pytest.param(*c, id=_case_id(*c), marks=pytest.mark.slow)
+    for c in itertools.product(SEQLENS, HEAD_DIMS, [(8, 2)], range(len(MASKS)), [1])
+    if c not in NONDETERMINISTIC_QUICK
+]
+
+
+@pytest.mark.parametrize("seqlens,head_dim,heads,mask,dtype", NONDETERMINISTIC_CASES)
+def test_nondeterministic_backward_matches_reference(seqlens, head_dim, heads, mask, dtype, device, triton_path):
+    (seqlen_q, seqlen_k), (heads_q, heads_kv) = seqlens, heads
+    causal, window_size, softcap = MASKS[mask]
+    dtype = DTYPES[dtype]
+    q = torch.randn(2, seqlen_q, heads_q, head_dim, device=device, dtype=dtype)
+    k = torch.randn(2, seqlen_k, heads_kv, head_dim, device=device, dtype=dtype)
+    v = torch.randn(2, seqlen_k, heads_kv, head_dim, device=device, dtype=dtype)
+    grad_out = torch.randn_like(q)
+    assert_matches_reference(functools.partial(flash_attn_func, deterministic=False), q, k, v, grad_out,
+                             causal=causal, window_size=window_size, softcap=softcap)
+
+
+def test_deterministic_must_be_a_bool():
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="deterministic must be a bool"):
+        flash_attn_func(q, q, q, deterministic="yes")
 
 
 def test_lse_and_empty_rows(device, triton_path):

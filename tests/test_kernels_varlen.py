@@ -34,9 +34,9 @@ CASES = [  # (q lengths, k lengths or None for the same), heads, head_dim, causa
 
 
 @pytest.mark.parametrize("lengths_q,lengths_k,heads,head_dim,causal,window,softcap,dtype", CASES)
-@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("impl,deterministic", [("triton", True), ("triton", False), ("torch", True)])
 def test_varlen_matches_per_sequence(lengths_q, lengths_k, heads, head_dim, causal, window, softcap, dtype, impl,
-                                     device, monkeypatch):
+                                     deterministic, device, monkeypatch):
     monkeypatch.setenv("FLASHFORMER_KERNEL", impl)
     monkeypatch.setenv("FLASHFORMER_POISON", "1")
     lengths_k = lengths_k or lengths_q
@@ -47,7 +47,8 @@ def test_varlen_matches_per_sequence(lengths_q, lengths_k, heads, head_dim, caus
     grad_out = torch.randn_like(q)
     opts = dict(causal=causal, window_size=window, softcap=softcap)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out, lse = flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lengths_q), max(lengths_k), return_lse=True, **opts)
+    out, lse = flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lengths_q), max(lengths_k), return_lse=True,
+                                      deterministic=deterministic, **opts)
     ours = (out, *torch.autograd.grad(out, leaves, grad_out))
     ref = _per_sequence(q.double(), k.double(), v.double(), cu_q, cu_k, grad_out, True, **opts)
     lowp = _per_sequence(q, k, v, cu_q, cu_k, grad_out, False, **opts)
