@@ -2,6 +2,9 @@
 
 * ``"flash"``: ``flashformer.kernels.flash_attn_func`` (Triton on CUDA, or on CPU under
   TRITON_INTERPRET=1; the kernels' own tiled PyTorch path otherwise).
+* ``"flash-nondeterministic"``: the same kernels with ``deterministic=False``: a faster backward
+  whose dQ sums arrive in varying order (flash-attn's default), so gradients differ in the last bits
+  from run to run.
 * ``"reference"``: the kernels' tiled PyTorch path (O(seqlen) memory), whatever the device.
 * ``"sdpa"``: ``torch.nn.functional.scaled_dot_product_attention``, with an explicit boolean mask
   when the window or the bottom-right causal alignment needs one.
@@ -23,7 +26,8 @@ from .kernels import attention_materialized, flash_attn_func, flash_attn_varlen_
 from .kernels.interface import check_cu_seqlens, force_kernel_impl
 from .kernels.masking import normalize_window, visible_mask
 
-ATTN_BACKENDS = ("auto", "flash", "reference", "sdpa", "naive")
+ATTN_BACKENDS = ("auto", "flash", "flash-nondeterministic", "reference", "sdpa", "naive")
+FLASH_BACKENDS = ("flash", "flash-nondeterministic", "reference")  # the kernels' API, on some path
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -35,9 +39,13 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def _flash(q, k, v, causal, window_size, softcap, softmax_scale):
+def _flash(q, k, v, causal, window_size, softcap, softmax_scale, deterministic=True):
     return flash_attn_func(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                           softcap=softcap)
+                           softcap=softcap, deterministic=deterministic)
+
+
+def _flash_nondeterministic(q, k, v, causal, window_size, softcap, softmax_scale):
+    return _flash(q, k, v, causal, window_size, softcap, softmax_scale, deterministic=False)
 
 
 def _reference(q, k, v, causal, window_size, softcap, softmax_scale):
@@ -66,7 +74,8 @@ def _naive(q, k, v, causal, window_size, softcap, softmax_scale):
     return out
 
 
-_DENSE = {"flash": _flash, "reference": _reference, "sdpa": _sdpa, "naive": _naive}
+_DENSE = {"flash": _flash, "flash-nondeterministic": _flash_nondeterministic, "reference": _reference,
+          "sdpa": _sdpa, "naive": _naive}
 
 
 def _varlen_loop(dense_fn, q, k, v, cu_seqlens, causal, window_size, softcap, softmax_scale):
@@ -87,7 +96,8 @@ def _varlen_kernel(backend, q, k, v, cu_seqlens, max_seqlen, causal, window_size
     """flash / reference on packed documents: the kernels' varlen path."""
     with _kernel_path(backend):
         return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=causal,
-                                      softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
+                                      softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                                      deterministic=backend != "flash-nondeterministic")
 
 
 def attention(q, k, v, *, backend, causal=True, window_size=(-1, -1), softcap=0.0, softmax_scale=None,
@@ -116,7 +126,7 @@ def attention(q, k, v, *, backend, causal=True, window_size=(-1, -1), softcap=0.
         raise ValueError(f"cu_seqlens needs q and k of equal (batch, seqlen), "
                          f"got {tuple(q.shape)} and {tuple(k.shape)}")
     q, k, v = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
-    if backend in ("flash", "reference"):
+    if backend in FLASH_BACKENDS:
         out = _varlen_kernel(backend, q, k, v, cu_seqlens, max_seqlen, causal, window_size, softcap, softmax_scale)
     else:
         check_cu_seqlens("cu_seqlens", cu_seqlens, batch * seqlen, q.device)
@@ -136,7 +146,7 @@ def cached_attention(q, k, v, k_cache, v_cache, cache_length, *, backend, window
         (batch, new, heads_q, head_dim), causal (bottom-right) over cache_length + new keys.
     """
     backend = resolve_backend(backend, q.device)
-    if backend in ("flash", "reference"):
+    if backend in FLASH_BACKENDS:
         with _kernel_path(backend):
             return flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_length, causal=True,
                                            softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)

@@ -54,7 +54,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     sliding_window: Optional[int] = None  # each query sees itself and the sliding_window - 1 keys before it
     attn_softcap: float = 0.0
-    attn_backend: Literal["auto", "flash", "reference", "sdpa", "naive"] = "auto"
+    attn_backend: Literal["auto", "flash", "flash-nondeterministic", "reference", "sdpa", "naive"] = "auto"
     init_std: float = 0.02
 
     def __post_init__(self):

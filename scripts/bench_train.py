@@ -28,6 +28,7 @@ from flashformer.train import Trainer, load_train_config, read_metrics, train
 
 PATHS = {
     "flash": ("flash", None),
+    "flash-nondet": ("flash-nondeterministic", None),
     "sdpa-flash": ("sdpa", SDPBackend.FLASH_ATTENTION),
     "sdpa-cudnn": ("sdpa", SDPBackend.CUDNN_ATTENTION),
 }

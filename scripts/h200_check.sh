@@ -36,7 +36,7 @@ for stage in "${stages[@]}"; do
               --out "$RES/attention.json" 2>&1 | tee "$RES/attention.log" | grep "^|" ;;
     varlen) timeout 120 python3 scripts/bench_attention.py --varlen --impls ours --out "$RES/varlen.json" 2>&1 \
               | tee "$RES/varlen.log" | grep "documents\|^|" ;;
-    train)  timeout 300 python3 scripts/bench_train.py configs/gpt2-124m.yaml --seqlens 1024 4096 16384 --steps 60 \
+    train)  timeout 540 python3 scripts/bench_train.py configs/gpt2-124m.yaml --seqlens 1024 4096 16384 --steps 50 \
               --profile 5 --out "$RES/train.json" 2>&1 | tee "$RES/train.log" | grep "^|\| @ " ;;
     memory) timeout 420 python3 scripts/memory_savings.py --device cuda --max 524288 --out "$RES/memory.json" \
               --plot "$RES/memory.png" 2>&1 | tee "$RES/memory.log" | grep -v "it/s\]" | tail -30 ;;

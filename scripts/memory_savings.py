@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from flashformer.attention import ATTN_BACKENDS, resolve_backend
+from flashformer.attention import ATTN_BACKENDS, FLASH_BACKENDS, resolve_backend
 from flashformer.config import config_to_dict, load_config
 from flashformer.losses import default_chunk_size
 from flashformer.model import ModelConfig, Transformer
@@ -50,7 +50,7 @@ PEAK_UNITS = {"cuda": "GB", "cpu": "MB"}
 PEAK_MEASURES = {"cuda": "torch.cuda.max_memory_allocated() of the timed step (bf16 autocast, fused AdamW)",
                  "cpu": "peak RSS of the process above its peak once model and optimizer were built (fp32)"}
 # Backends whose attention memory grows linearly with the sequence; they get the chunked LM head.
-LINEAR_MEMORY_BACKENDS = ("flash", "reference")
+LINEAR_MEMORY_BACKENDS = FLASH_BACKENDS
 # ru_maxrss is in kilobytes on Linux, in bytes on macOS.
 RU_MAXRSS_BYTES = 1 if sys.platform == "darwin" else 1024
 # RuntimeError texts of a failed allocation: the CPU allocator's, CUDA's, cuBLAS's.

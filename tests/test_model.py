@@ -61,11 +61,12 @@ def test_softcap_backends_agree():
         model(input_ids)
 
 
-def test_flash_backend_matches_reference(triton_path):
+@pytest.mark.parametrize("backend", ["flash", "flash-nondeterministic"])
+def test_flash_backend_matches_reference(backend, triton_path):
     model = tiny_model(n_layer=1, **LLAMA_LIKE)
     input_ids = torch.randint(0, 101, (1, 20))
     reference = logits_and_grads(model, input_ids, "reference")
-    assert_close_all(reference, logits_and_grads(model, input_ids, "flash"), atol=1e-4)
+    assert_close_all(reference, logits_and_grads(model, input_ids, backend), atol=1e-4)
 
 
 @pytest.mark.parametrize("family", [GPT2_LIKE, LLAMA_LIKE], ids=["gpt2", "mistral"])
