@@ -29,8 +29,9 @@ import triton.language as tl
 
 from .flash_fwd import log2_scales
 from .launch import (INTERPRETED, as_descriptor_compatible, dot_precision, ensure_allocator, new_output, pick_kernel,
-                     seq_strides, table_mask, tuned, upcast_dot)
-from .tile_ops import key_range, mma, narrow, query_range, rows_descriptor, sequence_bounds, tanh, visible
+                     seq_strides, seqs_pad, table_mask, tile_grid, tuned, upcast_dot)
+from .tile_ops import (key_range, mma, narrow, program_tile, query_range, rows_descriptor, sequence_bounds, tanh,
+                       visible)
 
 PREPROCESS_BLOCK = 64
 
@@ -116,19 +117,19 @@ def _bwd_dkdv_kernel(
     stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     stride_dqab, stride_dqas, stride_dqah,
     stride_lse_b, stride_lse_h,
-    seqlen_q, seqlen_k, heads_kv,
+    seqlen_q, seqlen_k, heads_kv, num_seqs,
     softmax_scale, qk_scale, softcap_log2, window_left, window_right,
     seqlen_q_bucket, seqlen_k_bucket,  # autotune keys only
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    IS_VARLEN: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, DQ_TMA_REDUCE: tl.constexpr,
+    IS_VARLEN: tl.constexpr, SEQS_PAD: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, DQ_TMA_REDUCE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // heads_kv
-    kv_head = pid_bh % heads_kv
+    # Key tiles first to last: under a causal mask the first keys are seen by the most queries.
+    batch, pid_n, kv_head = program_tile(heads_kv, num_seqs, CU_SEQLENS_K, BLOCK_N, SEQS_PAD, False, IS_VARLEN)
+    if batch >= num_seqs:
+        return
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(batch, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K,
                                                            IS_VARLEN)
     n0 = pid_n * BLOCK_N
@@ -213,18 +214,17 @@ def _bwd_dq_kernel(
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh,
     stride_lse_b, stride_lse_h,
-    seqlen_q, seqlen_k, heads_q,
+    seqlen_q, seqlen_k, heads_q, num_seqs,
     softmax_scale, qk_scale, softcap_log2, window_left, window_right,
     seqlen_q_bucket, seqlen_k_bucket,  # autotune keys only
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, SEQS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest causal programs first, as in the forward
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // heads_q
-    head = pid_bh % heads_q
+    batch, pid_m, head = program_tile(heads_q, num_seqs, CU_SEQLENS_Q, BLOCK_M, SEQS_PAD, True, IS_VARLEN)
+    if batch >= num_seqs:
+        return
     kv_head = head // GROUP
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(batch, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K,
                                                            IS_VARLEN)
@@ -311,7 +311,8 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
     common = dict(
         GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
-        IS_VARLEN=is_varlen, DOT_PRECISION=dot_precision(q.dtype), UPCAST_DOT=upcast_dot(q.dtype),
+        IS_VARLEN=is_varlen, SEQS_PAD=seqs_pad(batch, is_varlen), DOT_PRECISION=dot_precision(q.dtype),
+        UPCAST_DOT=upcast_dot(q.dtype),
     )
     buckets = (triton.next_power_of_2(max(seqlen_q, 1)), triton.next_power_of_2(max(seqlen_k, 1)))
     scalars = (softmax_scale, qk_scale, softcap_log2, window_left, window_right, *buckets)
@@ -322,19 +323,19 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
     dq_acc = None if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kind, tuned_kernel = ("bwd_dkdv", _bwd_dkdv_tuned) if deterministic else ("bwd_fused", _bwd_fused_tuned)
     kernel, config = pick_kernel(q.device, kind, _bwd_dkdv_kernel, tuned_kernel, head_dim_pad, mask, buckets[0])
-    kernel[lambda meta: (triton.cdiv(seqlen_k, meta["BLOCK_N"]), batch * heads_kv)](
+    kernel[lambda meta: tile_grid(meta["BLOCK_N"], seqlen_k, k.shape[0], batch, heads_kv, is_varlen)](
         q, k, v, grad_out, dk, dv, dq_acc, lse_log2, delta, cu_seqlens_q, cu_seqlens_k,
         *strides_qkv, *seq_strides(dk, is_varlen), *seq_strides(dv, is_varlen),
         *(seq_strides(dq_acc, is_varlen) if dq_acc is not None else (0, 0, 0)), *strides_lse,
-        seqlen_q, seqlen_k, heads_kv, *scalars, **common, ACCUMULATE_DQ=not deterministic,
+        seqlen_q, seqlen_k, heads_kv, batch, *scalars, **common, ACCUMULATE_DQ=not deterministic,
         DQ_TMA_REDUCE=not INTERPRETED, **config,
     )
     if not deterministic:
         return dq.copy_(dq_acc.mul_(softmax_scale)), dk, dv
     kernel, config = pick_kernel(q.device, "bwd_dq", _bwd_dq_kernel, _bwd_dq_tuned, head_dim_pad, mask, buckets[0])
-    kernel[lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * heads_q)](
+    kernel[lambda meta: tile_grid(meta["BLOCK_M"], seqlen_q, q.shape[0], batch, heads_q, is_varlen)](
         q, k, v, grad_out, dq, lse_log2, delta, cu_seqlens_q, cu_seqlens_k,
         *strides_qkv, *seq_strides(dq, is_varlen), *strides_lse,
-        seqlen_q, seqlen_k, heads_q, *scalars, **common, **config,
+        seqlen_q, seqlen_k, heads_q, batch, *scalars, **common, **config,
     )
     return dq, dk, dv

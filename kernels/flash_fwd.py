@@ -20,8 +20,9 @@ import triton
 import triton.language as tl
 
 from .launch import (as_descriptor_compatible, dot_precision, ensure_allocator, new_output, pick_kernel, seq_strides,
-                     table_mask, tuned, upcast_dot)
-from .tile_ops import attention_logits, key_range, narrow, online_softmax_step, rows_descriptor, sequence_bounds
+                     seqs_pad, table_mask, tile_grid, tuned, upcast_dot)
+from .tile_ops import (attention_logits, key_range, narrow, online_softmax_step, program_tile, rows_descriptor,
+                       sequence_bounds)
 
 LOG2E = 1.4426950408889634
 
@@ -50,20 +51,17 @@ def _attn_fwd_kernel(
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
     stride_lse_b, stride_lse_h,
-    seqlen_q, seqlen_k, heads_q,
+    seqlen_q, seqlen_k, heads_q, num_seqs,
     qk_scale, softcap_log2, window_left, window_right,
     seqlen_q_bucket, seqlen_k_bucket,  # autotune keys only
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, SEQS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    # Query tiles last to first: under a causal mask the last rows see the most keys, so the longest
-    # programs start first and the final wave holds short ones.
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // heads_q
-    head = pid_bh % heads_q
+    batch, pid_m, head = program_tile(heads_q, num_seqs, CU_SEQLENS_Q, BLOCK_M, SEQS_PAD, True, IS_VARLEN)
+    if batch >= num_seqs:
+        return
     kv_head = head // GROUP
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(batch, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K,
                                                            IS_VARLEN)
@@ -156,16 +154,15 @@ def attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap
     seqlen_q_bucket = triton.next_power_of_2(max(seqlen_q, 1))
     kernel, config = pick_kernel(q.device, "fwd", _attn_fwd_kernel, _attn_fwd_tuned, head_dim_pad,
                                  table_mask(window_left, window_right, softcap), seqlen_q_bucket)
-    grid = lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * heads_q)
-    kernel[grid](
+    kernel[lambda meta: tile_grid(meta["BLOCK_M"], seqlen_q, q.shape[0], batch, heads_q, is_varlen)](
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
         *(stride for t in (q, k, v, out) for stride in seq_strides(t, is_varlen)), *strides_lse,
-        seqlen_q, seqlen_k, heads_q,
+        seqlen_q, seqlen_k, heads_q, batch,
         qk_scale, softcap_log2, window_left, window_right,
         seqlen_q_bucket, triton.next_power_of_2(max(seqlen_k, 1)),
         GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
-        IS_VARLEN=is_varlen, DOT_PRECISION=dot_precision(q.dtype), UPCAST_DOT=upcast_dot(q.dtype),
-        **config,
+        IS_VARLEN=is_varlen, SEQS_PAD=seqs_pad(batch, is_varlen), DOT_PRECISION=dot_precision(q.dtype),
+        UPCAST_DOT=upcast_dot(q.dtype), **config,
     )
     return out, lse

@@ -111,6 +111,36 @@ def visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @triton.jit
+def program_tile(heads, num_seqs, CU_SEQLENS, BLOCK: tl.constexpr, SEQS_PAD: tl.constexpr,
+                 LAST_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(sequence, tile within it, head) of this program.
+
+    Dense: grid (tiles per sequence, batch * heads). Varlen: grid (tiles of all sequences + num_seqs,
+    heads), the tiles of every sequence packed one after another (cdiv(total, BLOCK) + num_seqs
+    bounds their count without reading cu_seqlens on the host), so no program lands past its
+    sequence's end as with one grid row per sequence at the longest length; the few programs past
+    the last tile get sequence = num_seqs. LAST_FIRST launches tiles in reverse order (a causal
+    query tile's work grows with its index: the longest programs start first).
+    """
+    t = tl.program_id(0)
+    if LAST_FIRST:
+        t = tl.num_programs(0) - 1 - t
+    if IS_VARLEN:
+        head = tl.program_id(1)
+        index = tl.arange(0, SEQS_PAD)
+        starts = tl.load(CU_SEQLENS + index, mask=index < num_seqs, other=0)
+        ends = tl.load(CU_SEQLENS + index + 1, mask=index < num_seqs, other=0)
+        tiles = (ends - starts + BLOCK - 1) // BLOCK
+        seq = tl.sum((tl.cumsum(tiles, 0) <= t).to(tl.int32), 0)
+        tile = t - tl.sum(tl.where(index < seq, tiles, 0), 0)
+    else:
+        seq = tl.program_id(1) // heads
+        head = tl.program_id(1) % heads
+        tile = t
+    return seq, tile, head
+
+
+@triton.jit
 def sequence_bounds(batch, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K, IS_VARLEN: tl.constexpr):
     """(first q row, first k row, seqlen_q, seqlen_k) of sequence ``batch``.
 

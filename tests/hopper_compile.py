@@ -57,8 +57,8 @@ def attention_constexprs(head_dim, block_m, block_n, causal=True, window=False, 
                          accumulate_dq=False):
     return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_M=block_m,
                 BLOCK_N=block_n, LEFT_BOUNDED=window, RIGHT_BOUNDED=causal or window, HAS_SOFTCAP=softcap,
-                IS_VARLEN=varlen, ACCUMULATE_DQ=accumulate_dq, DQ_TMA_REDUCE=accumulate_dq, DOT_PRECISION="tf32",
-                UPCAST_DOT=False)
+                IS_VARLEN=varlen, SEQS_PAD=16 if varlen else 1, ACCUMULATE_DQ=accumulate_dq,
+                DQ_TMA_REDUCE=accumulate_dq, DOT_PRECISION="tf32", UPCAST_DOT=False)
 
 
 CASES = {
