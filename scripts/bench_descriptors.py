@@ -26,9 +26,8 @@ BLOCK, HEAD_DIM = 64, 128
 
 
 @triton.jit
-def _sum_device_descriptor(X, OUT, rows, TILES: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _sum_through(desc, OUT, TILES: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
     pid = tl.program_id(0)
-    desc = tl.make_tensor_descriptor(X, shape=[rows, HEAD_DIM], strides=[HEAD_DIM, 1], block_shape=[BLOCK, HEAD_DIM])
     acc = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
     for t in tl.range(TILES):
         acc += desc.load([(pid * TILES + t) * BLOCK, 0]).to(tl.float32)
@@ -36,12 +35,14 @@ def _sum_device_descriptor(X, OUT, rows, TILES: tl.constexpr, BLOCK: tl.constexp
 
 
 @triton.jit
+def _sum_device_descriptor(X, OUT, rows, TILES: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    desc = tl.make_tensor_descriptor(X, shape=[rows, HEAD_DIM], strides=[HEAD_DIM, 1], block_shape=[BLOCK, HEAD_DIM])
+    _sum_through(desc, OUT, TILES, BLOCK, HEAD_DIM)
+
+
+@triton.jit
 def _sum_host_descriptor(desc, OUT, TILES: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
-    pid = tl.program_id(0)
-    acc = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
-    for t in tl.range(TILES):
-        acc += desc.load([(pid * TILES + t) * BLOCK, 0]).to(tl.float32)
-    tl.store(OUT + pid, tl.sum(acc))
+    _sum_through(desc, OUT, TILES, BLOCK, HEAD_DIM)
 
 
 @triton.jit
