@@ -40,14 +40,13 @@ PREPROCESS_BLOCK = 64
 def _bwd_preprocess(
     O, DO, LSE, DLSE, DELTA, LSE_LOG2, CU_SEQLENS_Q,
     stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh, stride_lse_b, stride_lse_h,
-    seqlen_q, heads_q,
+    seqlen_q, heads_q, num_seqs,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK: tl.constexpr, IS_VARLEN: tl.constexpr,
-    HAS_DLSE: tl.constexpr,
+    SEQS_PAD: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // heads_q
-    head = pid_bh % heads_q
+    batch, pid_m, head = program_tile(heads_q, num_seqs, CU_SEQLENS_Q, BLOCK, SEQS_PAD, False, IS_VARLEN)
+    if batch >= num_seqs:
+        return
     q_start, _, seqlen_q, _ = sequence_bounds(batch, seqlen_q, 0, CU_SEQLENS_Q, CU_SEQLENS_Q, IS_VARLEN)
     o_base = batch * stride_ob + q_start * stride_os
     do_base = batch * stride_dob + q_start * stride_dos
@@ -299,12 +298,12 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
     lse_log2 = new_output(lse)
     delta = new_output(lse)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    _bwd_preprocess[(triton.cdiv(seqlen_q, PREPROCESS_BLOCK), batch * heads_q)](
+    _bwd_preprocess[tile_grid(PREPROCESS_BLOCK, seqlen_q, out.shape[0], batch, heads_q, is_varlen)](
         out, grad_out, lse, grad_lse, delta, lse_log2, cu_seqlens_q,
         *seq_strides(out, is_varlen), *seq_strides(grad_out, is_varlen), *strides_lse,
-        seqlen_q, heads_q,
+        seqlen_q, heads_q, batch,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK=PREPROCESS_BLOCK, IS_VARLEN=is_varlen,
-        HAS_DLSE=grad_lse is not None,
+        SEQS_PAD=seqs_pad(batch, is_varlen), HAS_DLSE=grad_lse is not None,
     )
     qk_scale, softcap_log2 = log2_scales(softmax_scale, softcap)
     ensure_allocator(q.device)

@@ -79,7 +79,7 @@ CASES = {
     "bwd_dq-d256": (flash_bwd._bwd_dq_kernel, attention_constexprs(256, 64, 32, causal=False), 8, 2),
     "bwd_dq-d64-window": (flash_bwd._bwd_dq_kernel, attention_constexprs(64, 64, 64, window=True), 4, 3),
     "bwd_preprocess-d128": (flash_bwd._bwd_preprocess,
-                            dict(HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK=64, IS_VARLEN=False, HAS_DLSE=True), 4, 1),
+                            dict(HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK=64, IS_VARLEN=False, SEQS_PAD=1, HAS_DLSE=True), 4, 1),
     "decode-d128-gqa4-paged": (decode._decode_kernel,
                                dict(GROUP=4, GROUP_PAD=4, BLOCK_T=16, BLOCK_N=64, PAGE_SIZE=256, HEAD_DIM=128,
                                     HEAD_DIM_PAD=128, LEFT_BOUNDED=False, RIGHT_BOUNDED=True, HAS_SOFTCAP=False,
