@@ -163,13 +163,14 @@ def _save_for_backward(ctx, inputs, output):
     ctx.params = params
 
 
-def _gradients(ctx, grad_out, grad_lse):
+def _gradients(ctx, grad_out, grad_lse, backward=_flash_attn_bwd):
+    # The op's registered backward always calls the op: AOT autograd traces it with fake tensors,
+    # and torch 2.11's is_compiling() is False there (the kernels' launchers would see fakes).
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     if grad_out is None:  # only lse was used
         grad_out = torch.zeros_like(out)
     # Layouts are the launcher's business (it copies only what TMA cannot address); no grad_lse
     # (the common case) skips its read instead of materialising zeros.
-    backward = _flash_attn_bwd if torch.compiler.is_compiling() else _backward_impl
     dq, dk, dv = backward(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.params)
     return dq, dk, dv, *([None] * 9)
 
@@ -187,7 +188,7 @@ class _FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        return _gradients(ctx, grad_out, grad_lse)
+        return _gradients(ctx, grad_out, grad_lse, backward=_backward_impl)
 
 
 def _triton_attention(*inputs):

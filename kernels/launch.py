@@ -100,14 +100,23 @@ def _measured_table(device_index):
         return json.load(f).get(torch.cuda.get_device_name(device_index), {})
 
 
+# Past this length the measured picks no longer change with it (8k and 16k agree in the table), so the
+# longest measured bucket also serves longer sequences.
+LONG_SEQLEN_BUCKET = 16384
+
+
 def measured_config(device, kind, head_dim_pad, causal, seqlen_bucket):
-    """The offline-measured config for this shape (nearest seqlen bucket, log scale), or None."""
+    """The offline-measured config for this shape, or None. The nearest seqlen bucket (log scale) serves
+    within a factor of 2; a table cut short (say at 1k) must not pick the tiles of a 16k launch."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     entries = _measured_table(index).get(kind, {}).get(
         f"d{head_dim_pad}-{'causal' if causal else 'full'}")
     if not entries:
         return None
     nearest = min(entries, key=lambda bucket: abs(math.log2(int(bucket)) - math.log2(seqlen_bucket)))
+    longest_beyond = int(nearest) >= LONG_SEQLEN_BUCKET and seqlen_bucket > int(nearest)
+    if abs(math.log2(int(nearest)) - math.log2(seqlen_bucket)) > 1 and not longest_beyond:
+        return None
     block_m, block_n, warps, stages = entries[nearest]
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
 

@@ -16,8 +16,9 @@ def test_table_covers_plain_masks_only(window_left, window_right, softcap, expec
     assert launch.table_mask(window_left, window_right, softcap) == expected
 
 
-def test_measured_config_takes_the_nearest_bucket(tmp_path, monkeypatch):
-    table = {"Some GPU": {"fwd": {"d128-causal": {"512": [64, 32, 4, 2], "4096": [128, 64, 8, 3]}}}}
+def test_measured_config_takes_the_nearest_bucket_within_an_octave(tmp_path, monkeypatch):
+    table = {"Some GPU": {"fwd": {"d128-causal": {"512": [64, 32, 4, 2], "16384": [128, 64, 8, 3]}},
+                          "bwd_dq": {"d64-full": {"1024": [128, 64, 8, 3]}}}}
     path = tmp_path / "tuned.json"
     path.write_text(json.dumps(table))
     monkeypatch.setattr(launch, "TUNED_CONFIGS_PATH", str(path))
@@ -25,9 +26,13 @@ def test_measured_config_takes_the_nearest_bucket(tmp_path, monkeypatch):
     launch._measured_table.cache_clear()
     try:
         gpu = torch.device("cuda", 0)
-        assert launch.measured_config(gpu, "fwd", 128, True, 1024)["BLOCK_M"] == 64  # log2 distance 1 vs 2
-        assert launch.measured_config(gpu, "fwd", 128, True, 65536) == {
+        assert launch.measured_config(gpu, "fwd", 128, True, 1024)["BLOCK_M"] == 64  # log2 distance 1 vs 4
+        assert launch.measured_config(gpu, "fwd", 128, True, 8192)["BLOCK_M"] == 128
+        assert launch.measured_config(gpu, "fwd", 128, True, 65536) == {  # past the longest, >= 16k
             "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+        assert launch.measured_config(gpu, "fwd", 128, True, 2048) is None  # 2 octaves from 512 and 16k
+        assert launch.measured_config(gpu, "bwd_dq", 64, False, 2048) is not None
+        assert launch.measured_config(gpu, "bwd_dq", 64, False, 4096) is None  # a table cut short at 1k
         assert launch.measured_config(gpu, "fwd", 128, False, 1024) is None  # not measured: autotune
         assert launch.measured_config(gpu, "bwd_dq", 128, True, 1024) is None
         assert launch.measured_config(gpu, "fwd", 64, True, 1024) is None
