@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from typing import Optional
 
 import torch
@@ -218,8 +219,19 @@ def _varlen_tiled(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_lef
     return torch.cat(outs), torch.cat(lses, dim=1)
 
 
+# Value checks of cu_seqlens read the device (a host sync, tens of µs with the launch queue drained). A
+# tensor is checked once per version: every layer of a model shares one, and repeated calls reuse it.
+# Entries leave with their tensor (weakref.finalize), so a new tensor at a reused id is checked anew.
+_CHECKED_CU_SEQLENS: dict[int, tuple[int, int, int]] = {}
+
+
 def check_cu_seqlens(name, cu_seqlens, total, device):
-    """Validate int32 (batch + 1,) sequence offsets over ``total`` packed tokens."""
+    """Validate int32 (batch + 1,) sequence offsets over ``total`` packed tokens.
+
+    Returns:
+        The longest sequence's length (one device read for all value checks), or None under
+        torch.compile, where a traced graph trusts its caller.
+    """
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32:
         raise ValueError(f"{name} must be a 1-d int32 tensor, got "
                          f"{cu_seqlens.dtype if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__}")
@@ -228,22 +240,31 @@ def check_cu_seqlens(name, cu_seqlens, total, device):
     if cu_seqlens.numel() < 2:
         raise ValueError(f"{name} needs at least 2 entries (batch + 1), got {cu_seqlens.numel()}")
     if torch.compiler.is_compiling():
-        return  # value checks read the device; a traced graph trusts its caller
-    if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != total:
-        raise ValueError(f"{name} must start at 0 and end at the token count {total}, "
-                         f"got {int(cu_seqlens[0])} ... {int(cu_seqlens[-1])}")
-    if bool((cu_seqlens.diff() < 0).any()):
+        return None
+    key = id(cu_seqlens)
+    checked = _CHECKED_CU_SEQLENS.get(key)
+    if checked is not None and checked[:2] == (cu_seqlens._version, total):
+        return checked[2]
+    lengths = cu_seqlens.diff()
+    first, last, shortest, longest = torch.stack((cu_seqlens[0], cu_seqlens[-1], lengths.min(), lengths.max())).tolist()
+    if first != 0 or last != total:
+        raise ValueError(f"{name} must start at 0 and end at the token count {total}, got {first} ... {last}")
+    if shortest < 0:
         raise ValueError(f"{name} must be non-decreasing, got {cu_seqlens.tolist()}")
+    if checked is None:
+        weakref.finalize(cu_seqlens, _CHECKED_CU_SEQLENS.pop, key, None)
+    _CHECKED_CU_SEQLENS[key] = (cu_seqlens._version, total, longest)
+    return longest
 
 
-def _max_seqlen(name, given, cu_seqlens):
-    if torch.compiler.is_compiling():
+def _max_seqlen(name, given, longest):
+    """``given`` (validated against ``longest``, the actual longest length when known), or ``longest``."""
+    if longest is None:  # under torch.compile
         return int(given)
-    actual = int(cu_seqlens.diff().max())
     if given is None:
-        return actual
-    if not isinstance(given, int) or given < actual:
-        raise ValueError(f"{name}={given!r} is smaller than the longest sequence ({actual})")
+        return longest
+    if not isinstance(given, int) or given < longest:
+        raise ValueError(f"{name}={given!r} is smaller than the longest sequence ({longest})")
     return given
 
 
@@ -266,13 +287,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     """
     softmax_scale, window_size = check_attention_args(q, k, v, 0, softmax_scale, window_size, softcap)
     deterministic = _check_deterministic(deterministic)
-    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
-    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+    longest_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+    longest_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k describe {cu_seqlens_q.numel() - 1} and "
                          f"{cu_seqlens_k.numel() - 1} sequences")
-    max_seqlen_q = _max_seqlen("max_seqlen_q", max_seqlen_q, cu_seqlens_q)
-    max_seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k, cu_seqlens_k)
+    max_seqlen_q = _max_seqlen("max_seqlen_q", max_seqlen_q, longest_q)
+    max_seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k, longest_k)
     q, k, v = autocast_inputs(q, k, v)
     window_left, window_right = normalize_window(causal, window_size)
     if kernel_impl(q.device) == "triton":
