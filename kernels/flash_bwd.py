@@ -54,9 +54,9 @@ def _bwd_preprocess(
     rows = pid_m * BLOCK + tl.arange(0, BLOCK)
     dims = tl.arange(0, HEAD_DIM_PAD)
     valid = (rows[:, None] < seqlen_q) & (dims[None, :] < HEAD_DIM)
-    o = tl.load(O + o_base + head * stride_oh + rows[:, None] * stride_os + dims[None, :], mask=valid, other=0.0)
-    do = tl.load(DO + do_base + head * stride_doh + rows[:, None] * stride_dos + dims[None, :], mask=valid,
-                 other=0.0)
+    rows_64 = rows.to(tl.int64)[:, None]  # a sequence's rows * stride can pass 2**31 too
+    o = tl.load(O + o_base + head * stride_oh + rows_64 * stride_os + dims[None, :], mask=valid, other=0.0)
+    do = tl.load(DO + do_base + head * stride_doh + rows_64 * stride_dos + dims[None, :], mask=valid, other=0.0)
     in_seq = rows < seqlen_q
     row_offsets = lse_base + head * stride_lse_h + rows
     lse = tl.load(LSE + row_offsets, mask=in_seq, other=0.0)

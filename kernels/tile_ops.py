@@ -137,7 +137,8 @@ def program_tile(heads, num_seqs, CU_SEQLENS, BLOCK: tl.constexpr, SEQS_PAD: tl.
         seq = tl.program_id(1) // heads
         head = tl.program_id(1) % heads
         tile = t
-    return seq, tile, head
+    # 64-bit: base offsets such as seq * stride_batch pass 2**31 in tensors over 2**31 elements.
+    return seq.to(tl.int64), tile, head.to(tl.int64)
 
 
 @triton.jit
@@ -148,10 +149,13 @@ def sequence_bounds(batch, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K, IS_VA
     start at row 0 of their batch (located by the batch strides).
     """
     if IS_VARLEN:
-        q_start = tl.load(CU_SEQLENS_Q + batch)
-        k_start = tl.load(CU_SEQLENS_K + batch)
-        seqlen_q = tl.load(CU_SEQLENS_Q + batch + 1) - q_start
-        seqlen_k = tl.load(CU_SEQLENS_K + batch + 1) - k_start
+        q_first = tl.load(CU_SEQLENS_Q + batch)
+        k_first = tl.load(CU_SEQLENS_K + batch)
+        # Lengths stay 32-bit (they enter the per-element masks); starts, which scale strides, go 64-bit.
+        seqlen_q = tl.load(CU_SEQLENS_Q + batch + 1) - q_first
+        seqlen_k = tl.load(CU_SEQLENS_K + batch + 1) - k_first
+        q_start = q_first.to(tl.int64)
+        k_start = k_first.to(tl.int64)
     else:
         q_start = 0
         k_start = 0

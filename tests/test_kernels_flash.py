@@ -212,3 +212,32 @@ def test_torch_compile_full_graph(device, triton_path):
     result = subprocess.run([sys.executable, "-c", COMPILE_CHECK, device], capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="tensors over 2**31 elements: ~40 GB of GPU memory")
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "varlen"])
+def test_offsets_past_2_to_the_31_elements(packed):
+    """Sequences that start past element 2**31 of q, k, v (and of the gradients) are read and written
+    where they are: the kernels' base offsets are 64-bit. Checked against the same sequences alone."""
+    from flashformer.kernels import flash_attn_varlen_func
+
+    seqlen, heads, head_dim = 128, 8, 256
+    batch = 2**31 // (seqlen * heads * head_dim) + 4  # the last 4 sequences lie past 2**31 elements
+    q, k, v, grad_out = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+                         for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_()
+    if packed:
+        cu_seqlens = torch.arange(0, batch * seqlen + 1, seqlen, device="cuda", dtype=torch.int32)
+        out = flash_attn_varlen_func(*(t.flatten(0, 1) for t in (q, k, v)), cu_seqlens, cu_seqlens, causal=True)
+        out = out.view_as(q)
+    else:
+        out = flash_attn_func(q, k, v, causal=True)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    tail = slice(batch - 4, batch)
+    q_t, k_t, v_t = (t[tail].detach().clone().requires_grad_() for t in (q, k, v))
+    out_t = flash_attn_func(q_t, k_t, v_t, causal=True)
+    grads_t = torch.autograd.grad(out_t, (q_t, k_t, v_t), grad_out[tail])
+    for name, ours, alone in zip(("out", "dq", "dk", "dv"), (out, *grads), (out_t, *grads_t)):
+        torch.testing.assert_close(ours[tail], alone, atol=1e-2, rtol=1e-2, msg=name)
