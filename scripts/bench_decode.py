@@ -11,7 +11,8 @@ triton.testing.do_bench, which flushes L2 between runs):
   enable_gqa=True;
 * "graph": ours and SDPA cuDNN captured in a CUDA graph and replayed, i.e. the device time alone
   (no Python launch cost), as a decoding loop under CUDA graphs would see it;
-* host µs: wall time per call of the launcher (ours) when the GPU is not the bottleneck.
+* host µs: wall time per call of the launcher (ours) when the GPU is not the bottleneck;
+  ``--host-profile N`` also prints where that time goes (cProfile of N calls at batch 1, 16k).
 
 TB/s = bytes of K and V read / time. Each cell checks ours (both layouts) against SDPA flash. Cells
 whose tensors would pass MEMORY_LIMIT are skipped. Prints a markdown table last; writes JSON to --out.
@@ -20,8 +21,10 @@ whose tensors would pass MEMORY_LIMIT are skipped. Prints a markdown table last;
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import time
 
 import torch
@@ -164,11 +167,32 @@ def markdown(cells):
     return "\n".join(lines)
 
 
+def host_profile(calls, length=16384):
+    """Print the functions that take the host time of ``calls`` launcher calls (batch 1, cProfile)."""
+    q = torch.randn(1, 1, HEADS_Q, HEAD_DIM, device="cuda", dtype=DTYPE)
+    k_cache, v_cache = (torch.randn(1, length, HEADS_KV, HEAD_DIM, device="cuda", dtype=DTYPE) for _ in range(2))
+    seqlens = torch.full((1,), length, dtype=torch.int32, device="cuda")
+    with torch.inference_mode():
+        def ours():
+            return decode_attention(q, k_cache, v_cache, seqlens, None, length, HEAD_DIM**-0.5, -1, 0, 0.0)
+        ours()
+        torch.cuda.synchronize()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(calls):
+            ours()
+        profiler.disable()
+        torch.cuda.synchronize()
+    print(f"host profile of {calls} launcher calls (batch 1, cache {length}), by own time:")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536, 131072])
     parser.add_argument("--out", default="runs/bench_decode.json")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N", help="also profile N launcher calls")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode.py needs a CUDA device")
@@ -187,6 +211,8 @@ def main():
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                    "heads_q": HEADS_Q, "heads_kv": HEADS_KV, "head_dim": HEAD_DIM, "dtype": str(DTYPE),
                    "page_size": PAGE_SIZE, "cells": cells}, f, indent=2)
+    if args.host_profile:
+        host_profile(args.host_profile)
     print(markdown(cells))
 
 

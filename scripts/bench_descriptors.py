@@ -51,7 +51,7 @@ def _sum_pointers(X, OUT, TILES: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl
     offsets = tl.arange(0, BLOCK)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
     acc = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
     for t in tl.range(TILES):
-        acc += tl.load(X + (pid * TILES + t) * BLOCK * HEAD_DIM + offsets).to(tl.float32)
+        acc += tl.load(X + (pid * TILES + t).to(tl.int64) * BLOCK * HEAD_DIM + offsets).to(tl.float32)
     tl.store(OUT + pid, tl.sum(acc))
 
 
