@@ -3,6 +3,8 @@
 # Each stage has its own time limit so that one slow stage cannot eat the lease; results come back
 # as $OUT/results.tgz (and $OUT/tuned_configs.json after the tune stage).
 # Usage on the device machine: bash scripts/h200_check.sh [stage ...]   (default: all stages)
+# Each stage's limit fits one 10-minute device call with its neighbours: quick + pi, attention + varlen,
+# slow alone, tune + decode (TUNE_HEAD_DIMS picks the head dims of the sweep).
 set -uo pipefail
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 # The device tool returns at most 8 files from $OUT: stages write to RES, packed into one archive at exit.
@@ -28,22 +30,22 @@ for stage in "${stages[@]}"; do
     tune)   # offline config sweep, written to $OUT after every cell (a cut-short call keeps what it measured),
             # then into the working tree for the later stages of this call
             [ -f kernels/tuned_configs.json ] && cp kernels/tuned_configs.json "$OUT/"
-            timeout 360 python3 scripts/tune_attention.py --rep-ms 80 --out "$OUT/tuned_configs.json" \
+            timeout 360 python3 scripts/tune_attention.py --rep-ms 80 --head-dims ${TUNE_HEAD_DIMS:-64 128 256} --out "$OUT/tuned_configs.json" \
               --json "$RES/tune.json" 2>&1 | tee "$RES/tune.log" | grep -v "it/s\]" | tail -45
             cp "$OUT/tuned_configs.json" kernels/ ;;
     descriptors) timeout 60 python3 scripts/bench_descriptors.py 2>&1 | tee "$RES/descriptors.log" | grep "^|" ;;
-    decode) timeout 120 python3 scripts/bench_decode.py --out "$RES/decode.json" 2>&1 | tee "$RES/decode.log" \
-              | grep "^|" ;;
-    attention) timeout 200 python3 scripts/bench_attention.py --impls ours ours-nondet sdpa-flash sdpa-cudnn --head-dims 64 128 256 \
+    decode) timeout 150 python3 scripts/bench_decode.py --host-profile 200 --out "$RES/decode.json" 2>&1 \
+              | tee "$RES/decode.log" | grep -A30 "^host profile\|^|" ;;
+    attention) timeout 420 python3 scripts/bench_attention.py --impls ours ours-nondet sdpa-flash sdpa-cudnn --head-dims 64 128 256 \
               --out "$RES/attention.json" 2>&1 | tee "$RES/attention.log" | grep "^|" ;;
-    varlen) timeout 90 python3 scripts/bench_attention.py --varlen --impls ours --out "$RES/varlen.json" 2>&1 \
+    varlen) timeout 150 python3 scripts/bench_attention.py --varlen --impls ours --out "$RES/varlen.json" 2>&1 \
               | tee "$RES/varlen.log" | grep "documents\|^|" ;;
     train)  timeout 540 python3 scripts/bench_train.py configs/gpt2-124m.yaml --seqlens 1024 4096 16384 --steps 50 \
               --profile 5 --out "$RES/train.json" 2>&1 | tee "$RES/train.log" | grep "^|\| @ " ;;
     memory) timeout 420 python3 scripts/memory_savings.py --device cuda --max 524288 --out "$RES/memory.json" \
               --plot "$RES/memory.png" 2>&1 | tee "$RES/memory.log" | grep -v "it/s\]" | tail -30 ;;
     pi)     # position interpolation 1k -> 8k (issue #6); ~7.5 min alone
-            FLASHFORMER_AUTOTUNE=0 timeout 540 bash scripts/pi_reproduction.sh "$RES/pi" > "$RES/pi.log" 2>&1
+            FLASHFORMER_AUTOTUNE=0 timeout 480 bash scripts/pi_reproduction.sh "$RES/pi" > "$RES/pi.log" 2>&1
             tr '\r' '\n' < "$RES/pi.log" | grep -a -v '%|' | tail -30 ;;
   esac
 done

@@ -19,7 +19,7 @@ from triton.compiler import ASTSource
 from flashformer.kernels import decode, flash_bwd, flash_fwd
 
 FP32_POINTERS = {"LSE", "DELTA", "LSE_LOG2", "DLSE", "LSE_PART", "O_PART", "DQ_ACC"}
-INT32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K", "BLOCK_TABLE"}
+INT32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K", "BLOCK_TABLE", "SPLITS_DONE"}
 FLOAT_SCALARS = {"qk_scale", "softcap_log2", "softmax_scale"}
 
 
@@ -84,7 +84,6 @@ CASES = {
                                dict(GROUP=4, GROUP_PAD=4, BLOCK_T=16, BLOCK_N=64, PAGE_SIZE=256, HEAD_DIM=128,
                                     HEAD_DIM_PAD=128, LEFT_BOUNDED=False, RIGHT_BOUNDED=True, HAS_SOFTCAP=False,
                                     SPLIT=True, DOT_PRECISION="tf32", UPCAST_DOT=False), 4, 3),
-    "decode_combine-d128": (decode._combine_kernel, dict(SPLITS_PAD=16, HEAD_DIM=128, HEAD_DIM_PAD=128), 4, 1),
 }
 
 
