@@ -77,6 +77,22 @@ def _naive(q, k, v, causal, window_size, softcap, softmax_scale):
 _DENSE = {"flash": _flash, "flash-nondeterministic": _flash_nondeterministic, "reference": _reference,
           "sdpa": _sdpa, "naive": _naive}
 
+# While set (route_attention), full-sequence calls go here instead of the backend: how context
+# parallelism swaps in ring attention from outside the model. A module global, as force_kernel_impl.
+_ROUTED = None
+
+
+@contextlib.contextmanager
+def route_attention(fn):
+    """Inside, ``attention`` calls without cu_seqlens run ``fn(q, k, v, causal, window_size, softcap,
+    softmax_scale)`` whatever the backend (flashformer.context_parallel uses it for ring attention)."""
+    global _ROUTED
+    previous, _ROUTED = _ROUTED, fn
+    try:
+        yield
+    finally:
+        _ROUTED = previous
+
 
 def _varlen_loop(dense_fn, q, k, v, cu_seqlens, causal, window_size, softcap, softmax_scale):
     """sdpa / naive on packed documents: one dense call per document (they have no varlen kernel)."""
@@ -118,6 +134,11 @@ def attention(q, k, v, *, backend, causal=True, window_size=(-1, -1), softcap=0.
         (batch, seqlen_q, heads_q, head_dim), like q.
     """
     backend = resolve_backend(backend, q.device)
+    if _ROUTED is not None:
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens (packed documents) cannot be used under context parallelism: "
+                             "its ring attends over whole sequences")
+        return _ROUTED(q, k, v, causal, window_size, softcap, softmax_scale)
     dense_fn = _DENSE[backend]
     if cu_seqlens is None:
         return dense_fn(q, k, v, causal, window_size, softcap, softmax_scale)

@@ -12,15 +12,25 @@ Layout. Non-causal attention works with any split of the tokens. Causal attentio
 ``zigzag_shard`` / ``zigzag_unshard`` move tensors into and out of it; shard the position ids
 the same way so RoPE sees each token's true position.
 
-The model stays single-device: this module wraps attention from outside and imports only torch
-and flashformer.kernels.
+The model stays single-device: ``context_parallel(group)`` routes its attention through the ring
+from outside (attention.route_attention), and ``shard_batch`` gives each rank its zigzag slice of the
+tokens, targets and positions. Wrapping the model in DDP over the same group then averages the
+gradients, which equals the full sequence's gradient (every rank holds as many tokens)::
+
+    ids, targets, positions = shard_batch(input_ids, targets, group)
+    with context_parallel(group):
+        loss = model(ids, position_ids=positions, targets=targets)
+        loss.backward()
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
+from flashformer.attention import route_attention
 from flashformer.kernels import flash_attn_func
 from flashformer.kernels.interface import autocast_inputs
 
@@ -257,3 +267,26 @@ def ring_flash_attn(q, k, v, group=None, causal=True, softmax_scale=None):
     # The backward runs outside autocast: fix the dtype here so both passes compute alike.
     q, k, v = autocast_inputs(q, k, v)
     return _RingFlashAttention.apply(q, k, v, _Ring(group), causal, softmax_scale)
+
+
+def shard_batch(input_ids, targets, group=None):
+    """This rank's (input_ids, targets, position_ids): the zigzag slice of every (batch, seqlen) row,
+    with each token's true position (RoPE and learned positions need it). seqlen must be divisible by
+    2 * the group's size."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    return tuple(zigzag_shard(t, rank, world_size) for t in (input_ids, targets, positions))
+
+
+@contextlib.contextmanager
+def context_parallel(group=None):
+    """Inside, a model's full-sequence attention is ring attention over ``group``: feed it this rank's
+    ``shard_batch``. Plain causal or full attention only (no window, no softcap, no packed documents)."""
+    def ring(q, k, v, causal, window_size, softcap, softmax_scale):
+        if tuple(window_size) != (-1, -1) or softcap:
+            raise ValueError(f"context parallelism supports plain causal or full attention, got "
+                             f"window_size={tuple(window_size)}, softcap={softcap}")
+        return ring_flash_attn(q, k, v, group=group, causal=causal, softmax_scale=softmax_scale)
+
+    with route_attention(ring):
+        yield

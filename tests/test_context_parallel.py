@@ -6,8 +6,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from flashformer import context_parallel
-from flashformer.context_parallel import ring_flash_attn, zigzag_merge, zigzag_shard, zigzag_unshard
+from flashformer.attention import attention
+from flashformer.context_parallel import (ring_flash_attn, shard_batch, zigzag_merge, zigzag_shard,
+                                          zigzag_unshard)
 from flashformer.kernels import flash_attn_func
+from flashformer.model import ModelConfig, Transformer
 
 ATOL = 2e-5
 
@@ -66,6 +69,40 @@ def check_causal_blocks_balanced_and_skipped(group, seqlen):
     assert all(not causal and rows * cols == half_area for rows, cols, causal in blocks[1:]), blocks
 
 
+def check_model_step_matches_full(group, pos):
+    """A model's loss and gradients with each rank holding a zigzag slice of the sequence (ring
+    attention, gradients averaged over the group) equal those of the whole sequence on one rank."""
+    world_size = dist.get_world_size(group)
+    torch.manual_seed(0)  # the same weights and tokens on every rank
+    model = Transformer(ModelConfig(vocab_size=64, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=96,
+                                    max_seq_len=64, pos=pos, attn_backend="reference"))
+    input_ids = torch.randint(0, 64, (2, 8 * world_size))
+    targets = torch.randint(0, 64, (2, 8 * world_size))
+    params = list(model.parameters())
+    full_loss = model(input_ids, targets=targets)
+    full_grads = torch.autograd.grad(full_loss, params)
+
+    ids, local_targets, positions = shard_batch(input_ids, targets, group)
+    with context_parallel.context_parallel(group):
+        loss = model(ids, position_ids=positions, targets=local_targets)
+    grads = torch.autograd.grad(loss, params)  # the backward's ring runs outside the context too
+    for value in (loss.detach(), *grads):
+        dist.all_reduce(value, group=group)
+        value /= world_size
+    torch.testing.assert_close(loss, full_loss.detach(), atol=1e-5, rtol=0)
+    for param_name, ours, ref in zip([n for n, _ in model.named_parameters()], grads, full_grads):
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-4, msg=lambda m: f"{pos} {param_name}: {m}")
+
+
+def check_context_parallel_rejects_what_the_ring_cannot_do(group):
+    q = torch.randn(1, 8, 2, 16)
+    with context_parallel.context_parallel(group):
+        with pytest.raises(ValueError, match="window_size"):
+            attention(q, q, q, backend="reference", window_size=(4, 0))
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            attention(q, q, q, backend="reference", cu_seqlens=torch.tensor([0, 8], dtype=torch.int32))
+
+
 def run_rank(rank, world_size, store_path):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
@@ -76,6 +113,9 @@ def run_rank(rank, world_size, store_path):
         check_ring_matches_full(world, True, 1, 2 * seqlen, 4, 2, 32, "causal GQA")
         check_ring_matches_full(world, False, 2, seqlen, 4, 1, 16, "non-causal MQA")
         check_causal_blocks_balanced_and_skipped(world, seqlen)
+        check_model_step_matches_full(world, "rope")
+        check_model_step_matches_full(world, "learned")
+        check_context_parallel_rejects_what_the_ring_cannot_do(world)
         if world_size == 4:
             # Two independent rings of two ranks each: peers are named through the group.
             pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
