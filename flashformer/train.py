@@ -571,6 +571,7 @@ class Trainer:
                     postfix = {"loss": f"{train_loss:.3f}", "tok/s": f"{tokens_per_s:,.0f}"}
                     if self.device.type == "cuda":
                         record["mfu"] = flops_per_token * tokens_per_s / (cfg.peak_flops_per_gpu * self.env.world_size)
+                        record["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9  # this rank's
                         postfix["mfu"] = f"{record['mfu']:.1%}"
                     bar.set_postfix(postfix)
                     if main:

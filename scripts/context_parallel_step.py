@@ -1,0 +1,144 @@
+"""Training steps of one long sequence split over every rank (ring attention): sequences longer than
+one GPU holds (issue #8). Run under torchrun; every rank holds the whole model and a zigzag slice of
+the sequence, and the gradients are averaged over the ranks.
+
+    torchrun --nproc_per_node 2 scripts/context_parallel_step.py configs/models/llama-125m.yaml \\
+        --seqlen 2097152 --steps 2 --out cp_step.json
+    torchrun --nproc_per_node 2 scripts/context_parallel_step.py configs/models/llama-125m.yaml \\
+        --seqlen 4096 --check
+
+Steps run like scripts/memory_savings.py's flash columns (bf16 autocast on CUDA, activation checkpointing
+unless --no-checkpointing, chunked LM head + cross-entropy, fused AdamW); the first step warms up, the rest are timed. Printed: per-rank
+peak memory (CUDA allocator), tokens/s of the whole sequence, and the loss. ``--check`` instead compares
+one step's loss and gradients against the whole sequence on every rank alone, in fp32: context
+parallelism must be exact within the kernels' tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from flashformer.config import load_config
+from flashformer.context_parallel import context_parallel, shard_batch
+from flashformer.losses import default_chunk_size
+from flashformer.model import ModelConfig, Transformer
+from flashformer.parallel import apply_activation_checkpointing
+
+
+def build(config_path, overrides, seqlen, device):
+    config = load_config(ModelConfig, config_path, [*overrides, "attn_backend=flash"])
+    config = dataclasses.replace(config, max_seq_len=max(config.max_seq_len, seqlen))
+    torch.manual_seed(0)  # the same weights on every rank
+    return Transformer(config).to(device)
+
+
+def cp_loss(model, input_ids, targets, group):
+    """This rank's mean loss over its zigzag slice (forward and backward through the ring)."""
+    ids, local_targets, positions = shard_batch(input_ids, targets, group)
+    with context_parallel(group):
+        loss = model.loss(ids, local_targets, positions, chunk_size=default_chunk_size(model.config.vocab_size))
+        loss.backward()
+    return loss.detach()
+
+
+def average(tensors, group):
+    """Mean over the ranks, in place (each rank's loss covers as many tokens)."""
+    for t in tensors:
+        dist.all_reduce(t, group=group)
+        t /= dist.get_world_size(group)
+
+
+def check(args, device, group):
+    """Loss and gradients of one fp32 step: context parallel against the whole sequence."""
+    model = build(args.config, args.set, args.seqlen, device)
+    tokens = torch.randint(0, model.config.vocab_size, (1, args.seqlen + 1), device=device,
+                           generator=torch.Generator(device).manual_seed(1))
+    input_ids, targets = tokens[:, :-1], tokens[:, 1:]
+    loss = cp_loss(model, input_ids, targets, group)
+    grads = [p.grad.clone() for p in model.parameters()]
+    average([loss, *grads], group)
+    model.zero_grad(set_to_none=True)
+    full_loss = model.loss(input_ids, targets)
+    full_loss.backward()
+    worst = max(((g - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-12)).item()
+                for g, p in zip(grads, model.parameters()))
+    return {"seqlen": args.seqlen, "loss": loss.item(), "full_loss": full_loss.item(),
+            "loss_abs_diff": abs(loss.item() - full_loss.item()), "max_grad_rel_diff": worst}
+
+
+def run_steps(args, device, group):
+    """Timed steps; peak memory per rank."""
+    model = build(args.config, args.set, args.seqlen, device)
+    if not args.no_checkpointing:
+        apply_activation_checkpointing(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    tokens = torch.randint(0, model.config.vocab_size, (1, args.seqlen + 1), device=device,
+                           generator=torch.Generator(device).manual_seed(1))
+    input_ids, targets = tokens[:, :-1], tokens[:, 1:]
+    seconds, losses = [], []
+    for step in range(args.steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            if step == 1:
+                torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = cp_loss(model, input_ids, targets, group)
+        grads = [p.grad for p in model.parameters()]
+        average([loss, *grads], group)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    timed = seconds[1:] or seconds
+    peak = torch.tensor([torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else 0.0], device=device)
+    peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(peaks, peak, group=group)
+    return {"seqlen": args.seqlen, "ranks": dist.get_world_size(group), "steps": args.steps, "losses": losses,
+            "checkpointing": not args.no_checkpointing, "tokens_per_s": args.seqlen / (sum(timed) / len(timed)),
+            "peak_gb_per_rank": [p.item() for p in peaks]}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="ModelConfig YAML, e.g. configs/models/llama-125m.yaml")
+    parser.add_argument("--seqlen", type=int, required=True, help="tokens of the whole sequence (batch 1)")
+    parser.add_argument("--steps", type=int, default=2, help="steps; all but the first are timed")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="model config overrides")
+    parser.add_argument("--no-checkpointing", action="store_true", help="keep every activation (no recompute)")
+    parser.add_argument("--check", action="store_true", help="compare one fp32 step with the whole sequence")
+    parser.add_argument("--out", help="write the result as JSON here (rank 0)")
+    args = parser.parse_args(argv)
+    if "RANK" not in os.environ:
+        raise SystemExit("run under torchrun, e.g. torchrun --nproc_per_node 2 scripts/context_parallel_step.py ...")
+    on_cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if on_cuda else torch.device("cpu")
+    if on_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if on_cuda else "gloo")
+    try:
+        world_size = dist.get_world_size()
+        if args.seqlen % (2 * world_size):
+            raise SystemExit(f"--seqlen {args.seqlen} must be divisible by 2 x {world_size} ranks (zigzag layout)")
+        result = check(args, device, None) if args.check else run_steps(args, device, None)
+        if dist.get_rank() == 0:
+            print(json.dumps(result))
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(result, f, indent=1)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
