@@ -242,8 +242,10 @@ def check_cu_seqlens(name, cu_seqlens, total, device):
     if torch.compiler.is_compiling():
         return None
     key = id(cu_seqlens)
+    # Inference tensors keep no version counter (in-place changes go unseen): they are checked every call.
+    version = None if cu_seqlens.is_inference() else cu_seqlens._version
     checked = _CHECKED_CU_SEQLENS.get(key)
-    if checked is not None and checked[:2] == (cu_seqlens._version, total):
+    if checked is not None and version is not None and checked[:2] == (version, total):
         return checked[2]
     lengths = cu_seqlens.diff()
     first, last, shortest, longest = torch.stack((cu_seqlens[0], cu_seqlens[-1], lengths.min(), lengths.max())).tolist()
@@ -251,9 +253,10 @@ def check_cu_seqlens(name, cu_seqlens, total, device):
         raise ValueError(f"{name} must start at 0 and end at the token count {total}, got {first} ... {last}")
     if shortest < 0:
         raise ValueError(f"{name} must be non-decreasing, got {cu_seqlens.tolist()}")
-    if checked is None:
-        weakref.finalize(cu_seqlens, _CHECKED_CU_SEQLENS.pop, key, None)
-    _CHECKED_CU_SEQLENS[key] = (cu_seqlens._version, total, longest)
+    if version is not None:
+        if checked is None:
+            weakref.finalize(cu_seqlens, _CHECKED_CU_SEQLENS.pop, key, None)
+        _CHECKED_CU_SEQLENS[key] = (version, total, longest)
     return longest
 
 

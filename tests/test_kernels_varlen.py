@@ -97,6 +97,16 @@ def test_varlen_offsets_changed_in_place_are_checked_again(device):
         flash_attn_varlen_func(q, k, v, cu, cu)
 
 
+def test_varlen_offsets_made_under_inference_mode(device):
+    """Inference tensors have no version counter: they are checked on every call, in place changes too."""
+    with torch.inference_mode():
+        q, k, v, cu = _packed(device)
+        flash_attn_varlen_func(q, k, v, cu, cu)
+        cu[1] = 9  # [0, 9, 8]
+        with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
+            flash_attn_varlen_func(q, k, v, cu, cu)
+
+
 def test_packing_helpers_round_trip():
     doc_ids = torch.tensor([[7, 7, 2, 2, 2], [2, 2, 9, 9, 9]])
     cu, longest = cu_seqlens_from_document_ids(doc_ids)
