@@ -4,7 +4,8 @@ At long context the LM head dominates memory: 131k tokens x a 50k vocabulary is 
 logits, and as much again for their gradient. ``chunked_cross_entropy`` walks the tokens in
 chunks: the forward keeps only each token's logsumexp, and the backward recomputes one chunk of
 logits at a time and turns it straight into that chunk's share of the gradients of hidden,
-weight and bias. The largest temporary is one chunk of logits (chunk_size x vocab, fp32).
+weight and bias. The largest temporary is one chunk of logits (chunk_size x vocab, in the matmul's dtype); the
+cross-entropy over it runs in fp32 inside kernels/cross_entropy.py (Triton on the GPU).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from flashformer.kernels.cross_entropy import capped_logits, cross_entropy_rows, cross_entropy_rows_grad_
 from flashformer.kernels.interface import autocast_inputs
 
 # One chunk of fp32 logits is at most this many elements (128 MiB): big enough that each chunk's
@@ -26,20 +28,6 @@ REDUCTIONS = ("mean", "sum", "none")
 def default_chunk_size(vocab_size: int) -> int:
     """Tokens per chunk such that one chunk of logits holds about CHUNK_LOGITS_ELEMENTS values."""
     return max(1, CHUNK_LOGITS_ELEMENTS // vocab_size)
-
-
-def _logits_fp32(hidden, weight, bias, softcap):
-    """(tokens, d_model) x (vocab, d_model) -> fp32 (tokens, vocab) logits, biased and capped.
-
-    The matmul runs in the inputs' dtype (tensor cores accumulate in fp32); everything after it
-    (softcap, logsumexp, softmax) runs in fp32.
-    """
-    logits = (hidden @ weight.t()).float()
-    if bias is not None:
-        logits += bias.float()
-    if softcap > 0.0:
-        logits = softcap * torch.tanh(logits / softcap)
-    return logits
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -61,10 +49,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         lse = torch.zeros(tokens, dtype=torch.float32, device=hidden.device)
         losses = torch.zeros(tokens, dtype=torch.float32, device=hidden.device)
         for start, end in _chunks_with_targets(valid, chunk_size):
-            logits = _logits_fp32(hidden[start:end], weight, bias, softcap)
-            lse[start:end] = torch.logsumexp(logits, dim=-1)
-            target_logit = logits.gather(1, safe_targets[start:end, None]).squeeze(1)
-            losses[start:end] = torch.where(valid[start:end], lse[start:end] - target_logit, 0.0)
+            # The matmul in the inputs' dtype (fp32 accumulation); the cross-entropy in fp32 inside.
+            lse[start:end], losses[start:end] = cross_entropy_rows(hidden[start:end] @ weight.t(), targets[start:end],
+                                                                   ignore_index, bias, softcap)
         ctx.save_for_backward(hidden, weight, bias, safe_targets, valid, lse)
         ctx.params = (chunk_size, reduction, softcap)
         if reduction == "none":
@@ -87,22 +74,15 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_bias else None
         for start, end in _chunks_with_targets(valid, chunk_size):
             hidden_chunk = hidden[start:end]
-            logits = _logits_fp32(hidden_chunk, weight, bias, softcap)
-            # logits = softcap * tanh(raw / softcap), so d logits / d raw = 1 - (logits / softcap)^2.
-            softcap_grad = 1.0 - (logits / softcap).square_() if softcap > 0.0 else None
-            # (softmax - one_hot(target)) * token_scale, built in place in the logits' buffer.
-            grad_logits = logits.sub_(lse[start:end, None]).exp_()
-            grad_logits[torch.arange(end - start, device=logits.device), safe_targets[start:end]] -= 1.0
-            grad_logits.mul_(token_scale[start:end, None])
-            if softcap_grad is not None:
-                grad_logits.mul_(softcap_grad)
+            # (softmax - one_hot(target)) * token_scale, written over the recomputed logits in their dtype.
+            grad_logits = cross_entropy_rows_grad_(hidden_chunk @ weight.t(), safe_targets[start:end],
+                                                   lse[start:end], token_scale[start:end], bias, softcap)
             if need_bias:
-                grad_bias += grad_logits.sum(0)
-            grad_logits_low = grad_logits.to(hidden.dtype)
+                grad_bias += grad_logits.float().sum(0)
             if need_hidden:
-                grad_hidden[start:end] = grad_logits_low @ weight
+                grad_hidden[start:end] = grad_logits @ weight
             if need_weight:
-                grad_weight += (grad_logits_low.t() @ hidden_chunk).float()
+                grad_weight += (grad_logits.t() @ hidden_chunk).float()
         return (grad_hidden,
                 grad_weight.to(weight.dtype) if need_weight else None,
                 grad_bias.to(bias.dtype) if need_bias else None,
@@ -180,7 +160,7 @@ def lm_head_loss(hidden, weight, targets, chunk_size=None, *, bias=None, ignore_
     hidden = hidden.reshape(-1, hidden.shape[-1])
     targets = targets.reshape(-1)
     if chunk_size is None and hidden.shape[0] * weight.shape[0] <= MATERIALIZED_LOGITS_MAX_ELEMENTS:
-        logits = _logits_fp32(hidden, weight, bias, softcap)
+        logits = capped_logits(hidden @ weight.t(), bias, softcap)
         return F.cross_entropy(logits, targets, ignore_index=ignore_index)
     return chunked_cross_entropy(hidden, weight, targets, bias=bias, ignore_index=ignore_index,
                                  chunk_size=chunk_size, softcap=softcap)

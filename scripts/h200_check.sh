@@ -21,7 +21,8 @@ for stage in "${stages[@]}"; do
   echo "=== $stage $(date -u +%FT%TZ)"
   case $stage in
     quick)  FLASHFORMER_AUTOTUNE=0 timeout 180 python3 -m pytest tests/test_kernels_flash.py tests/test_kernels_api.py \
-              tests/test_kernels_varlen.py tests/test_kernels_decode.py tests/test_kernels_launch.py -q -n 15 -p no:cacheprovider \
+              tests/test_kernels_varlen.py tests/test_kernels_decode.py tests/test_kernels_launch.py \
+              tests/test_kernels_cross_entropy.py tests/test_context_parallel.py -q -n 15 -p no:cacheprovider \
               -W ignore 2>&1 | tee "$RES/quick.log" | tail -4 ;;
     compile) FLASHFORMER_AUTOTUNE=0 timeout 60 python3 -m pytest tests/test_kernels_flash.py -k compile -q \
               -p no:cacheprovider -W ignore 2>&1 | tail -2 ;;  # also part of quick
@@ -42,6 +43,10 @@ for stage in "${stages[@]}"; do
               | tee "$RES/varlen.log" | grep "documents\|^|" ;;
     train)  timeout 540 python3 scripts/bench_train.py configs/gpt2-124m.yaml --seqlens 1024 4096 16384 --steps 50 \
               --profile 5 --out "$RES/train.json" 2>&1 | tee "$RES/train.log" | grep "^|\| @ " ;;
+    train-chunked)  # the chunked LM-head loss (Triton cross-entropy) at every length, against the default
+            timeout 300 python3 scripts/bench_train.py configs/gpt2-124m.yaml --seqlens 1024 4096 --steps 50 \
+              --paths flash sdpa-cudnn --set chunked_loss=true --out "$RES/train_chunked.json" 2>&1 \
+              | tee "$RES/train_chunked.log" | grep "^|" ;;
     memory) timeout 420 python3 scripts/memory_savings.py --device cuda --max 524288 --out "$RES/memory.json" \
               --plot "$RES/memory.png" 2>&1 | tee "$RES/memory.log" | grep -v "it/s\]" | tail -30 ;;
     pi)     # position interpolation 1k -> 8k (issue #6); ~7.5 min alone

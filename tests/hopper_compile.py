@@ -16,11 +16,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from flashformer.kernels import decode, flash_bwd, flash_fwd
+from flashformer.kernels import cross_entropy, decode, flash_bwd, flash_fwd
 
-FP32_POINTERS = {"LSE", "DELTA", "LSE_LOG2", "DLSE", "LSE_PART", "O_PART", "DQ_ACC"}
+FP32_POINTERS = {"LSE", "DELTA", "LSE_LOG2", "DLSE", "LSE_PART", "O_PART", "DQ_ACC", "LOSSES", "TOKEN_SCALE"}
+INT64_POINTERS = {"TARGETS"}
 INT32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K", "BLOCK_TABLE", "SPLITS_DONE"}
-FLOAT_SCALARS = {"qk_scale", "softcap_log2", "softmax_scale"}
+FLOAT_SCALARS = {"qk_scale", "softcap_log2", "softmax_scale", "softcap"}
 
 
 def compile_for_hopper(kernel, constexprs, num_warps, num_stages, dtype="bf16"):
@@ -32,7 +33,8 @@ def compile_for_hopper(kernel, constexprs, num_warps, num_stages, dtype="bf16"):
             signature[name] = "constexpr"
             constants[(index,)] = constexprs[name]
         elif name.isupper():
-            signature[name] = "*fp32" if name in FP32_POINTERS else "*i32" if name in INT32_POINTERS else f"*{dtype}"
+            signature[name] = ("*fp32" if name in FP32_POINTERS else "*i32" if name in INT32_POINTERS
+                               else "*i64" if name in INT64_POINTERS else f"*{dtype}")
         else:
             signature[name] = "fp32" if name in FLOAT_SCALARS else "i32"
     source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
@@ -84,6 +86,8 @@ CASES = {
                                dict(GROUP=4, GROUP_PAD=4, BLOCK_T=16, BLOCK_N=64, PAGE_SIZE=256, HEAD_DIM=128,
                                     HEAD_DIM_PAD=128, LEFT_BOUNDED=False, RIGHT_BOUNDED=True, HAS_SOFTCAP=False,
                                     SPLIT=True, DOT_PRECISION="tf32", UPCAST_DOT=False), 4, 3),
+    "cross_entropy_fwd": (cross_entropy._ce_forward_kernel, dict(BLOCK_V=4096, HAS_BIAS=True, HAS_SOFTCAP=True), 8, 3),
+    "cross_entropy_bwd": (cross_entropy._ce_backward_kernel, dict(BLOCK_V=4096, HAS_BIAS=True, HAS_SOFTCAP=True), 8, 3),
 }
 
 

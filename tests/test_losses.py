@@ -76,13 +76,15 @@ def test_all_ignored_chunks_are_skipped(monkeypatch):
     targets = inputs[3]
     targets[:48] = -100  # chunks 0-2 of 16 tokens hold no target, chunk 3 holds 16
     computed_rows = []
-    logits_fp32 = losses._logits_fp32
 
-    def counting_logits(hidden, *args):
-        computed_rows.append(hidden.shape[0])
-        return logits_fp32(hidden, *args)
+    def counting(rows_fn):
+        def counted(logits, *args):
+            computed_rows.append(logits.shape[0])
+            return rows_fn(logits, *args)
+        return counted
 
-    monkeypatch.setattr(losses, "_logits_fp32", counting_logits)
+    monkeypatch.setattr(losses, "cross_entropy_rows", counting(losses.cross_entropy_rows))
+    monkeypatch.setattr(losses, "cross_entropy_rows_grad_", counting(losses.cross_entropy_rows_grad_))
     ours = loss_and_grads(lambda h, w, b, t: chunked_cross_entropy(h, w, t, chunk_size=16), inputs)
     assert computed_rows == [16, 16]  # one chunk in forward, the same one in backward
     ref = loss_and_grads(lambda h, w, b, t: reference_loss(h, w, b, t), inputs)
