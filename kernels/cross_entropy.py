@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .interface import kernel_impl
-from .launch import new_output
+from .launch import new_output, next_power_of_2
 from .tile_ops import narrow, tanh
 
 FLOAT_MIN = tl.constexpr(-3.4028234663852886e38)  # a finite floor for running maxima: max(floor, -inf) - floor = 0, never nan
@@ -83,7 +83,7 @@ def _ce_backward_kernel(LOGITS, BIAS, TARGETS, LSE, TOKEN_SCALE, stride_row, voc
 
 def _launch_options(logits):
     # The interpreter walks slices element by element: small slices keep the CPU tests short.
-    block_v = 64 if logits.device.type != "cuda" else min(4096, triton.next_power_of_2(logits.shape[1]))
+    block_v = 64 if logits.device.type != "cuda" else min(4096, next_power_of_2(logits.shape[1]))
     return dict(BLOCK_V=block_v, num_warps=8 if block_v >= 2048 else 4)
 
 

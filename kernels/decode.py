@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from .flash_fwd import log2_scales
-from .launch import as_descriptor_compatible, dot_precision, ensure_allocator, new_output, upcast_dot
+from .launch import (as_descriptor_compatible, cdiv, dot_precision, ensure_allocator, new_output, next_power_of_2,
+                     upcast_dot)
 from .tile_ops import attention_logits, key_range, narrow, online_softmax_step
 
 LN2 = tl.constexpr(math.log(2.0))
@@ -212,7 +213,7 @@ def choose_num_splits(programs, keys, device):
         programs: programs without splitting; keys: the most keys one of them reads.
     """
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_SMS
-    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, programs), keys // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+    return max(1, min(cdiv(PROGRAMS_PER_SM * sms, programs), keys // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
 
 
 def decode_attention(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, softmax_scale, window_left,
@@ -244,10 +245,10 @@ def decode_attention(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, 
         block_table = block_table.contiguous()  # the kernel steps through a row with unit stride
     k_cache, k_page_rows, k_rows = _page_pool(k_cache)
     v_cache, v_page_rows, v_rows = _page_pool(v_cache)
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    group_pad = triton.next_power_of_2(group)
-    block_t = min(max(triton.next_power_of_2(seqlen_q), MIN_ROWS // group_pad), max(1, MAX_ROWS // group_pad))
-    token_blocks = triton.cdiv(seqlen_q, block_t)
+    head_dim_pad = max(16, next_power_of_2(head_dim))
+    group_pad = next_power_of_2(group)
+    block_t = min(max(next_power_of_2(seqlen_q), MIN_ROWS // group_pad), max(1, MAX_ROWS // group_pad))
+    token_blocks = cdiv(seqlen_q, block_t)
     if num_splits == 0:
         keys = max_seqlen_k
         if window_left >= 0 and window_right >= 0:  # a two-sided window bounds the keys a program reads

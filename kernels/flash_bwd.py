@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from .flash_fwd import log2_scales
-from .launch import (INTERPRETED, as_descriptor_compatible, dot_precision, ensure_allocator, new_output, pick_kernel,
-                     seq_strides, seqs_pad, table_mask, tile_grid, tuned, upcast_dot)
+from .launch import (INTERPRETED, as_descriptor_compatible, dot_precision, ensure_allocator, new_output,
+                     next_power_of_2, pick_kernel, seq_strides, seqs_pad, table_mask, tile_grid, tuned, upcast_dot)
 from .tile_ops import (key_range, mma, narrow, program_tile, query_range, rows_descriptor, sequence_bounds, tanh,
                        visible)
 
@@ -297,7 +297,7 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
         return dq.zero_(), dk.zero_(), dv.zero_()
     lse_log2 = new_output(lse)
     delta = new_output(lse)
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    head_dim_pad = max(16, next_power_of_2(head_dim))
     _bwd_preprocess[tile_grid(PREPROCESS_BLOCK, seqlen_q, out.shape[0], batch, heads_q, is_varlen)](
         out, grad_out, lse, grad_lse, delta, lse_log2, cu_seqlens_q,
         *seq_strides(out, is_varlen), *seq_strides(grad_out, is_varlen), *strides_lse,
@@ -313,7 +313,7 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
         IS_VARLEN=is_varlen, SEQS_PAD=seqs_pad(batch, is_varlen), DOT_PRECISION=dot_precision(q.dtype),
         UPCAST_DOT=upcast_dot(q.dtype),
     )
-    buckets = (triton.next_power_of_2(max(seqlen_q, 1)), triton.next_power_of_2(max(seqlen_k, 1)))
+    buckets = (next_power_of_2(max(seqlen_q, 1)), next_power_of_2(max(seqlen_k, 1)))
     scalars = (softmax_scale, qk_scale, softcap_log2, window_left, window_right, *buckets)
     strides_qkv = (*seq_strides(q, is_varlen), *seq_strides(k, is_varlen), *seq_strides(v, is_varlen),
                    *seq_strides(grad_out, is_varlen))

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import (as_descriptor_compatible, dot_precision, ensure_allocator, new_output, pick_kernel, seq_strides,
-                     seqs_pad, table_mask, tile_grid, tuned, upcast_dot)
+from .launch import (as_descriptor_compatible, dot_precision, ensure_allocator, new_output, next_power_of_2,
+                     pick_kernel, seq_strides, seqs_pad, table_mask, tile_grid, tuned, upcast_dot)
 from .tile_ops import (attention_logits, key_range, narrow, online_softmax_step, program_tile, rows_descriptor,
                        sequence_bounds)
 
@@ -149,9 +149,9 @@ def attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap
     if seqlen_k == 0:  # nothing to attend to: every row is empty
         return out.zero_(), lse.fill_(-math.inf)
     qk_scale, softcap_log2 = log2_scales(softmax_scale, softcap)
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    head_dim_pad = max(16, next_power_of_2(head_dim))
     ensure_allocator(q.device)
-    seqlen_q_bucket = triton.next_power_of_2(max(seqlen_q, 1))
+    seqlen_q_bucket = next_power_of_2(max(seqlen_q, 1))
     kernel, config = pick_kernel(q.device, "fwd", _attn_fwd_kernel, _attn_fwd_tuned, head_dim_pad,
                                  table_mask(window_left, window_right, softcap), seqlen_q_bucket)
     kernel[lambda meta: tile_grid(meta["BLOCK_M"], seqlen_q, q.shape[0], batch, heads_q, is_varlen)](
@@ -159,7 +159,7 @@ def attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap
         *(stride for t in (q, k, v, out) for stride in seq_strides(t, is_varlen)), *strides_lse,
         seqlen_q, seqlen_k, heads_q, batch,
         qk_scale, softcap_log2, window_left, window_right,
-        seqlen_q_bucket, triton.next_power_of_2(max(seqlen_k, 1)),
+        seqlen_q_bucket, next_power_of_2(max(seqlen_k, 1)),
         GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
         IS_VARLEN=is_varlen, SEQS_PAD=seqs_pad(batch, is_varlen), DOT_PRECISION=dot_precision(q.dtype),

@@ -183,18 +183,29 @@ def seq_strides(t, is_varlen):
     return (0,) + t.stride()[:2] if is_varlen else t.stride()[:3]
 
 
+def cdiv(a, b):
+    """ceil(a / b) for host code: triton.cdiv is a constexpr function, ~2 µs per call from Python, and a
+    launch makes several such calls."""
+    return -(-a // b)
+
+
+def next_power_of_2(n):
+    """The smallest power of two >= n (1 for n <= 1), for host code (see cdiv)."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
 def tile_grid(block, seqlen, rows, batch, heads, is_varlen):
     """The launch grid of a kernel with one program per (tile, head) (see tile_ops.program_tile):
     dense (tiles of seqlen, batch * heads); varlen (a bound on the packed tiles of ``rows`` rows in
     ``batch`` sequences, heads)."""
     if is_varlen:
-        return (triton.cdiv(rows, block) + batch, heads)
-    return (triton.cdiv(seqlen, block), batch * heads)
+        return (cdiv(rows, block) + batch, heads)
+    return (cdiv(seqlen, block), batch * heads)
 
 
 def seqs_pad(batch, is_varlen):
     """SEQS_PAD of tile_ops.program_tile: the sequences' vector size (a power of two) for varlen."""
-    return max(2, triton.next_power_of_2(batch)) if is_varlen else 1
+    return max(2, next_power_of_2(batch)) if is_varlen else 1
 
 
 def upcast_dot(dtype):
