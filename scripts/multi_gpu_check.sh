@@ -20,8 +20,9 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING
 # train LIMIT_S [key=value ...] out_dir=DIR: one process / all GPUs; the log lands beside the run's directory.
 train() { local limit=$1; shift; timeout "$limit" python3 -m flashformer.cli train "$@" > "$RES/$(basename "${*: -1}").log" 2>&1; }
-torchrun_train() { local limit=$1; shift; timeout "$limit" torchrun --standalone --nproc_per_node "$GPUS" \
-  -m flashformer.cli train "$@" > "$RES/$(basename "${*: -1}").log" 2>&1; }
+# torchrun through this python3 (the device image's PATH may hold another Python's torchrun)
+torchrun_train() { local limit=$1; shift; timeout "$limit" python3 -m torch.distributed.run --standalone \
+  --nproc_per_node "$GPUS" -m flashformer.cli train "$@" > "$RES/$(basename "${*: -1}").log" 2>&1; }
 summary() {  # tokens/s (median of the second half of the logged steps), MFU, peak memory, last loss per run
   python3 - "$@" <<'EOF'
 import statistics, sys
@@ -64,7 +65,7 @@ EOF
       torchrun_train 200 configs/llama-1b.yaml "${common[@]}" batch_size=$((2 * GPUS)) out_dir=$RES/fsdp-${GPUS}gpu
       summary "$RES/fsdp-1gpu" "$RES/fsdp-${GPUS}gpu" ;;
     cp)
-      timeout 120 torchrun --standalone --nproc_per_node "$GPUS" scripts/context_parallel_step.py \
+      timeout 120 python3 -m torch.distributed.run --standalone --nproc_per_node "$GPUS" scripts/context_parallel_step.py \
         configs/models/llama-125m.yaml --seqlen 8192 --check --out "$RES/cp-check.json" > "$RES/cp-check.log" 2>&1
       tail -1 "$RES/cp-check.log"
       # The longest single-GPU length, then twice it over the ranks. Without activation checkpointing: with it
@@ -75,7 +76,7 @@ EOF
       longest=$(python3 -c "import json; print(json.load(open('$RES/cp-1gpu.json'))['longest']['flash + chunked CE'] or 0)")
       echo "longest on 1 GPU without checkpointing: $longest tokens"
       for seqlen in "$longest" $((2 * longest)); do
-        timeout 150 torchrun --standalone --nproc_per_node "$GPUS" scripts/context_parallel_step.py \
+        timeout 150 python3 -m torch.distributed.run --standalone --nproc_per_node "$GPUS" scripts/context_parallel_step.py \
           configs/models/llama-125m.yaml --seqlen "$seqlen" --steps 2 --no-checkpointing \
           --out "$RES/cp-$seqlen.json" > "$RES/cp-$seqlen.log" 2>&1
         tail -1 "$RES/cp-$seqlen.log"
