@@ -178,6 +178,7 @@ def main(argv=None):
     parser.add_argument("--doc-mean", type=int, default=1024, help="mean document length of the distribution")
     parser.add_argument("--seed", type=int, default=0, help="seed of the document lengths")
     parser.add_argument("--out", default="bench_attention.json")
+    parser.add_argument("--plot", help="also draw the grid's TFLOP/s against seqlen into this PNG (needs matplotlib)")
     args = parser.parse_args(argv)
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -188,6 +189,8 @@ def main(argv=None):
     else:
         record["results"], names = run_grid(args, causals)
         table = markdown_table(record["results"], names)
+        if args.plot and plot_grid(record["results"], names, args.plot):
+            print(f"wrote {args.plot}")
     with open(args.out, "w") as f:
         json.dump({**record, "autotuned_configs": autotuned_configs()}, f, indent=1)
     print(table)
@@ -303,6 +306,40 @@ def markdown_table(results, names):
         lines.append(f"| {r['head_dim']} | {'yes' if r['causal'] else 'no'} | {r['seqlen']} | {r['batch']} | "
                      + " | ".join(cells) + f" | {ratio} | {diff:.1e} |")
     return "\n".join(lines)
+
+
+def plot_grid(results, names, path):
+    """TFLOP/s against seqlen, one line per implementation: a row of panels per (head_dim, causal),
+    forward left, backward right. Returns False (and writes nothing) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    groups = sorted({(r["head_dim"], r["causal"]) for r in results})
+    fig, axes = plt.subplots(len(groups), 2, figsize=(10, 3.2 * len(groups)), squeeze=False, sharex=True)
+    for row, (head_dim, causal) in enumerate(groups):
+        cells = sorted((r for r in results if (r["head_dim"], r["causal"]) == (head_dim, causal)),
+                       key=lambda r: r["seqlen"])
+        for col, (key, label) in enumerate((("fwd_tflops", "forward"), ("bwd_tflops", "backward"))):
+            ax = axes[row][col]
+            for name in names:
+                points = [(r["seqlen"], r[name][key]) for r in cells if name in r]
+                if points:
+                    ax.plot(*zip(*points), marker="o", label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{label}, head_dim {head_dim}, {'causal' if causal else 'full'}", fontsize=10)
+            ax.set_ylabel("TFLOP/s")
+            ax.grid(True, alpha=0.3)
+    for ax in axes[-1]:
+        ax.set_xlabel("seqlen (batch x seqlen = const)")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def varlen_table(section):

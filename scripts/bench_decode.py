@@ -147,6 +147,37 @@ def _fmt(value, spec):
     return "–" if value is None else format(value, spec)
 
 
+def plot_cells(cells, path):
+    """TB/s against cache length, a panel per batch: eager and CUDA-graph lines for ours and SDPA.
+    Returns False (and writes nothing) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    measured = [c for c in cells if "skipped" not in c]
+    batches = sorted({c["batch"] for c in measured})
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 3.6), squeeze=False, sharey=True)
+    for ax, batch in zip(axes[0], batches):
+        row = sorted((c for c in measured if c["batch"] == batch), key=lambda c: c["cache_len"])
+        for name in ("ours", "ours graph", "SDPA cuDNN", "SDPA cuDNN graph", "SDPA flash"):
+            points = [(c["cache_len"], c["tb_per_s"][name]) for c in row if c["tb_per_s"][name] is not None]
+            if points:
+                ax.plot(*zip(*points), marker="o", linestyle="--" if "graph" in name else "-", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"batch {batch}", fontsize=10)
+        ax.set_xlabel("cache length (tokens)")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("K + V read, TB/s")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def markdown(cells):
     header = (["batch", "cache length", "splits"] + [f"{name} TB/s" for name in METHODS]
               + ["graph: ours / cuDNN", "ours host µs", "max abs diff vs SDPA flash (ours / paged / graph)"])
@@ -193,6 +224,7 @@ def main():
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536, 131072])
     parser.add_argument("--out", default="runs/bench_decode.json")
     parser.add_argument("--host-profile", type=int, default=0, metavar="N", help="also profile N launcher calls")
+    parser.add_argument("--plot", help="also draw TB/s against cache length into this PNG (needs matplotlib)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode.py needs a CUDA device")
@@ -213,6 +245,8 @@ def main():
                    "page_size": PAGE_SIZE, "cells": cells}, f, indent=2)
     if args.host_profile:
         host_profile(args.host_profile)
+    if args.plot and plot_cells(cells, args.plot):
+        print(f"wrote {args.plot}")
     print(markdown(cells))
 
 

@@ -35,10 +35,11 @@ for stage in "${stages[@]}"; do
               --json "$RES/tune.json" 2>&1 | tee "$RES/tune.log" | grep -v "it/s\]" | tail -45
             cp "$OUT/tuned_configs.json" kernels/ ;;
     descriptors) timeout 60 python3 scripts/bench_descriptors.py 2>&1 | tee "$RES/descriptors.log" | grep "^|" ;;
-    decode) timeout 150 python3 scripts/bench_decode.py --host-profile 200 --out "$RES/decode.json" 2>&1 \
+    decode) timeout 150 python3 scripts/bench_decode.py --host-profile 200 --out "$RES/decode.json" \
+              --plot "$RES/decode.png" 2>&1 \
               | tee "$RES/decode.log" | grep -A30 "^host profile\|^|" ;;
     attention) timeout 420 python3 scripts/bench_attention.py --impls ours ours-nondet sdpa-flash sdpa-cudnn --head-dims 64 128 256 \
-              --out "$RES/attention.json" 2>&1 | tee "$RES/attention.log" | grep "^|" ;;
+              --out "$RES/attention.json" --plot "$RES/attention.png" 2>&1 | tee "$RES/attention.log" | grep "^|" ;;
     varlen) timeout 150 python3 scripts/bench_attention.py --varlen --impls ours --out "$RES/varlen.json" 2>&1 \
               | tee "$RES/varlen.log" | grep "documents\|^|" ;;
     train)  timeout 540 python3 scripts/bench_train.py configs/gpt2-124m.yaml --seqlens 1024 4096 16384 --steps 50 \

@@ -91,3 +91,20 @@ def test_descriptor_benchmark_variants_agree(monkeypatch):
     bench = _load_script("bench_descriptors")
     failed = {name: run for name, run in bench.checked_launchers(3, 2, "cpu").items() if isinstance(run, str)}
     assert not failed
+
+
+def test_plots_draw_the_measured_cells(bench, tmp_path):
+    """bench_attention's and bench_decode's --plot write a PNG from their JSON records (a missing
+    implementation or a skipped cell left out)."""
+    pytest.importorskip("matplotlib")
+    cell = {"fwd_tflops": 300.0, "bwd_tflops": 200.0, "fwd_ms": 1.0, "bwd_ms": 2.0}
+    results = [{"head_dim": d, "causal": c, "seqlen": s, "batch": 16384 // s, "ours": cell,
+                **({"sdpa-flash": cell} if s > 512 else {})}
+               for d in (64, 128) for c in (False, True) for s in (512, 1024, 2048)]
+    assert bench.plot_grid(results, ["ours", "sdpa-flash"], tmp_path / "grid.png")
+    decode = _load_script("bench_decode")
+    rates = {name: 1.0 for name in decode.METHODS}
+    cells = [{"batch": b, "cache_len": n, "tb_per_s": {**rates, "SDPA flash": None}} for b in (1, 8) for n in (4096, 16384)]
+    cells.append({"batch": 64, "cache_len": 131072, "skipped": "skipped (69 GB)"})
+    assert decode.plot_cells(cells, tmp_path / "decode.png")
+    assert (tmp_path / "grid.png").stat().st_size > 10_000 and (tmp_path / "decode.png").stat().st_size > 10_000
