@@ -208,6 +208,16 @@ def _checkpoint_steps(run_dir: str) -> list[int]:
     return [int(m.group(1)) for m in map(_CHECKPOINT_NAME.match, os.listdir(run_dir)) if m]
 
 
+def _abridged(value, keep: int = 3):
+    """A config dict for the console: lists longer than 2 x ``keep`` cut to their first ``keep`` entries
+    (finetune-long's file lists run to hundreds of paths; the run directory's config.yaml keeps them all)."""
+    if isinstance(value, dict):
+        return {k: _abridged(v, keep) for k, v in value.items()}
+    if isinstance(value, list) and len(value) > 2 * keep:
+        return value[:keep] + [f"... {len(value) - keep} more (see config.yaml in the run directory)"]
+    return value
+
+
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
     """Multiplier of ``cfg.lr`` for optimizer step ``step`` (0-based): linear warmup, cosine to min_lr."""
     if step < cfg.warmup_steps:
@@ -450,7 +460,7 @@ class Trainer:
 
     def _print_summary(self, train_corpus, eval_corpus) -> None:
         cfg = self.cfg
-        print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False).rstrip())
+        print(yaml.safe_dump(_abridged(config_to_dict(cfg)), sort_keys=False).rstrip())
         tokens_per_step = cfg.batch_size * cfg.data.seq_len
         print(f"model: {self.model.num_params() / 1e6:.2f}M parameters | device: {self.device} x {self.env.world_size} "
               f"| precision: {'bf16 autocast' if self.bf16 else 'fp32'}")

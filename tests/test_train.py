@@ -19,6 +19,7 @@ from flashformer.model import Transformer
 from flashformer.tokenizer import load_tokenizer, train_bpe
 from flashformer.train import (
     TRAINER_STATE_FILE,
+    _abridged,
     OptimConfig,
     Trainer,
     latest_checkpoint,
@@ -308,3 +309,11 @@ def test_recipes_load_and_reference_model_files():
     gpt2 = load_train_config(os.path.join(root, "gpt2-124m.yaml"), ["model.n_layer=2"])
     assert (gpt2.model.family, gpt2.model.d_model, gpt2.model.n_layer) == ("gpt2", 768, 2)
     assert load_train_config(os.path.join(root, "llama-125m.yaml")).model.n_kv_head == 4
+
+
+def test_the_console_config_cuts_long_lists_only():
+    files = [f"doc-{i}.txt" for i in range(600)]
+    shown = _abridged({"data": {"train_files": files, "eval_files": files[:6]}, "steps": 3})
+    assert shown["data"]["train_files"][:3] == files[:3] and len(shown["data"]["train_files"]) == 4
+    assert "597 more" in shown["data"]["train_files"][3]
+    assert shown["data"]["eval_files"] == files[:6] and shown["steps"] == 3
