@@ -5,8 +5,7 @@ heads) would leave most SMs idle and read each kv head's cache once per query he
 owns one kv head of one sequence: every query head of its GQA group and every query token become
 the rows (M) of its tiles, so K and V are read once per kv head. To fill the GPU when
 batch x kv_heads is small, the cache is cut into ``num_splits`` chunks, each program writes a
-partial (out, lse) in fp32, and the last split of each (sequence, kv head) to finish merges them
-through log-sum-exp (a counter per program group), so a decode step is one launch.
+partial (out, lse) in fp32, and a second small kernel merges the splits through log-sum-exp.
 
 Row r of a program's tile is query token ``t0 + r // GROUP_PAD`` and query head
 ``kv_head * GROUP + r % GROUP_PAD``: whole tokens per program, so the dense kernel's causal /
@@ -74,7 +73,7 @@ def _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_
 
 @triton.jit
 def _decode_kernel(
-    Q, K, V, O, LSE, O_PART, LSE_PART, SPLITS_DONE, SEQLENS_K, BLOCK_TABLE,
+    Q, K, V, O, LSE, O_PART, LSE_PART, SEQLENS_K, BLOCK_TABLE,
     stride_qb, stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt,
     seqlen_q, heads_kv, num_splits, k_page_rows, v_page_rows, k_rows, v_rows,
     qk_scale, softcap_log2, window_left, window_right,
@@ -136,49 +135,37 @@ def _decode_kernel(
     lse = tl.where(empty, float("-inf"), (row_max + tl.log2(row_sum)) * LN2)
     # out and the partials are contiguous (batch, seqlen_q, heads_q[, splits], head_dim): one flat row index.
     out_row = (batch * seqlen_q + tokens) * heads_q + heads
-    lse_offsets = (batch * heads_q + heads) * seqlen_q + tokens
     if SPLIT:
         part_row = out_row * num_splits + split
         tl.store(O_PART + part_row[:, None] * HEAD_DIM + dims[None, :], acc, mask=tile_ok)
         tl.store(LSE_PART + part_row, lse, mask=row_ok)
-        # Every thread's partial is written before the counter moves; the counter's acq_rel then
-        # orders the other splits' partials before the last split's reads.
-        tl.debug_barrier()
-        if tl.atomic_add(SPLITS_DONE + pid_t * tl.num_programs(2) + pid_bh, 1, sem="acq_rel") == num_splits - 1:
-            acc, lse = _merge_splits(O_PART, LSE_PART, out_row, row_ok, tile_ok, dims, num_splits,
-                                     BLOCK_T * GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD)
-            tl.store(O + out_row[:, None] * HEAD_DIM + dims[None, :], narrow(acc, O.dtype.element_ty), mask=tile_ok)
-            tl.store(LSE + lse_offsets, lse, mask=row_ok)
     else:
         tl.store(O + out_row[:, None] * HEAD_DIM + dims[None, :], narrow(acc, O.dtype.element_ty), mask=tile_ok)
-        tl.store(LSE + lse_offsets, lse, mask=row_ok)
+        tl.store(LSE + (batch * heads_q + heads) * seqlen_q + tokens, lse, mask=row_ok)
 
 
 @triton.jit
-def _merge_splits(O_PART, LSE_PART, out_row, row_ok, tile_ok, dims, num_splits,
-                  ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
-    """(out, lse) of ``ROWS`` rows from their per-split partials: out = sum_s exp(lse_s - lse) * out_s,
-    folded one split at a time. Loads bypass L1 (.cg): other SMs wrote the partials."""
-    lse_max = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-    total = tl.zeros([ROWS], dtype=tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM_PAD], dtype=tl.float32)
-    for split in tl.range(num_splits, num_stages=1):  # once per group: registers over overlap
-        part_row = out_row * num_splits + split
-        lse_s = tl.load(LSE_PART + part_row, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        out_s = tl.load(O_PART + part_row[:, None] * HEAD_DIM + dims[None, :], mask=tile_ok, other=0.0,
-                        cache_modifier=".cg")
-        new_max = tl.maximum(lse_max, lse_s)
-        # Rows whose splits so far are all empty keep max -inf: shift by 0 to avoid inf - inf.
-        new_max_safe = tl.where(new_max == float("-inf"), 0.0, new_max)
-        rescale = tl.exp(lse_max - new_max_safe)
-        weight = tl.exp(lse_s - new_max_safe)
-        acc = acc * rescale[:, None] + out_s * weight[:, None]
-        total = total * rescale + weight
-        lse_max = new_max
-    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+def _combine_kernel(O_PART, LSE_PART, O, LSE, seqlen_q, heads_q, num_splits,
+                    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    # One program per (batch, token, query head) row: out = sum_s exp(lse_s - lse) * out_s.
+    row = tl.program_id(0)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    lse_s = tl.load(LSE_PART + row * num_splits + splits, mask=splits < num_splits, other=float("-inf"))
+    out_s = tl.load(O_PART + (row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :],
+                    mask=(splits[:, None] < num_splits) & (dims[None, :] < HEAD_DIM), other=0.0)
+    lse_max = tl.max(lse_s, 0)
+    # Every split empty: keep lse -inf and output 0 without computing inf - inf.
     lse_max_safe = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weights = tl.exp(lse_s - lse_max_safe)
+    total = tl.sum(weights, 0)
+    out = tl.sum(out_s * weights[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     lse = tl.where(total == 0.0, float("-inf"), lse_max_safe + tl.log(total))
-    return out, lse
+    tl.store(O + row * HEAD_DIM + dims, narrow(out, O.dtype.element_ty), mask=dims < HEAD_DIM)
+    batch = row // (seqlen_q * heads_q)
+    token = (row // heads_q) % seqlen_q
+    head = row % heads_q
+    tl.store(LSE + (batch * heads_q + head) * seqlen_q + token, lse)
 
 
 def _page_pool(cache):
@@ -259,13 +246,12 @@ def decode_attention(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, 
     if split:
         out_part = new_output(q, (batch, seqlen_q, heads_q, num_splits, head_dim), torch.float32)
         lse_part = new_output(q, (batch, seqlen_q, heads_q, num_splits), torch.float32)
-        splits_done = torch.zeros(token_blocks * batch * heads_kv, dtype=torch.int32, device=q.device)
     else:
-        out_part = lse_part = splits_done = None
+        out_part = lse_part = None
     qk_scale, softcap_log2 = log2_scales(softmax_scale, softcap)
     ensure_allocator(q.device)
     _decode_kernel[(token_blocks, num_splits, batch * heads_kv)](
-        q, k_cache, v_cache, out, lse, out_part, lse_part, splits_done, seqlens_k, block_table,
+        q, k_cache, v_cache, out, lse, out_part, lse_part, seqlens_k, block_table,
         *q.stride()[:3], *k_cache.stride()[1:3], *v_cache.stride()[1:3],
         block_table.stride(0) if block_table is not None else 0,
         seqlen_q, heads_kv, num_splits, k_page_rows, v_page_rows, k_rows, v_rows,
@@ -276,4 +262,10 @@ def decode_attention(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, 
         DOT_PRECISION=dot_precision(q.dtype), UPCAST_DOT=upcast_dot(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
+    if split:
+        _combine_kernel[(batch * seqlen_q * heads_q,)](
+            out_part, lse_part, out, lse, seqlen_q, heads_q, num_splits,
+            SPLITS_PAD=max(2, next_power_of_2(num_splits)), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            num_warps=4,
+        )
     return out, lse

@@ -1,21 +1,22 @@
 """FlashAttention backward in Triton. Deterministic by default: no atomics, every gradient written by
 one program.
 
-Three launches:
-1. ``_bwd_preprocess``: delta_i = sum_d dO_id * O_id - dLSE_i (a gradient into lse enters as -delta,
-   since d lse_i / d s_ij = p_ij), and lse in log2 units with empty rows (-inf) turned into +inf so
-   that their recomputed probabilities are 0.
-2. ``_bwd_dkdv_kernel``: one program per key tile and kv head; it walks the query tiles that see the
-   keys, for every query head of its GQA group, recomputing P^T from lse, and accumulates dK and dV
-   in registers. Looping over the group inside the program (instead of atomics across programs)
-   keeps GQA deterministic.
-3. ``_bwd_dq_kernel``: one program per query tile and query head; it walks the key tiles like the
-   forward does and accumulates dQ.
+Every query row needs two statistics: delta_i = sum_d dO_id * O_id - dLSE_i (a gradient into lse
+enters as -delta, since d lse_i / d s_ij = p_ij), and lse in log2 units with empty rows (-inf)
+turned into +inf so that their recomputed probabilities are 0.
 
-With deterministic=False, step 3 is folded into step 2: the dK/dV program also forms each query
-tile's dQ share dS K and adds it to an fp32 buffer (a TMA reduction on the GPU, pointer atomics in
-the interpreter), saving the dQ kernel's two recomputed products (5 tile matmuls instead of 7) at
-the price of a summation order that varies between runs.
+Two launches:
+1. ``_bwd_dq_kernel``: one program per query tile and query head; it computes its rows' statistics
+   (and stores them), then walks the key tiles like the forward does and accumulates dQ.
+2. ``_bwd_dkdv_kernel``: one program per key tile and kv head; it walks the query tiles that see the
+   keys, for every query head of its GQA group, recomputing P^T from the stored lse, and accumulates
+   dK and dV in registers. Looping over the group inside the program (instead of atomics across
+   programs) keeps GQA deterministic.
+
+With deterministic=False there is no dQ kernel: ``_bwd_preprocess`` computes the statistics, and the
+dK/dV program also forms each query tile's dQ share dS K and adds it to an fp32 buffer (a TMA
+reduction on the GPU, pointer atomics in the interpreter), saving the dQ kernel's two recomputed
+products (5 tile matmuls instead of 7) at the price of a summation order that varies between runs.
 
 With s = qk * scale (or softcap * tanh(qk * scale / softcap)): dS = P * (dP - delta), and
 d qk = dS * scale (times 1 - tanh^2 with softcap).
@@ -57,15 +58,21 @@ def _bwd_preprocess(
     rows_64 = rows.to(tl.int64)[:, None]  # a sequence's rows * stride can pass 2**31 too
     o = tl.load(O + o_base + head * stride_oh + rows_64 * stride_os + dims[None, :], mask=valid, other=0.0)
     do = tl.load(DO + do_base + head * stride_doh + rows_64 * stride_dos + dims[None, :], mask=valid, other=0.0)
-    in_seq = rows < seqlen_q
-    row_offsets = lse_base + head * stride_lse_h + rows
-    lse = tl.load(LSE + row_offsets, mask=in_seq, other=0.0)
+    _row_stats(o, do, LSE, DLSE, DELTA, LSE_LOG2, lse_base + head * stride_lse_h + rows, rows < seqlen_q, HAS_DLSE)
+
+
+@triton.jit
+def _row_stats(o, do, LSE, DLSE, DELTA, LSE_LOG2, row_offsets, in_seq, HAS_DLSE: tl.constexpr):
+    """Compute, store and return (delta, lse_log2) of a tile of rows (see the module docstring); rows
+    outside the sequence get lse_log2 = +inf (p = 0) and are not stored."""
+    lse = tl.load(LSE + row_offsets, mask=in_seq, other=float("-inf"))
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     if HAS_DLSE:
         delta -= tl.load(DLSE + row_offsets, mask=in_seq, other=0.0)
     lse_log2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     tl.store(DELTA + row_offsets, delta, mask=in_seq)
     tl.store(LSE_LOG2 + row_offsets, lse_log2, mask=in_seq)
+    return delta, lse_log2
 
 
 @triton.jit
@@ -209,9 +216,9 @@ def _dq_tiles(dq, q, do, lse_log2, delta, k_desc, v_desc, rows, start, end,
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, DQ, LSE_LOG2, DELTA, CU_SEQLENS_Q, CU_SEQLENS_K,
+    Q, K, V, DO, DQ, LSE_LOG2, DELTA, CU_SEQLENS_Q, CU_SEQLENS_K, O, LSE, DLSE,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh,
+    stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh, stride_ob, stride_os, stride_oh,
     stride_lse_b, stride_lse_h,
     seqlen_q, seqlen_k, heads_q, num_seqs,
     softmax_scale, qk_scale, softcap_log2, window_left, window_right,
@@ -220,6 +227,7 @@ def _bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     IS_VARLEN: tl.constexpr, SEQS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
 ):
     batch, pid_m, head = program_tile(heads_q, num_seqs, CU_SEQLENS_Q, BLOCK_M, SEQS_PAD, True, IS_VARLEN)
     if batch >= num_seqs:
@@ -238,12 +246,16 @@ def _bwd_dq_kernel(
                              BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
     v_desc = rows_descriptor(V + batch * stride_vb + k_start * stride_vs + kv_head * stride_vh, seqlen_k, stride_vs,
                              BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
+    o_desc = rows_descriptor(O + batch * stride_ob + q_start * stride_os + head * stride_oh, seqlen_q, stride_os,
+                             BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
     rows = m0 + tl.arange(0, BLOCK_M)
     q = q_desc.load([m0, 0])
     do = do_desc.load([m0, 0])
-    row_offsets = batch * stride_lse_b + q_start + head * stride_lse_h + rows
-    lse_log2 = tl.load(LSE_LOG2 + row_offsets, mask=rows < seqlen_q, other=float("inf"))
-    delta = tl.load(DELTA + row_offsets, mask=rows < seqlen_q, other=0.0)
+    # This program's rows are exactly one query tile, so it computes their statistics itself (and
+    # stores them for the dK/dV kernel, launched after it) instead of a separate pass over O and dO.
+    delta, lse_log2 = _row_stats(o_desc.load([m0, 0]), do, LSE, DLSE, DELTA, LSE_LOG2,
+                                 batch * stride_lse_b + q_start + head * stride_lse_h + rows, rows < seqlen_q,
+                                 HAS_DLSE)
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     start, un_lo, un_hi, end = key_range(m0, seqlen_q, seqlen_k, window_left, window_right,
                                          BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
@@ -298,13 +310,6 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
     lse_log2 = new_output(lse)
     delta = new_output(lse)
     head_dim_pad = max(16, next_power_of_2(head_dim))
-    _bwd_preprocess[tile_grid(PREPROCESS_BLOCK, seqlen_q, out.shape[0], batch, heads_q, is_varlen)](
-        out, grad_out, lse, grad_lse, delta, lse_log2, cu_seqlens_q,
-        *seq_strides(out, is_varlen), *seq_strides(grad_out, is_varlen), *strides_lse,
-        seqlen_q, heads_q, batch,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK=PREPROCESS_BLOCK, IS_VARLEN=is_varlen,
-        SEQS_PAD=seqs_pad(batch, is_varlen), HAS_DLSE=grad_lse is not None,
-    )
     qk_scale, softcap_log2 = log2_scales(softmax_scale, softcap)
     ensure_allocator(q.device)
     common = dict(
@@ -319,6 +324,22 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
                    *seq_strides(grad_out, is_varlen))
 
     mask = table_mask(window_left, window_right, softcap)
+    if deterministic:  # the dQ kernel also writes delta and lse_log2
+        kernel, config = pick_kernel(q.device, "bwd_dq", _bwd_dq_kernel, _bwd_dq_tuned, head_dim_pad, mask,
+                                     buckets[0])
+        kernel[lambda meta: tile_grid(meta["BLOCK_M"], seqlen_q, q.shape[0], batch, heads_q, is_varlen)](
+            q, k, v, grad_out, dq, lse_log2, delta, cu_seqlens_q, cu_seqlens_k, out, lse, grad_lse,
+            *strides_qkv, *seq_strides(dq, is_varlen), *seq_strides(out, is_varlen), *strides_lse,
+            seqlen_q, seqlen_k, heads_q, batch, *scalars, **common, HAS_DLSE=grad_lse is not None, **config,
+        )
+    else:
+        _bwd_preprocess[tile_grid(PREPROCESS_BLOCK, seqlen_q, out.shape[0], batch, heads_q, is_varlen)](
+            out, grad_out, lse, grad_lse, delta, lse_log2, cu_seqlens_q,
+            *seq_strides(out, is_varlen), *seq_strides(grad_out, is_varlen), *strides_lse,
+            seqlen_q, heads_q, batch,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK=PREPROCESS_BLOCK, IS_VARLEN=is_varlen,
+            SEQS_PAD=seqs_pad(batch, is_varlen), HAS_DLSE=grad_lse is not None,
+        )
     dq_acc = None if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kind, tuned_kernel = ("bwd_dkdv", _bwd_dkdv_tuned) if deterministic else ("bwd_fused", _bwd_fused_tuned)
     kernel, config = pick_kernel(q.device, kind, _bwd_dkdv_kernel, tuned_kernel, head_dim_pad, mask, buckets[0])
@@ -331,10 +352,4 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
     )
     if not deterministic:
         return dq.copy_(dq_acc.mul_(softmax_scale)), dk, dv
-    kernel, config = pick_kernel(q.device, "bwd_dq", _bwd_dq_kernel, _bwd_dq_tuned, head_dim_pad, mask, buckets[0])
-    kernel[lambda meta: tile_grid(meta["BLOCK_M"], seqlen_q, q.shape[0], batch, heads_q, is_varlen)](
-        q, k, v, grad_out, dq, lse_log2, delta, cu_seqlens_q, cu_seqlens_k,
-        *strides_qkv, *seq_strides(dq, is_varlen), *strides_lse,
-        seqlen_q, seqlen_k, heads_q, batch, *scalars, **common, **config,
-    )
     return dq, dk, dv

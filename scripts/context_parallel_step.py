@@ -117,11 +117,18 @@ def main(argv=None):
     parser.add_argument("--no-checkpointing", action="store_true", help="keep every activation (no recompute)")
     parser.add_argument("--check", action="store_true", help="compare one fp32 step with the whole sequence")
     parser.add_argument("--out", help="write the result as JSON here (rank 0)")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                        help="auto: one GPU per local rank (NCCL) when there are enough, else CPU (gloo)")
     args = parser.parse_args(argv)
     if "RANK" not in os.environ:
         raise SystemExit("run under torchrun, e.g. torchrun --nproc_per_node 2 scripts/context_parallel_step.py ...")
-    on_cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    enough_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks
+    if args.device == "cuda" and not enough_gpus:
+        raise SystemExit(f"--device cuda needs a GPU per local rank: {local_ranks} ranks, "
+                         f"{torch.cuda.device_count()} GPUs")
+    on_cuda = enough_gpus and args.device != "cpu"
     device = torch.device("cuda", local_rank) if on_cuda else torch.device("cpu")
     if on_cuda:
         torch.cuda.set_device(device)

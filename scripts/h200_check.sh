@@ -5,7 +5,7 @@
 # Usage on the device machine: bash scripts/h200_check.sh [stage ...]   (default: all stages)
 # Each stage's limit fits one 10-minute device call with its neighbours: pi beside (half of) slow, quick + tune +
 # attention + varlen + decode when narrowed. Narrowing knobs: TUNE_ARGS (default: --head-dims 64 128 256), ATTN_ARGS (default:
-# all impls, head dims 64 128 256), SLOW_FILTER (a pytest -k expression splitting the slow sweep across calls).
+# all impls, head dims 64 128 256), SLOW_FILTER (a pytest -k expression splitting the slow sweep across calls), SLOW_TIMEOUT.
 set -uo pipefail
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 # The device tool returns at most 8 files from $OUT: stages write to RES, packed into one archive at exit.
@@ -28,7 +28,8 @@ for stage in "${stages[@]}"; do
               -W ignore 2>&1 | tee "$RES/quick.log" | tail -4 ;;
     compile) FLASHFORMER_AUTOTUNE=0 timeout 60 python3 -m pytest tests/test_kernels_flash.py -k compile -q \
               -p no:cacheprovider -W ignore 2>&1 | tail -2 ;;  # also part of quick
-    slow)   FLASHFORMER_AUTOTUNE=0 timeout 540 python3 -m pytest tests/test_kernels_flash.py -m slow -k "${SLOW_FILTER:-}" -q -n "$workers" \
+    slow)   # SIGINT at the limit: pytest stops and still prints its pass / fail counts
+            FLASHFORMER_AUTOTUNE=0 timeout -s INT -k 30 "${SLOW_TIMEOUT:-540}" python3 -m pytest tests/test_kernels_flash.py -m slow -k "${SLOW_FILTER:-}" -q -n "$workers" \
               -p no:cacheprovider -W ignore 2>&1 | tee "$RES/slow.log" | tail -4 ;;
     tune)   # offline config sweep, written to $OUT after every cell (a cut-short call keeps what it measured),
             # then into the working tree for the later stages of this call

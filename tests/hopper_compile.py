@@ -20,7 +20,7 @@ from flashformer.kernels import cross_entropy, decode, flash_bwd, flash_fwd
 
 FP32_POINTERS = {"LSE", "DELTA", "LSE_LOG2", "DLSE", "LSE_PART", "O_PART", "DQ_ACC", "LOSSES", "TOKEN_SCALE"}
 INT64_POINTERS = {"TARGETS"}
-INT32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K", "BLOCK_TABLE", "SPLITS_DONE"}
+INT32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K", "BLOCK_TABLE"}
 FLOAT_SCALARS = {"qk_scale", "softcap_log2", "softmax_scale", "softcap"}
 
 
@@ -56,11 +56,11 @@ def resource_usage(compiled):
 
 
 def attention_constexprs(head_dim, block_m, block_n, causal=True, window=False, softcap=False, varlen=False, group=1,
-                         accumulate_dq=False):
+                         accumulate_dq=False, has_dlse=False):
     return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_M=block_m,
                 BLOCK_N=block_n, LEFT_BOUNDED=window, RIGHT_BOUNDED=causal or window, HAS_SOFTCAP=softcap,
                 IS_VARLEN=varlen, SEQS_PAD=16 if varlen else 1, ACCUMULATE_DQ=accumulate_dq,
-                DQ_TMA_REDUCE=accumulate_dq, DOT_PRECISION="tf32", UPCAST_DOT=False)
+                DQ_TMA_REDUCE=accumulate_dq, DOT_PRECISION="tf32", UPCAST_DOT=False, HAS_DLSE=has_dlse)
 
 
 CASES = {
@@ -77,7 +77,7 @@ CASES = {
     "bwd_fused-d64-varlen": (flash_bwd._bwd_dkdv_kernel,
                              attention_constexprs(64, 64, 128, varlen=True, accumulate_dq=True), 8, 2),
     "bwd_dkdv-d256": (flash_bwd._bwd_dkdv_kernel, attention_constexprs(256, 32, 64, causal=False), 8, 2),
-    "bwd_dq-d128-causal": (flash_bwd._bwd_dq_kernel, attention_constexprs(128, 128, 64), 8, 2),
+    "bwd_dq-d128-causal": (flash_bwd._bwd_dq_kernel, attention_constexprs(128, 128, 64, has_dlse=True), 8, 2),
     "bwd_dq-d256": (flash_bwd._bwd_dq_kernel, attention_constexprs(256, 64, 32, causal=False), 8, 2),
     "bwd_dq-d64-window": (flash_bwd._bwd_dq_kernel, attention_constexprs(64, 64, 64, window=True), 4, 3),
     "bwd_preprocess-d128": (flash_bwd._bwd_preprocess,

@@ -156,7 +156,7 @@ def test_context_parallel_step_script(tmp_path):
 
     def torchrun(*args):
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-                   "scripts/context_parallel_step.py", "configs/models/tiny-llama.yaml", *args]
+                   "scripts/context_parallel_step.py", "configs/models/tiny-llama.yaml", "--device", "cpu", *args]
         result = subprocess.run(command, capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=300)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
