@@ -537,7 +537,10 @@ def plot_perplexity(report: dict, path: str) -> str | None:
         ax.grid(alpha=0.3)
     ppl_ax.set_yscale("log")  # an unextended model's perplexity beyond its context can be orders larger
     ppl_ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    ppl_ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
+    low, high = ppl_ax.get_ylim()
+    # Label the minor ticks only when the axis spans less than a decade; over several they pile up.
+    ppl_ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter() if high / low < 10
+                                     else matplotlib.ticker.NullFormatter())
     ppl_ax.set_ylabel("held-out perplexity")
     ppl_ax.legend()
     passkey_ax.set_ylim(-0.05, 1.05)

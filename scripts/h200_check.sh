@@ -28,9 +28,11 @@ for stage in "${stages[@]}"; do
               -W ignore 2>&1 | tee "$RES/quick.log" | tail -4 ;;
     compile) FLASHFORMER_AUTOTUNE=0 timeout 60 python3 -m pytest tests/test_kernels_flash.py -k compile -q \
               -p no:cacheprovider -W ignore 2>&1 | tail -2 ;;  # also part of quick
-    slow)   # SIGINT at the limit: pytest stops and still prints its pass / fail counts
-            FLASHFORMER_AUTOTUNE=0 timeout -s INT -k 30 "${SLOW_TIMEOUT:-540}" python3 -m pytest tests/test_kernels_flash.py -m slow -k "${SLOW_FILTER:-}" -q -n "$workers" \
-              -p no:cacheprovider -W ignore 2>&1 | tee "$RES/slow.log" | tail -4 ;;
+    slow)   # SIGINT at the limit: pytest stops and prints its counts. -v names every result as it lands:
+            # an interrupted xdist run skips the failure summary (session 4 lost 25 failures' names that way).
+            FLASHFORMER_AUTOTUNE=0 timeout -s INT -k 30 "${SLOW_TIMEOUT:-540}" python3 -m pytest tests/test_kernels_flash.py -m slow -k "${SLOW_FILTER:-}" -v -n "$workers" \
+              -p no:cacheprovider -W ignore --tb=line > "$RES/slow.log" 2>&1
+            grep -a "FAILED\|ERROR" "$RES/slow.log" | head -40; grep -ac " PASSED " "$RES/slow.log"; tail -1 "$RES/slow.log" ;;
     tune)   # offline config sweep, written to $OUT after every cell (a cut-short call keeps what it measured),
             # then into the working tree for the later stages of this call
             [ -f kernels/tuned_configs.json ] && cp kernels/tuned_configs.json "$OUT/"
