@@ -19,6 +19,7 @@ batch index) and a paged cache looks its page up in block_table. Key tiles never
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -192,6 +193,12 @@ def _launch_config(device, head_dim_pad, page_size):
     return block_n, warps, stages
 
 
+@functools.cache
+def _sm_count(device_index):
+    """SMs of a GPU: asked once, since the query costs microseconds on every decode step."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def choose_num_splits(programs, keys, device):
     """Splits of the cache per program so that ~PROGRAMS_PER_SM programs run per SM when the
     (batch, kv head, token block) programs alone are too few, each split streaming enough keys.
@@ -199,7 +206,8 @@ def choose_num_splits(programs, keys, device):
     Args:
         programs: programs without splitting; keys: the most keys one of them reads.
     """
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_SMS
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else DEFAULT_SMS
     return max(1, min(cdiv(PROGRAMS_PER_SM * sms, programs), keys // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
 
 
