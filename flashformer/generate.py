@@ -83,10 +83,13 @@ def generate(model, input_ids, max_new_tokens, temperature=1.0, top_k=None, top_
         tokens.append(next_tokens[:, None])
         if stream is not None:
             stream(next_tokens)
-        hit_stop = torch.isin(next_tokens, stop) & (stopped_with < 0)
-        stopped_with = torch.where(hit_stop, next_tokens, stopped_with)
-        if bool((stopped_with >= 0).all()) or step == max_new_tokens - 1:
+        if step == max_new_tokens - 1:
             break
+        if len(stop):  # asking the device whether every row stopped waits for it: only when a row can stop
+            hit_stop = torch.isin(next_tokens, stop) & (stopped_with < 0)
+            stopped_with = torch.where(hit_stop, next_tokens, stopped_with)
+            if bool((stopped_with >= 0).all()):
+                break
         logits = model(next_tokens[:, None], kv_cache=cache)[:, -1]
     return torch.cat(tokens, dim=1)
 
