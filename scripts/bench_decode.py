@@ -11,7 +11,8 @@ triton.testing.do_bench, which flushes L2 between runs):
   enable_gqa=True;
 * "graph": ours and SDPA cuDNN captured in a CUDA graph and replayed, i.e. the device time alone
   (no Python launch cost), as a decoding loop under CUDA graphs would see it;
-* host µs: wall time per call of the launcher (ours) when the GPU is not the bottleneck;
+* host µs: wall time per call of the launcher (ours) and of SDPA's cuDNN call when the GPU is not the
+  bottleneck;
   ``--host-profile N`` also prints where that time goes (cProfile of N calls at batch 1, 16k).
 
 TB/s = bytes of K and V read / time. Each cell checks ours (both layouts) against SDPA flash. Cells
@@ -125,6 +126,7 @@ def run_cell(batch, length):
             times[name], outs[name] = _time(sdpa)
             if name == "SDPA cuDNN" and times[name] is not None:
                 times["SDPA cuDNN graph"], outs["SDPA cuDNN graph"] = _time_graphed(sdpa)
+                cudnn_host_us = _host_us(sdpa)  # what an eager caller of the fastest alternative pays
 
     kv_bytes = 2 * batch * length * HEADS_KV * HEAD_DIM * torch.finfo(DTYPE).bits // 8
     reference = outs["SDPA flash"]
@@ -136,6 +138,7 @@ def run_cell(batch, length):
         "num_splits": choose_num_splits(batch * HEADS_KV, length, device),
         "ms": times,
         "ours_host_us": host_us,
+        "cudnn_host_us": cudnn_host_us if times.get("SDPA cuDNN") is not None else None,
         "tb_per_s": {name: kv_bytes / (times[name] * 1e-3) / 1e12 if times.get(name) is not None else None
                      for name in METHODS},
         "errors": {name: outs.get(name) for name in METHODS if times.get(name) is None},
@@ -180,7 +183,8 @@ def plot_cells(cells, path):
 
 def markdown(cells):
     header = (["batch", "cache length", "splits"] + [f"{name} TB/s" for name in METHODS]
-              + ["graph: ours / cuDNN", "ours host µs", "max abs diff vs SDPA flash (ours / paged / graph)"])
+              + ["graph: ours / cuDNN", "ours host µs", "cuDNN host µs",
+                 "max abs diff vs SDPA flash (ours / paged / graph)"])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for cell in cells:
         if "skipped" in cell:
@@ -192,7 +196,7 @@ def markdown(cells):
                  if rates["ours graph"] is not None and rates["SDPA cuDNN graph"] is not None else None)
         row = ([str(cell["batch"]), str(cell["cache_len"]), str(cell["num_splits"])]
                + [_fmt(rates[name], ".2f") for name in METHODS]
-               + [_fmt(ratio, ".2f"), f"{cell['ours_host_us']:.0f}",
+               + [_fmt(ratio, ".2f"), f"{cell['ours_host_us']:.0f}", _fmt(cell["cudnn_host_us"], ".0f"),
                   " / ".join(_fmt(diffs[name], ".1e") for name in ("ours", "ours paged", "ours graph"))])
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)

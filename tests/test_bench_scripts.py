@@ -108,3 +108,16 @@ def test_plots_draw_the_measured_cells(bench, tmp_path):
     cells.append({"batch": 64, "cache_len": 131072, "skipped": "skipped (69 GB)"})
     assert decode.plot_cells(cells, tmp_path / "decode.png")
     assert (tmp_path / "grid.png").stat().st_size > 10_000 and (tmp_path / "decode.png").stat().st_size > 10_000
+
+
+def test_decode_table_shows_both_host_times():
+    decode = _load_script("bench_decode")
+    rates = {name: 2.0 for name in decode.METHODS}
+    cell = {"batch": 1, "cache_len": 16384, "num_splits": 32, "tb_per_s": rates, "ours_host_us": 125.4,
+            "cudnn_host_us": 58.2, "max_abs_diff_vs_sdpa_flash": {"ours": 2e-4, "ours paged": 2e-4, "ours graph": 2e-4}}
+    header, _, row = decode.markdown([cell, {**cell, "cudnn_host_us": None}]).splitlines()[:3]
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    values = dict(zip(columns, (c.strip() for c in row.strip("|").split("|"))))
+    assert values["ours host µs"] == "125" and values["cuDNN host µs"] == "58"
+    assert values["graph: ours / cuDNN"] == "1.00"
+    assert decode.markdown([{**cell, "cudnn_host_us": None}]).splitlines()[2].count("–") == 1
