@@ -153,7 +153,9 @@ def _bwd_dkdv_kernel(
     start, un_lo, un_hi, end = query_range(n0, seqlen_q, seqlen_k, window_left, window_right,
                                            BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
     lse_base = batch * stride_lse_b + q_start
-    for g in range(GROUP):
+    # Never software-pipelined: the loop creates descriptors, which the pipeliner cannot predicate. It
+    # would try when a query length of 1 (specialised as a constant) folds the inner loops away.
+    for g in tl.range(GROUP, num_stages=1):
         head = kv_head * GROUP + g
         q_desc = rows_descriptor(Q + batch * stride_qb + q_start * stride_qs + head * stride_qh, seqlen_q, stride_qs,
                                  BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)

@@ -88,6 +88,12 @@ def _host_us(fn):
     return elapsed / HOST_CALLS * 1e6
 
 
+def _median_host_us(fn, repeats=7):
+    """Median over ``repeats`` rounds of _host_us: one round is noisy on a shared host."""
+    times = sorted(_host_us(fn) for _ in range(repeats))
+    return times[len(times) // 2]
+
+
 def run_cell(batch, length):
     """Times and max |ours - SDPA flash| of one (batch, cache length) cell."""
     device = torch.device("cuda")
@@ -101,7 +107,7 @@ def run_cell(batch, length):
             return decode_attention(q, k_cache, v_cache, seqlens, None, length, scale, -1, 0, 0.0)[0]
         times["ours"], outs["ours"] = _time(ours)
         times["ours graph"], outs["ours graph"] = _time_graphed(ours)
-        host_us = _host_us(ours)
+        host_us = _median_host_us(ours)
         times["ours API"], _ = _time(lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=length))
 
         pages = length // PAGE_SIZE
@@ -126,7 +132,7 @@ def run_cell(batch, length):
             times[name], outs[name] = _time(sdpa)
             if name == "SDPA cuDNN" and times[name] is not None:
                 times["SDPA cuDNN graph"], outs["SDPA cuDNN graph"] = _time_graphed(sdpa)
-                cudnn_host_us = _host_us(sdpa)  # what an eager caller of the fastest alternative pays
+                cudnn_host_us = _median_host_us(sdpa)  # what an eager caller of the fastest alternative pays
 
     kv_bytes = 2 * batch * length * HEADS_KV * HEAD_DIM * torch.finfo(DTYPE).bits // 8
     reference = outs["SDPA flash"]
@@ -202,6 +208,60 @@ def markdown(cells):
     return "\n".join(lines)
 
 
+def host_breakdown(length=4096):
+    """Host µs per call of the launcher and of its parts (batch 1, a cache short enough that the GPU
+    never makes the host wait), each the median of 7 rounds of HOST_CALLS calls: what a decoding step
+    pays before the GPU sees work, and how much of it is Triton's launch path."""
+    from flashformer.kernels.decode import _combine_kernel
+
+    q = torch.randn(1, 1, HEADS_Q, HEAD_DIM, device="cuda", dtype=DTYPE)
+    k_cache, v_cache = (torch.randn(1, length, HEADS_KV, HEAD_DIM, device="cuda", dtype=DTYPE) for _ in range(2))
+    seqlens = torch.full((1,), length, dtype=torch.int32, device="cuda")
+    splits = choose_num_splits(HEADS_KV, length, q.device)
+    out_part = torch.randn(1, 1, HEADS_Q, splits, HEAD_DIM, device="cuda")
+    lse_part = torch.randn(1, 1, HEADS_Q, splits, device="cuda")
+    out, lse = torch.empty_like(q), torch.empty(1, HEADS_Q, 1, device="cuda")
+    combine_args = (out_part, lse_part, out, lse, 1, HEADS_Q, splits)
+    combine_meta = {"SPLITS_PAD": triton.next_power_of_2(max(2, splits)), "HEAD_DIM": HEAD_DIM,
+                    "HEAD_DIM_PAD": HEAD_DIM}
+    grid = (HEADS_Q,)
+    compiled = _combine_kernel[grid](*combine_args, **combine_meta, num_warps=4)
+    q_sdpa = q.transpose(1, 2)
+    k_sdpa, v_sdpa = k_cache.transpose(1, 2).contiguous(), v_cache.transpose(1, 2).contiguous()
+    scale = HEAD_DIM**-0.5
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q_sdpa, k_sdpa, v_sdpa, scale=scale,
+                                                                    enable_gqa=True)
+
+    parts = {
+        "launcher, automatic splits": lambda: decode_attention(q, k_cache, v_cache, seqlens, None, length, scale,
+                                                               -1, 0, 0.0),
+        "launcher, one split (no combine launch)": lambda: decode_attention(q, k_cache, v_cache, seqlens, None,
+                                                                            length, scale, -1, 0, 0.0, 1),
+        "flash_attn_with_kvcache (int cache_seqlens)": lambda: flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=length),
+        "4 x torch.empty (outputs and partials)": lambda: [torch.empty_like(t) for t in (out, lse, out_part,
+                                                                                         lse_part)],
+        "combine kernel: JIT launch": lambda: _combine_kernel[grid](*combine_args, **combine_meta, num_warps=4),
+        "combine kernel: compiled-kernel launch": lambda: compiled[grid](*combine_args, *combine_meta.values()),
+        "SDPA cuDNN (sdpa_kernel + call)": cudnn,
+    }
+    with torch.inference_mode():
+        rows = []
+        for name, fn in parts.items():
+            try:
+                fn()
+                rows.append((name, f"{_median_host_us(fn):.1f}"))
+            except Exception as error:  # an internal API that moved is a result, not a crash
+                rows.append((name, f"failed: {type(error).__name__}: {str(error).splitlines()[0][:80]}"))
+    print(f"host breakdown (batch 1, cache {length}, {splits} splits; median of 7 x {HOST_CALLS} calls):")
+    print("| part | host µs per call |\n|---|---|")
+    for name, value in rows:
+        print(f"| {name} | {value} |")
+
+
 def host_profile(calls, length=16384):
     """Print the functions that take the host time of ``calls`` launcher calls (batch 1, cProfile)."""
     q = torch.randn(1, 1, HEADS_Q, HEAD_DIM, device="cuda", dtype=DTYPE)
@@ -248,6 +308,7 @@ def main():
                    "heads_q": HEADS_Q, "heads_kv": HEADS_KV, "head_dim": HEAD_DIM, "dtype": str(DTYPE),
                    "page_size": PAGE_SIZE, "cells": cells}, f, indent=2)
     if args.host_profile:
+        host_breakdown()
         host_profile(args.host_profile)
     if args.plot and plot_cells(cells, args.plot):
         print(f"wrote {args.plot}")

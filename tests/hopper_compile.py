@@ -77,6 +77,13 @@ CASES = {
     "bwd_fused-d64-varlen": (flash_bwd._bwd_dkdv_kernel,
                              attention_constexprs(64, 64, 128, varlen=True, accumulate_dq=True), 8, 2),
     "bwd_dkdv-d256": (flash_bwd._bwd_dkdv_kernel, attention_constexprs(256, 32, 64, causal=False), 8, 2),
+    # seqlen_q == 1 arrives as a constant (Triton specialises 1) and folds the query loops away; the
+    # software pipeliner then took the GQA loop, whose descriptor creation it cannot predicate.
+    "bwd_dkdv-gqa-one-query": (flash_bwd._bwd_dkdv_kernel,
+                               dict(attention_constexprs(64, 32, 128, causal=False, group=2), seqlen_q=1), 8, 2),
+    "bwd_fused-gqa-one-query": (flash_bwd._bwd_dkdv_kernel,
+                                dict(attention_constexprs(64, 32, 128, causal=False, group=2, accumulate_dq=True),
+                                     seqlen_q=1), 8, 2),
     "bwd_dq-d128-causal": (flash_bwd._bwd_dq_kernel, attention_constexprs(128, 128, 64, has_dlse=True), 8, 2),
     "bwd_dq-d256": (flash_bwd._bwd_dq_kernel, attention_constexprs(256, 64, 32, causal=False), 8, 2),
     "bwd_dq-d64-window": (flash_bwd._bwd_dq_kernel, attention_constexprs(64, 64, 64, window=True), 4, 3),
