@@ -83,9 +83,11 @@ def _decode_kernel(
     LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
+    # Token blocks and (sequence, kv head) share grid dimension 0, whose cap (2**31 - 1) no batch reaches.
+    token_blocks = tl.cdiv(seqlen_q, BLOCK_T)
+    pid_t = tl.program_id(0) % token_blocks
+    pid_bh = tl.program_id(0) // token_blocks
     split = tl.program_id(1)
-    pid_bh = tl.program_id(2)
     batch = pid_bh // heads_kv
     kv_head = pid_bh % heads_kv
     heads_q = heads_kv * GROUP
@@ -258,7 +260,7 @@ def decode_attention(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, 
         out_part = lse_part = None
     qk_scale, softcap_log2 = log2_scales(softmax_scale, softcap)
     ensure_allocator(q.device)
-    _decode_kernel[(token_blocks, num_splits, batch * heads_kv)](
+    _decode_kernel[(token_blocks * batch * heads_kv, num_splits)](
         q, k_cache, v_cache, out, lse, out_part, lse_part, seqlens_k, block_table,
         *q.stride()[:3], *k_cache.stride()[1:3], *v_cache.stride()[1:3],
         block_table.stride(0) if block_table is not None else 0,

@@ -41,11 +41,11 @@ PREPROCESS_BLOCK = 64
 def _bwd_preprocess(
     O, DO, LSE, DLSE, DELTA, LSE_LOG2, CU_SEQLENS_Q,
     stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh, stride_lse_b, stride_lse_h,
-    seqlen_q, heads_q, num_seqs,
+    seqlen_q, num_seqs,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK: tl.constexpr, IS_VARLEN: tl.constexpr,
     SEQS_PAD: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
-    batch, pid_m, head = program_tile(heads_q, num_seqs, CU_SEQLENS_Q, BLOCK, SEQS_PAD, False, IS_VARLEN)
+    batch, pid_m, head = program_tile(num_seqs, CU_SEQLENS_Q, BLOCK, SEQS_PAD, False, IS_VARLEN)
     if batch >= num_seqs:
         return
     q_start, _, seqlen_q, _ = sequence_bounds(batch, seqlen_q, 0, CU_SEQLENS_Q, CU_SEQLENS_Q, IS_VARLEN)
@@ -123,7 +123,7 @@ def _bwd_dkdv_kernel(
     stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     stride_dqab, stride_dqas, stride_dqah,
     stride_lse_b, stride_lse_h,
-    seqlen_q, seqlen_k, heads_kv, num_seqs,
+    seqlen_q, seqlen_k, num_seqs,
     softmax_scale, qk_scale, softcap_log2, window_left, window_right,
     seqlen_q_bucket, seqlen_k_bucket,  # autotune keys only
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -133,7 +133,7 @@ def _bwd_dkdv_kernel(
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     # Key tiles first to last: under a causal mask the first keys are seen by the most queries.
-    batch, pid_n, kv_head = program_tile(heads_kv, num_seqs, CU_SEQLENS_K, BLOCK_N, SEQS_PAD, False, IS_VARLEN)
+    batch, pid_n, kv_head = program_tile(num_seqs, CU_SEQLENS_K, BLOCK_N, SEQS_PAD, False, IS_VARLEN)
     if batch >= num_seqs:
         return
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(batch, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K,
@@ -222,7 +222,7 @@ def _bwd_dq_kernel(
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh, stride_ob, stride_os, stride_oh,
     stride_lse_b, stride_lse_h,
-    seqlen_q, seqlen_k, heads_q, num_seqs,
+    seqlen_q, seqlen_k, num_seqs,
     softmax_scale, qk_scale, softcap_log2, window_left, window_right,
     seqlen_q_bucket, seqlen_k_bucket,  # autotune keys only
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -231,7 +231,7 @@ def _bwd_dq_kernel(
     IS_VARLEN: tl.constexpr, SEQS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     HAS_DLSE: tl.constexpr,
 ):
-    batch, pid_m, head = program_tile(heads_q, num_seqs, CU_SEQLENS_Q, BLOCK_M, SEQS_PAD, True, IS_VARLEN)
+    batch, pid_m, head = program_tile(num_seqs, CU_SEQLENS_Q, BLOCK_M, SEQS_PAD, True, IS_VARLEN)
     if batch >= num_seqs:
         return
     kv_head = head // GROUP
@@ -332,13 +332,13 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
         kernel[lambda meta: tile_grid(meta["BLOCK_M"], seqlen_q, q.shape[0], batch, heads_q, is_varlen)](
             q, k, v, grad_out, dq, lse_log2, delta, cu_seqlens_q, cu_seqlens_k, out, lse, grad_lse,
             *strides_qkv, *seq_strides(dq, is_varlen), *seq_strides(out, is_varlen), *strides_lse,
-            seqlen_q, seqlen_k, heads_q, batch, *scalars, **common, HAS_DLSE=grad_lse is not None, **config,
+            seqlen_q, seqlen_k, batch, *scalars, **common, HAS_DLSE=grad_lse is not None, **config,
         )
     else:
         _bwd_preprocess[tile_grid(PREPROCESS_BLOCK, seqlen_q, out.shape[0], batch, heads_q, is_varlen)](
             out, grad_out, lse, grad_lse, delta, lse_log2, cu_seqlens_q,
             *seq_strides(out, is_varlen), *seq_strides(grad_out, is_varlen), *strides_lse,
-            seqlen_q, heads_q, batch,
+            seqlen_q, batch,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK=PREPROCESS_BLOCK, IS_VARLEN=is_varlen,
             SEQS_PAD=seqs_pad(batch, is_varlen), HAS_DLSE=grad_lse is not None,
         )
@@ -349,7 +349,7 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
         q, k, v, grad_out, dk, dv, dq_acc, lse_log2, delta, cu_seqlens_q, cu_seqlens_k,
         *strides_qkv, *seq_strides(dk, is_varlen), *seq_strides(dv, is_varlen),
         *(seq_strides(dq_acc, is_varlen) if dq_acc is not None else (0, 0, 0)), *strides_lse,
-        seqlen_q, seqlen_k, heads_kv, batch, *scalars, **common, ACCUMULATE_DQ=not deterministic,
+        seqlen_q, seqlen_k, batch, *scalars, **common, ACCUMULATE_DQ=not deterministic,
         DQ_TMA_REDUCE=not INTERPRETED, **config,
     )
     if not deterministic:

@@ -51,7 +51,7 @@ def _attn_fwd_kernel(
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
     stride_lse_b, stride_lse_h,
-    seqlen_q, seqlen_k, heads_q, num_seqs,
+    seqlen_q, seqlen_k, num_seqs,
     qk_scale, softcap_log2, window_left, window_right,
     seqlen_q_bucket, seqlen_k_bucket,  # autotune keys only
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -59,7 +59,7 @@ def _attn_fwd_kernel(
     LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     IS_VARLEN: tl.constexpr, SEQS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    batch, pid_m, head = program_tile(heads_q, num_seqs, CU_SEQLENS_Q, BLOCK_M, SEQS_PAD, True, IS_VARLEN)
+    batch, pid_m, head = program_tile(num_seqs, CU_SEQLENS_Q, BLOCK_M, SEQS_PAD, True, IS_VARLEN)
     if batch >= num_seqs:
         return
     kv_head = head // GROUP
@@ -157,7 +157,7 @@ def attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap
     kernel[lambda meta: tile_grid(meta["BLOCK_M"], seqlen_q, q.shape[0], batch, heads_q, is_varlen)](
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
         *(stride for t in (q, k, v, out) for stride in seq_strides(t, is_varlen)), *strides_lse,
-        seqlen_q, seqlen_k, heads_q, batch,
+        seqlen_q, seqlen_k, batch,
         qk_scale, softcap_log2, window_left, window_right,
         seqlen_q_bucket, next_power_of_2(max(seqlen_k, 1)),
         GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,

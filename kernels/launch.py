@@ -194,13 +194,22 @@ def next_power_of_2(n):
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
+# CUDA caps grid dimensions y and z at 65535 (x at 2**31 - 1).
+MAX_GRID_YZ = 65535
+
+
 def tile_grid(block, seqlen, rows, batch, heads, is_varlen):
     """The launch grid of a kernel with one program per (tile, head) (see tile_ops.program_tile):
-    dense (tiles of seqlen, batch * heads); varlen (a bound on the packed tiles of ``rows`` rows in
-    ``batch`` sequences, heads)."""
+    dense (tiles of seqlen, heads, batch); varlen (a bound on the packed tiles of ``rows`` rows in
+    ``batch`` sequences, heads, 1). Heads and batch get their own dimensions, each capped at
+    MAX_GRID_YZ, where their product would pass that cap at 8192 sequences of 8 heads."""
+    if heads > MAX_GRID_YZ or (not is_varlen and batch > MAX_GRID_YZ):
+        raise ValueError(f"{'heads' if heads > MAX_GRID_YZ else 'batch'} = {max(heads, batch)} exceeds the "
+                         f"{MAX_GRID_YZ} a CUDA grid dimension holds"
+                         + ("" if heads > MAX_GRID_YZ else "; pack the sequences for flash_attn_varlen_func"))
     if is_varlen:
-        return (cdiv(rows, block) + batch, heads)
-    return (cdiv(seqlen, block), batch * heads)
+        return (cdiv(rows, block) + batch, heads, 1)
+    return (cdiv(seqlen, block), heads, batch)
 
 
 def seqs_pad(batch, is_varlen):

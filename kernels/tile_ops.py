@@ -111,12 +111,12 @@ def visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @triton.jit
-def program_tile(heads, num_seqs, CU_SEQLENS, BLOCK: tl.constexpr, SEQS_PAD: tl.constexpr,
+def program_tile(num_seqs, CU_SEQLENS, BLOCK: tl.constexpr, SEQS_PAD: tl.constexpr,
                  LAST_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr):
     """(sequence, tile within it, head) of this program.
 
-    Dense: grid (tiles per sequence, batch * heads). Varlen: grid (tiles of all sequences + num_seqs,
-    heads), the tiles of every sequence packed one after another (cdiv(total, BLOCK) + num_seqs
+    Dense: grid (tiles per sequence, heads, batch). Varlen: grid (tiles of all sequences + num_seqs,
+    heads, 1), the tiles of every sequence packed one after another (cdiv(total, BLOCK) + num_seqs
     bounds their count without reading cu_seqlens on the host), so no program lands past its
     sequence's end as with one grid row per sequence at the longest length; the few programs past
     the last tile get sequence = num_seqs. LAST_FIRST launches tiles in reverse order (a causal
@@ -134,8 +134,8 @@ def program_tile(heads, num_seqs, CU_SEQLENS, BLOCK: tl.constexpr, SEQS_PAD: tl.
         seq = tl.sum((tl.cumsum(tiles, 0) <= t).to(tl.int32), 0)
         tile = t - tl.sum(tl.where(index < seq, tiles, 0), 0)
     else:
-        seq = tl.program_id(1) // heads
-        head = tl.program_id(1) % heads
+        seq = tl.program_id(2)
+        head = tl.program_id(1)
         tile = t
     # 64-bit: base offsets such as seq * stride_batch pass 2**31 in tensors over 2**31 elements.
     return seq.to(tl.int64), tile, head.to(tl.int64)

@@ -208,27 +208,51 @@ def markdown(cells):
     return "\n".join(lines)
 
 
+class _LaunchRecorder:
+    """Stands in for a Triton kernel: launches it and keeps each launch's (grid, args, kwargs), so that
+    one launch can be replayed and timed alone."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((grid, args, kwargs))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def _recorded_launches(fn):
+    """{kernel name: (grid, args, kwargs)} of the Triton launches that fn() makes in kernels/decode.py."""
+    from flashformer.kernels import decode
+
+    names = ("_decode_kernel", "_combine_kernel")
+    recorders = {name: _LaunchRecorder(getattr(decode, name)) for name in names}
+    try:
+        for name, recorder in recorders.items():
+            setattr(decode, name, recorder)
+        fn()
+    finally:
+        for name, recorder in recorders.items():
+            setattr(decode, name, recorder.kernel)
+    return {name: (recorder.kernel, *recorder.launches[0]) for name, recorder in recorders.items()
+            if recorder.launches}
+
+
 def host_breakdown(length=4096):
     """Host µs per call of the launcher and of its parts (batch 1, a cache short enough that the GPU
     never makes the host wait), each the median of 7 rounds of HOST_CALLS calls: what a decoding step
     pays before the GPU sees work, and how much of it is Triton's launch path."""
-    from flashformer.kernels.decode import _combine_kernel
-
     q = torch.randn(1, 1, HEADS_Q, HEAD_DIM, device="cuda", dtype=DTYPE)
     k_cache, v_cache = (torch.randn(1, length, HEADS_KV, HEAD_DIM, device="cuda", dtype=DTYPE) for _ in range(2))
     seqlens = torch.full((1,), length, dtype=torch.int32, device="cuda")
     splits = choose_num_splits(HEADS_KV, length, q.device)
-    out_part = torch.randn(1, 1, HEADS_Q, splits, HEAD_DIM, device="cuda")
-    lse_part = torch.randn(1, 1, HEADS_Q, splits, device="cuda")
-    out, lse = torch.empty_like(q), torch.empty(1, HEADS_Q, 1, device="cuda")
-    combine_args = (out_part, lse_part, out, lse, 1, HEADS_Q, splits)
-    combine_meta = {"SPLITS_PAD": triton.next_power_of_2(max(2, splits)), "HEAD_DIM": HEAD_DIM,
-                    "HEAD_DIM_PAD": HEAD_DIM}
-    grid = (HEADS_Q,)
-    compiled = _combine_kernel[grid](*combine_args, **combine_meta, num_warps=4)
     q_sdpa = q.transpose(1, 2)
     k_sdpa, v_sdpa = k_cache.transpose(1, 2).contiguous(), v_cache.transpose(1, 2).contiguous()
     scale = HEAD_DIM**-0.5
+
+    def launcher(num_splits):
+        return lambda: decode_attention(q, k_cache, v_cache, seqlens, None, length, scale, -1, 0, 0.0, num_splits)
 
     def cudnn():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -236,19 +260,24 @@ def host_breakdown(length=4096):
                                                                     enable_gqa=True)
 
     parts = {
-        "launcher, automatic splits": lambda: decode_attention(q, k_cache, v_cache, seqlens, None, length, scale,
-                                                               -1, 0, 0.0),
-        "launcher, one split (no combine launch)": lambda: decode_attention(q, k_cache, v_cache, seqlens, None,
-                                                                            length, scale, -1, 0, 0.0, 1),
+        f"launcher, automatic splits ({splits})": launcher(0),
+        f"launcher, {splits} splits given": launcher(splits),
+        "launcher, one split (no combine launch)": launcher(1),
         "flash_attn_with_kvcache (int cache_seqlens)": lambda: flash_attn_with_kvcache(
             q, k_cache, v_cache, cache_seqlens=length),
-        "4 x torch.empty (outputs and partials)": lambda: [torch.empty_like(t) for t in (out, lse, out_part,
-                                                                                         lse_part)],
-        "combine kernel: JIT launch": lambda: _combine_kernel[grid](*combine_args, **combine_meta, num_warps=4),
-        "combine kernel: compiled-kernel launch": lambda: compiled[grid](*combine_args, *combine_meta.values()),
+        "4 x torch.empty (outputs and partials)": lambda: [torch.empty(shape, device="cuda") for shape in (
+            q.shape, (1, HEADS_Q, 1), (1, 1, HEADS_Q, splits, HEAD_DIM), (1, 1, HEADS_Q, splits))],
         "SDPA cuDNN (sdpa_kernel + call)": cudnn,
     }
     with torch.inference_mode():
+        for label, num_splits in ((f"{splits} splits", splits), ("one split", 1)):
+            for name, (kernel, grid, args, kwargs) in _recorded_launches(launcher(num_splits)).items():
+                parts[f"{name} alone, {label}: JIT launch"] = lambda k=kernel, g=grid, a=args, kw=kwargs: k[g](*a, **kw)
+                compiled = kernel[grid](*args, **kwargs)
+                constexprs = [kwargs[name] for name in kernel.arg_names[len(args):]]
+                full_grid = tuple(grid) + (1,) * (3 - len(grid))
+                parts[f"{name} alone, {label}: compiled-kernel launch"] = (
+                    lambda c=compiled, g=full_grid, a=args, cs=constexprs: c[g](*a, *cs))
         rows = []
         for name, fn in parts.items():
             try:
@@ -256,7 +285,7 @@ def host_breakdown(length=4096):
                 rows.append((name, f"{_median_host_us(fn):.1f}"))
             except Exception as error:  # an internal API that moved is a result, not a crash
                 rows.append((name, f"failed: {type(error).__name__}: {str(error).splitlines()[0][:80]}"))
-    print(f"host breakdown (batch 1, cache {length}, {splits} splits; median of 7 x {HOST_CALLS} calls):")
+    print(f"host breakdown (batch 1, cache {length}; median of 7 x {HOST_CALLS} calls):")
     print("| part | host µs per call |\n|---|---|")
     for name, value in rows:
         print(f"| {name} | {value} |")

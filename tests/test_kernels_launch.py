@@ -57,3 +57,16 @@ def test_forced_config_overrides_every_other_choice(monkeypatch):
     assert launch.pick_kernel(torch.device("cpu"), "bwd_dq", "kernel", "tuned", 64) == ("kernel", forced)
     assert launch.pick_kernel(torch.device("cpu"), "fwd", "kernel", "tuned", 64) == (
         "kernel", launch.INTERPRETER_CONFIGS["fwd"])
+
+
+def test_grid_gives_heads_and_batch_their_own_dimensions():
+    """8196 sequences of 8 heads make 65568 (batch, head) programs, past CUDA's 65535 cap on grid
+    dimensions y and z (the H200 failed that launch with "invalid argument")."""
+    assert launch.tile_grid(128, 128, 0, 8196, 8, is_varlen=False) == (1, 8, 8196)
+    assert launch.tile_grid(128, 0, 1000, 8196, 8, is_varlen=True) == (8 + 8196, 8, 1)
+
+
+def test_a_batch_past_the_grid_cap_names_the_argument(device, triton_path):
+    q = torch.randn(launch.MAX_GRID_YZ + 1, 1, 1, 16, device=device, dtype=torch.float16)
+    with pytest.raises(ValueError, match="batch = 65536.*flash_attn_varlen_func"):
+        flash_attn_func(q, q, q)
