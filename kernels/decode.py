@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from .flash_fwd import log2_scales
-from .launch import (as_descriptor_compatible, cdiv, dot_precision, ensure_allocator, new_output, next_power_of_2,
-                     upcast_dot)
+from .launch import (CompiledLaunch, as_descriptor_compatible, cdiv, dot_precision, ensure_allocator, new_output,
+                     next_power_of_2, upcast_dot)
 from .tile_ops import attention_logits, key_range, narrow, online_softmax_step
 
 LN2 = tl.constexpr(math.log(2.0))
@@ -72,16 +72,22 @@ def _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_
     return acc, row_max, row_sum
 
 
-@triton.jit
+# Launched through launch.CompiledLaunch: no int is specialised, and of the pointers only the caller's
+# SEQLENS_K and BLOCK_TABLE may be unaligned (q and the caches pass as_descriptor_compatible; the
+# outputs and partials are fresh allocations).
+@triton.jit(do_not_specialize=["stride_qb", "stride_qs", "stride_qh", "stride_ks", "stride_kh", "stride_vs",
+                               "stride_vh", "stride_bt", "seqlen_q", "heads_kv", "num_splits", "k_page_rows",
+                               "v_page_rows", "k_rows", "v_rows", "cache_len", "window_left", "window_right"],
+            do_not_specialize_on_alignment=["SEQLENS_K", "BLOCK_TABLE"])
 def _decode_kernel(
     Q, K, V, O, LSE, O_PART, LSE_PART, SEQLENS_K, BLOCK_TABLE,
     stride_qb, stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt,
-    seqlen_q, heads_kv, num_splits, k_page_rows, v_page_rows, k_rows, v_rows,
+    seqlen_q, heads_kv, num_splits, k_page_rows, v_page_rows, k_rows, v_rows, cache_len,
     qk_scale, softcap_log2, window_left, window_right,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    PER_SEQUENCE_LENGTHS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     # Token blocks and (sequence, kv head) share grid dimension 0, whose cap (2**31 - 1) no batch reaches.
     token_blocks = tl.cdiv(seqlen_q, BLOCK_T)
@@ -91,7 +97,10 @@ def _decode_kernel(
     batch = pid_bh // heads_kv
     kv_head = pid_bh % heads_kv
     heads_q = heads_kv * GROUP
-    seqlen_k = tl.load(SEQLENS_K + batch)
+    if PER_SEQUENCE_LENGTHS:
+        seqlen_k = tl.load(SEQLENS_K + batch)
+    else:  # every sequence holds cache_len entries (the model's decoding loop): no lengths tensor to fill
+        seqlen_k = cache_len
 
     t0 = pid_t * BLOCK_T
     r = tl.arange(0, BLOCK_T * GROUP_PAD)
@@ -147,7 +156,7 @@ def _decode_kernel(
         tl.store(LSE + (batch * heads_q + heads) * seqlen_q + tokens, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seqlen_q", "heads_q", "num_splits"])  # CompiledLaunch; pointers: fresh buffers
 def _combine_kernel(O_PART, LSE_PART, O, LSE, seqlen_q, heads_q, num_splits,
                     SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
     # One program per (batch, token, query head) row: out = sum_s exp(lse_s - lse) * out_s.
@@ -221,7 +230,8 @@ def decode_attention(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, 
         q: (batch, seqlen_q, heads_q, head_dim).
         k_cache, v_cache: (batch, max_cache, heads_kv, head_dim), or paged (num_blocks, block_size,
             heads_kv, head_dim) with block_table (batch, max_blocks) int32.
-        seqlens_k: int32 (batch,): valid cache entries per sequence; max_seqlen_k: their maximum.
+        seqlens_k: int32 (batch,): valid cache entries per sequence, or an int shared by every sequence;
+            max_seqlen_k: their maximum.
         window_left, window_right: -1 = unbounded; causal is window_right = 0 (bottom-right aligned).
         num_splits: chunks of the cache per (sequence, kv head); 0 = choose_num_splits.
     Returns:
@@ -260,22 +270,29 @@ def decode_attention(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, 
         out_part = lse_part = None
     qk_scale, softcap_log2 = log2_scales(softmax_scale, softcap)
     ensure_allocator(q.device)
-    _decode_kernel[(token_blocks * batch * heads_kv, num_splits)](
-        q, k_cache, v_cache, out, lse, out_part, lse_part, seqlens_k, block_table,
+    per_sequence = isinstance(seqlens_k, torch.Tensor)
+    _decode_launch(
+        (token_blocks * batch * heads_kv, num_splits),
+        q, k_cache, v_cache, out, lse, out_part, lse_part, seqlens_k if per_sequence else None, block_table,
         *q.stride()[:3], *k_cache.stride()[1:3], *v_cache.stride()[1:3],
         block_table.stride(0) if block_table is not None else 0,
-        seqlen_q, heads_kv, num_splits, k_page_rows, v_page_rows, k_rows, v_rows,
+        seqlen_q, heads_kv, num_splits, k_page_rows, v_page_rows, k_rows, v_rows, 0 if per_sequence else seqlens_k,
         qk_scale, softcap_log2, window_left, window_right,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_N=block_n, PAGE_SIZE=page_size,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0, SPLIT=split,
-        DOT_PRECISION=dot_precision(q.dtype), UPCAST_DOT=upcast_dot(q.dtype),
+        PER_SEQUENCE_LENGTHS=per_sequence, DOT_PRECISION=dot_precision(q.dtype), UPCAST_DOT=upcast_dot(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:
-        _combine_kernel[(batch * seqlen_q * heads_q,)](
+        _combine_launch(
+            (batch * seqlen_q * heads_q,),
             out_part, lse_part, out, lse, seqlen_q, heads_q, num_splits,
             SPLITS_PAD=max(2, next_power_of_2(num_splits)), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
             num_warps=4,
         )
     return out, lse
+
+
+_decode_launch = CompiledLaunch(_decode_kernel)
+_combine_launch = CompiledLaunch(_combine_kernel)

@@ -207,11 +207,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         _append(k_cache, v_cache, k, v, cache_seqlens, block_table)
     window_left, window_right = normalize_window(causal, window_size)
     if kernel_impl(q.device) == "triton":
-        if isinstance(cache_seqlens, int):
-            seqlens_k = torch.full((q.shape[0],), cache_seqlens + seqlen_new, dtype=torch.int32, device=q.device)
-        else:
+        compiling = torch.compiler.is_compiling()
+        if isinstance(cache_seqlens, int):  # eagerly the launcher takes the shared length as an int
             seqlens_k = cache_seqlens + seqlen_new
-        kvcache_fwd = _kvcache_fwd if torch.compiler.is_compiling() else _kvcache_impl
+            if compiling:  # the op's schema wants a tensor
+                seqlens_k = torch.full((q.shape[0],), seqlens_k, dtype=torch.int32, device=q.device)
+        else:
+            seqlens_k = cache_seqlens + seqlen_new if seqlen_new else cache_seqlens
+        kvcache_fwd = _kvcache_fwd if compiling else _kvcache_impl
         out, lse = kvcache_fwd(q, k_cache, v_cache, seqlens_k, block_table, max(lengths, default=0), softmax_scale,
                                window_left, window_right, float(softcap), num_splits)
     else:

@@ -164,18 +164,65 @@ def as_descriptor_compatible(t):
     """``t`` itself when TMA can address it (unit last stride, 16-byte aligned strides and base),
     else a contiguous copy. Slices of a fused qkv tensor with head_dim % 8 == 0 need no copy."""
     itemsize = t.element_size()
-    ok = (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-          and all(s > 0 and (s * itemsize) % 16 == 0 for s in t.stride()[:-1]))
+    *outer, last = t.stride()
+    # A plain loop: this runs on every decoding step, where a generator's setup costs more than the checks.
+    ok = last == 1 and t.data_ptr() % 16 == 0
+    for s in outer:
+        ok = ok and s > 0 and (s * itemsize) % 16 == 0
     return t if ok else t.contiguous()
 
 
+# Tests turn this on (FLASHFORMER_POISON=1 at import, or set the attribute); read once here because
+# an environment lookup costs ~2 µs and a decoding step allocates four outputs.
+POISON_OUTPUTS = os.environ.get("FLASHFORMER_POISON") == "1"
+
+
 def new_output(like, shape=None, dtype=None):
-    """An uninitialised output buffer; NaN-filled when FLASHFORMER_POISON=1, so that tests catch any
+    """An uninitialised output buffer; NaN-filled when POISON_OUTPUTS is set, so that tests catch any
     element a kernel forgets to write."""
     out = torch.empty(like.shape if shape is None else shape, dtype=dtype or like.dtype, device=like.device)
-    if os.environ.get("FLASHFORMER_POISON") == "1":
+    if POISON_OUTPUTS:
         out.fill_(float("nan"))
     return out
+
+
+_INT32 = range(-2**31, 2**31)
+
+
+class CompiledLaunch:
+    """Launches of ``kernel`` that reuse its compiled form, skipping Triton's per-call argument
+    binding: ~16 µs of the ~30 µs a JIT launch costs on the H200's host, where batch-1 decoding is
+    host-bound (bench_decode.py --host-profile).
+
+    Only for kernels whose compiled code depends on nothing but the constexprs, the launch options
+    and the arguments' types: every int argument declared ``do_not_specialize`` (Triton would
+    otherwise specialise on == 1 and divisibility by 16), and every pointer either declared
+    ``do_not_specialize_on_alignment`` or 16-byte aligned on every call by construction. The
+    first launch of each key goes through Triton (and compiles); so does every launch in the
+    interpreter.
+
+    Call as ``launch(grid, *args, **constexprs_and_options)``, like ``kernel[grid](...)``.
+    """
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.compiled = {}
+
+    def __call__(self, grid, *args, **meta):
+        if INTERPRETED:
+            self.kernel[grid](*args, **meta)
+            return
+        # An int's entry says whether it fits int32, which decides its type in Triton's signature.
+        key = (torch.cuda.current_device(), tuple(meta.values()),
+               *[a.dtype if type(a) is torch.Tensor else a in _INT32 if type(a) is int else type(a) for a in args])
+        entry = self.compiled.get(key)
+        if entry is not None:
+            compiled, constexprs = entry
+            compiled[grid + (1,) * (3 - len(grid))](*args, *constexprs)
+            return
+        compiled = self.kernel[grid](*args, **meta)
+        if hasattr(compiled, "__getitem__"):  # a Triton whose launch returns no CompiledKernel: JIT always
+            self.compiled[key] = (compiled, tuple(meta[name] for name in self.kernel.arg_names[len(args):]))
 
 
 def seq_strides(t, is_varlen):

@@ -209,24 +209,22 @@ def markdown(cells):
 
 
 class _LaunchRecorder:
-    """Stands in for a Triton kernel: launches it and keeps each launch's (grid, args, kwargs), so that
-    one launch can be replayed and timed alone."""
+    """Stands in for one of decode.py's CompiledLaunch objects: forwards each launch and keeps its
+    (grid, args, meta), so that a launch can be replayed and timed alone."""
 
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
+    def __init__(self, compiled_launch):
+        self.compiled_launch, self.launches = compiled_launch, []
 
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append((grid, args, kwargs))
-            return self.kernel[grid](*args, **kwargs)
-        return launch
+    def __call__(self, grid, *args, **meta):
+        self.launches.append((grid, args, meta))
+        self.compiled_launch(grid, *args, **meta)
 
 
 def _recorded_launches(fn):
-    """{kernel name: (grid, args, kwargs)} of the Triton launches that fn() makes in kernels/decode.py."""
+    """{name: (CompiledLaunch, grid, args, meta)} of the launches that fn() makes in kernels/decode.py."""
     from flashformer.kernels import decode
 
-    names = ("_decode_kernel", "_combine_kernel")
+    names = ("_decode_launch", "_combine_launch")
     recorders = {name: _LaunchRecorder(getattr(decode, name)) for name in names}
     try:
         for name, recorder in recorders.items():
@@ -234,8 +232,8 @@ def _recorded_launches(fn):
         fn()
     finally:
         for name, recorder in recorders.items():
-            setattr(decode, name, recorder.kernel)
-    return {name: (recorder.kernel, *recorder.launches[0]) for name, recorder in recorders.items()
+            setattr(decode, name, recorder.compiled_launch)
+    return {name: (recorder.compiled_launch, *recorder.launches[0]) for name, recorder in recorders.items()
             if recorder.launches}
 
 
@@ -263,6 +261,8 @@ def host_breakdown(length=4096):
         f"launcher, automatic splits ({splits})": launcher(0),
         f"launcher, {splits} splits given": launcher(splits),
         "launcher, one split (no combine launch)": launcher(1),
+        "launcher, int cache length (no lengths tensor)": lambda: decode_attention(
+            q, k_cache, v_cache, length, None, length, scale, -1, 0, 0.0),
         "flash_attn_with_kvcache (int cache_seqlens)": lambda: flash_attn_with_kvcache(
             q, k_cache, v_cache, cache_seqlens=length),
         "4 x torch.empty (outputs and partials)": lambda: [torch.empty(shape, device="cuda") for shape in (
@@ -271,13 +271,11 @@ def host_breakdown(length=4096):
     }
     with torch.inference_mode():
         for label, num_splits in ((f"{splits} splits", splits), ("one split", 1)):
-            for name, (kernel, grid, args, kwargs) in _recorded_launches(launcher(num_splits)).items():
-                parts[f"{name} alone, {label}: JIT launch"] = lambda k=kernel, g=grid, a=args, kw=kwargs: k[g](*a, **kw)
-                compiled = kernel[grid](*args, **kwargs)
-                constexprs = [kwargs[name] for name in kernel.arg_names[len(args):]]
-                full_grid = tuple(grid) + (1,) * (3 - len(grid))
-                parts[f"{name} alone, {label}: compiled-kernel launch"] = (
-                    lambda c=compiled, g=full_grid, a=args, cs=constexprs: c[g](*a, *cs))
+            for name, (launch, grid, args, meta) in _recorded_launches(launcher(num_splits)).items():
+                parts[f"{name} alone, {label}: Triton JIT launch"] = (
+                    lambda k=launch.kernel, g=grid, a=args, m=meta: k[g](*a, **m))
+                parts[f"{name} alone, {label}: CompiledLaunch (ours)"] = (
+                    lambda c=launch, g=grid, a=args, m=meta: c(g, *a, **m))
         rows = []
         for name, fn in parts.items():
             try:

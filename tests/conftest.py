@@ -15,6 +15,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("FLASHFORMER_KERNEL", "torch")
 
+from flashformer.kernels import launch  # noqa: E402  (after TRITON_INTERPRET is set)
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -27,7 +29,7 @@ def device():
 def triton_path(monkeypatch):
     """Route flash_attn_* through the Triton kernels, with outputs NaN-poisoned before launch."""
     monkeypatch.setenv("FLASHFORMER_KERNEL", "triton")
-    monkeypatch.setenv("FLASHFORMER_POISON", "1")
+    monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
 
 
 @pytest.fixture(autouse=True)

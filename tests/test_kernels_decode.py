@@ -237,6 +237,23 @@ def test_int_cache_seqlens_equals_tensor(paged, device, triton_path):
         flash_attn_with_kvcache(**{**args, "cache_seqlens": 40 if not paged else 32})
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CompiledLaunch compiles and caches on CUDA only")
+def test_repeat_launches_reuse_the_compiled_kernel(device, triton_path):
+    """Launches after the first with the same constexprs skip Triton's argument binding (decode.py's
+    CompiledLaunch): other lengths, strides and buffers must still be read where they are."""
+    from flashformer.kernels import decode
+
+    decode._decode_launch.compiled.clear()
+    for length, max_cache, head_step in ((100, 128, 1), (300, 320, 2), (77, 96, 1)):
+        q = torch.randn(2, 1, 8 * head_step, 64, device=device, dtype=torch.float16)[:, :, ::head_step]
+        k_cache, v_cache = (torch.randn(2, max_cache, 2, 64, device=device, dtype=torch.float16) for _ in range(2))
+        out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=length)
+        ref, _ = attention_materialized(q.double(), k_cache[:, :length].double(), v_cache[:, :length].double(),
+                                        causal=True)
+        torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=0)
+    assert len(decode._decode_launch.compiled) == 1  # one compile; the later two launches reused it
+
+
 def _bad_inputs(device):
     q = torch.randn(2, 1, 4, 32, device=device, dtype=torch.float16)
     k_cache, v_cache = (torch.randn(2, 40, 2, 32, device=device, dtype=torch.float16) for _ in range(2))

@@ -6,7 +6,7 @@ from attention_checks import assert_within_2x
 
 from flashformer.kernels import (attention_materialized, cu_seqlens_from_document_ids, cu_seqlens_from_lengths,
                                  document_ids_from_cu_seqlens, flash_attn_varlen_func,
-                                 position_ids_from_cu_seqlens)
+                                 launch, position_ids_from_cu_seqlens)
 
 
 def _per_sequence(q, k, v, cu_q, cu_k, grad_out, upcast, **opts):
@@ -38,7 +38,7 @@ CASES = [  # (q lengths, k lengths or None for the same), heads, head_dim, causa
 def test_varlen_matches_per_sequence(lengths_q, lengths_k, heads, head_dim, causal, window, softcap, dtype, impl,
                                      deterministic, device, monkeypatch):
     monkeypatch.setenv("FLASHFORMER_KERNEL", impl)
-    monkeypatch.setenv("FLASHFORMER_POISON", "1")
+    monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
     lengths_k = lengths_k or lengths_q
     cu_q, cu_k = (cu_seqlens_from_lengths(n).to(device) for n in (lengths_q, lengths_k))
     q = torch.randn(sum(lengths_q), heads[0], head_dim, device=device, dtype=dtype)
