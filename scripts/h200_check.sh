@@ -45,7 +45,7 @@ for stage in "${stages[@]}"; do
               | tee "$RES/decode.log" | grep -A30 "^host profile\|^|" ;;
     attention) timeout 420 python3 scripts/bench_attention.py ${ATTN_ARGS:---impls ours ours-nondet sdpa-flash sdpa-cudnn --head-dims 64 128 256} \
               --out "$RES/attention.json" --plot "$RES/attention.png" 2>&1 | tee "$RES/attention.log" | grep "^|" ;;
-    varlen) timeout 150 python3 scripts/bench_attention.py --varlen --impls ours --out "$RES/varlen.json" 2>&1 \
+    varlen) timeout 300 python3 scripts/bench_attention.py --varlen --impls ours --out "$RES/varlen.json" 2>&1 \
               | tee "$RES/varlen.log" | grep "documents\|^|" ;;
     train)  timeout 540 python3 scripts/bench_train.py configs/gpt2-124m.yaml --seqlens 1024 4096 16384 --steps 50 \
               --profile 5 --out "$RES/train.json" 2>&1 | tee "$RES/train.log" | grep "^|\| @ " ;;
