@@ -7,6 +7,10 @@ inputs in the same process, and each cell also records ours' max abs difference 
 
     python scripts/bench_attention.py --out bench.json            # head_dim 64 and 128, the full grid
     python scripts/bench_attention.py --head-dims 256 --heads-256 8
+    python scripts/bench_attention.py --head-dims 128 --causal yes --seqlens 1024 --kernel-times 20
+
+``--kernel-times N`` adds each cell's largest kernels (torch.profiler, ms per forward + backward), e.g.
+how ours' backward splits between its dQ and dK/dV kernels against SDPA's.
 
 ``--varlen`` instead times a packed batch: seeded random document lengths (short and long ones, no
 block-size multiples) summing exactly to --tokens, through flash_attn_varlen_func, beside ours dense at
@@ -33,6 +37,7 @@ from tqdm import tqdm
 
 from flashformer.kernels import (cu_seqlens_from_lengths, document_ids_from_cu_seqlens, flash_attn_func,
                                  flash_attn_varlen_func)
+from flashformer.profiling import kernel_times
 
 SDPA_BACKENDS = {
     "sdpa-flash": SDPBackend.FLASH_ATTENTION,
@@ -156,6 +161,32 @@ def time_fwd_bwd(fn, q, k, v, causal, grad_out, flops):
             "fwd_ms": fwd_ms, "bwd_ms": bwd_ms}, out
 
 
+def fwd_bwd_kernel_times(fn, q, k, v, causal, grad_out, iters, top=6):
+    """The ``top`` kernels of one forward + backward of ``fn``: [(name, ms per call)], over ``iters``
+    traced calls. Says which kernel of a backward holds the time (ours: dQ and dK/dV)."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        fn(*leaves, causal).backward(grad_out)
+
+    step()
+    times, _ = kernel_times(step, iters)
+    return sorted(times.items(), key=lambda item: -item[1])[:top]
+
+
+def kernel_times_table(results, names):
+    """Markdown: per grid cell and implementation, its largest kernels (ms per forward + backward)."""
+    lines = ["| head_dim | causal | seqlen | implementation | kernel | ms |", "|---|---|---|---|---|---|"]
+    for r in results:
+        for n in names:
+            for kernel, ms in r.get(n, {}).get("kernels", []):
+                lines.append(f"| {r['head_dim']} | {'yes' if r['causal'] else 'no'} | {r['seqlen']} | {n} | "
+                             f"{kernel[:60]} | {ms:.3f} |")
+    return "\n".join(lines)
+
+
 def heads_for(args, head_dim):
     return args.heads_256 if head_dim == 256 else args.width // head_dim
 
@@ -179,6 +210,9 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="seed of the document lengths")
     parser.add_argument("--out", default="bench_attention.json")
     parser.add_argument("--plot", help="also draw the grid's TFLOP/s against seqlen into this PNG (needs matplotlib)")
+    parser.add_argument("--kernel-times", type=int, default=0, metavar="N",
+                        help="also trace N forward + backward calls per grid cell and implementation and list "
+                             "their largest kernels (torch.profiler)")
     args = parser.parse_args(argv)
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -189,6 +223,8 @@ def main(argv=None):
     else:
         record["results"], names = run_grid(args, causals)
         table = markdown_table(record["results"], names)
+        if args.kernel_times:
+            table = kernel_times_table(record["results"], names) + "\n\n" + table
         if args.plot and plot_grid(record["results"], names, args.plot):
             print(f"wrote {args.plot}")
     with open(args.out, "w") as f:
@@ -229,6 +265,8 @@ def run_grid(args, causals):
             cell, out = time_fwd_bwd(fn, q, k, v, causal, grad_out, flops)
             if cell is not None:
                 outputs[name], row[name] = out, cell
+                if args.kernel_times:
+                    cell["kernels"] = fwd_bwd_kernel_times(fn, q, k, v, causal, grad_out, args.kernel_times)
         if "ours" in outputs and "sdpa-flash" in outputs:
             row["max_abs_diff_vs_sdpa_flash"] = (outputs["ours"].float() - outputs["sdpa-flash"].float()).abs().max().item()
         results.append(row)

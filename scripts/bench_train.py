@@ -19,11 +19,11 @@ import contextlib
 import json
 import statistics
 import tempfile
-import time
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from flashformer.profiling import kernel_times
 from flashformer.train import Trainer, load_train_config, read_metrics, train
 
 PATHS = {
@@ -80,16 +80,8 @@ def profile_one(recipe, seqlen, path, steps, tokens_per_step, extra, warmup=10):
         for _ in range(warmup):
             trainer.train_step()
         torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            start = time.perf_counter()
-            for _ in range(steps):
-                trainer.train_step()
-            torch.cuda.synchronize()
-            wall_ms = (time.perf_counter() - start) * 1e3 / steps
-    kernels = {}  # device-side events only: CPU ops also carry their kernels' time
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[event.name] = kernels.get(event.name, 0.0) + event.device_time_total / 1e3 / steps
+        kernels, wall_ms = kernel_times(trainer.train_step, steps)
+
     def share(names):
         return sum(ms for name, ms in kernels.items() if any(n in name.lower() for n in names))
     attention, matmul, total = share(ATTENTION_KERNELS), share(MATMUL_KERNELS), sum(kernels.values())

@@ -121,3 +121,24 @@ def test_decode_table_shows_both_host_times():
     assert values["ours host µs"] == "125" and values["cuDNN host µs"] == "58"
     assert values["graph: ours / cuDNN"] == "1.00"
     assert decode.markdown([{**cell, "cudnn_host_us": None}]).splitlines()[2].count("–") == 1
+
+
+def test_kernel_times_attribute_time_to_the_ops_that_ran():
+    """flashformer.profiling on CPU ops (the GPU path reads the same profiler's device events)."""
+    from flashformer.profiling import kernel_times
+
+    a = torch.randn(256, 256)
+    times, wall_ms = kernel_times(lambda: (a @ a).relu_(), iters=5, device="cpu")
+    assert times["aten::mm"] > 0 and times["aten::relu_"] >= 0
+    assert "aten::conv2d" not in times
+    assert wall_ms >= times["aten::mm"]
+
+
+def test_kernel_times_table_lists_each_cell_and_implementation(bench):
+    rows = [{"head_dim": 128, "causal": True, "seqlen": 1024,
+             "ours": {"kernels": [("_bwd_dkdv_kernel", 0.41), ("_bwd_dq_kernel", 0.38)]},
+             "sdpa-flash": {"kernels": [("flash_bwd_kernel", 0.7)]}}]
+    table = bench.kernel_times_table(rows, ["ours", "sdpa-flash"]).splitlines()
+    assert table[2:] == ["| 128 | yes | 1024 | ours | _bwd_dkdv_kernel | 0.410 |",
+                         "| 128 | yes | 1024 | ours | _bwd_dq_kernel | 0.380 |",
+                         "| 128 | yes | 1024 | sdpa-flash | flash_bwd_kernel | 0.700 |"]

@@ -1,0 +1,35 @@
+"""Where device time goes: per-kernel times of a repeated step, from torch.profiler (benchmarks only)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def kernel_times(step, iters, device="cuda"):
+    """({kernel name: ms per call of ``step``}, wall ms per call), from ``iters`` traced calls.
+
+    Only device-side events count (a CPU op also carries its kernels' time). ``device="cpu"`` traces
+    CPU ops instead, for machines without a GPU.
+
+    Args:
+        step: a callable run ``iters`` times under the profiler (warm it up first).
+        iters: calls to trace; times are their mean.
+    """
+    cuda = device == "cuda"
+    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+    with torch.profiler.profile(activities=[activity]) as prof:
+        start = time.perf_counter()
+        for _ in range(iters):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3 / iters
+    wanted = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    times: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == wanted:
+            own_us = event.device_time_total if cuda else event.self_cpu_time_total
+            times[event.name] = times.get(event.name, 0.0) + own_us / 1e3 / iters
+    return times, wall_ms
