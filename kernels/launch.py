@@ -23,37 +23,52 @@ INTERPRETER_CONFIGS = {
 }
 
 
+# The autotune space per kernel on CUDA, as (BLOCK_M, BLOCK_N, num_warps, num_stages), for head_dim <= 128
+# (pruned for shared memory per head_dim below).
+_SHAPES = {
+    "fwd": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)],
+    # dK/dV plus each tile's dQ share: one more (BLOCK_M, HEAD_DIM) product live per step, so smaller
+    # query tiles than bwd_dkdv (at head_dim 128, 32 x 64 and 16 x 128 spill nothing).
+    "bwd_fused": [(32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (16, 128, 8, 2), (32, 128, 8, 3),
+                  (16, 64, 8, 2), (32, 64, 4, 2)],
+    "bwd_dkdv": [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 2), (64, 128, 8, 3), (64, 64, 4, 4),
+                 (128, 128, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2)],
+    "bwd_dq": [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 8, 3), (64, 64, 4, 4),
+               (128, 128, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2)],
+}
+# head_dim 256 has its own: of the shapes above, only one forward fits its shared memory, and the
+# backward ones spill. Each of these compiles for sm_90 into <= 227 KB of shared memory with at most
+# ~0.8 KB of spill per thread (survey on CPU through tests/hopper_compile.py, docs/perf-notes.md
+# "Session 5"); 8 warps hold the dK/dV accumulators (4 warps spill 7-8 KB).
+_WIDE_SHAPES = {
+    "fwd": [(64, 32, 4, 2), (64, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2)],
+    "bwd_fused": [(16, 64, 8, 2), (32, 64, 8, 2)],
+    "bwd_dkdv": [(16, 64, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2)],
+    "bwd_dq": [(64, 16, 8, 2), (64, 32, 4, 2), (64, 32, 8, 2), (64, 64, 8, 2), (128, 16, 8, 2), (128, 32, 8, 2)],
+}
+WIDE_HEAD_DIM = 128  # HEAD_DIM_PAD above this takes _WIDE_SHAPES
+
+
+def _shape(config):
+    return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
+
+
 def _gpu_configs(kind):
-    """The autotune space of one kernel on CUDA (Hopper-sized; pruned by head_dim below)."""
-    if kind == "fwd":
-        shapes = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
-                  (128, 32, 4, 3)]
-    elif kind == "bwd_fused":
-        # dK/dV plus each tile's dQ share: one more (BLOCK_M, HEAD_DIM) product live per step, so
-        # smaller query tiles than bwd_dkdv (at head_dim 128, 32 x 64 and 16 x 128 spill nothing).
-        shapes = [(32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (16, 128, 8, 2), (32, 128, 8, 3),
-                  (16, 64, 8, 2), (32, 64, 4, 2)]
-    elif kind == "bwd_dkdv":
-        # 8 warps at BLOCK_N 64: the dK/dV accumulators of head_dim 256 (128 KB) fit the registers
-        # of 256 threads (148 B spilled vs 7.8 KB with 4 warps; tests/hopper_compile.py).
-        shapes = [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 2), (64, 128, 8, 3), (64, 64, 4, 4),
-                  (128, 128, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2)]
-    else:
-        shapes = [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 8, 3), (64, 64, 4, 4),
-                  (128, 128, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2)]
+    """Every candidate of one kernel on CUDA, both head_dim classes (prune_configs picks per launch)."""
+    shapes = _SHAPES[kind] + [shape for shape in _WIDE_SHAPES[kind] if shape not in _SHAPES[kind]]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
-def _prune_for_shared_memory(configs, named_args, **kwargs):
-    """Drop tile shapes whose staged tiles overflow Hopper's 227 KB of shared memory."""
+def prune_configs(kind, configs, named_args, **kwargs):
+    """The candidates of ``kind`` for this launch's head_dim: head_dim 256's own list, else the
+    shapes whose staged tiles fit Hopper's 227 KB of shared memory."""
     head_dim = named_args["HEAD_DIM_PAD"] if "HEAD_DIM_PAD" in named_args else kwargs["HEAD_DIM_PAD"]
-    budget = 200 * 1024
-    kept = []
-    for config in configs:
-        block_m, block_n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
-        tile_bytes = (block_m + block_n) * head_dim * 2 * max(config.num_stages, 1)
-        if tile_bytes <= budget and not (head_dim > 128 and block_m * block_n > 64 * 64):
-            kept.append(config)
+    if head_dim > WIDE_HEAD_DIM:
+        kept = [config for config in configs if _shape(config) in _WIDE_SHAPES[kind]]
+    else:
+        budget = 200 * 1024
+        kept = [config for config in configs if _shape(config) in _SHAPES[kind]
+                and (config.kwargs["BLOCK_M"] + config.kwargs["BLOCK_N"]) * head_dim * 2 * config.num_stages <= budget]
     return kept or configs[-1:]
 
 
@@ -64,7 +79,7 @@ def tuned(kernel, kind, extra_key=()):
         configs=_gpu_configs(kind),
         key=["seqlen_q_bucket", "seqlen_k_bucket", "HEAD_DIM", "GROUP", "LEFT_BOUNDED", "RIGHT_BOUNDED",
              "HAS_SOFTCAP", "IS_VARLEN", *extra_key],
-        prune_configs_by={"early_config_prune": _prune_for_shared_memory},
+        prune_configs_by={"early_config_prune": functools.partial(prune_configs, kind)},
         cache_results=True,
     )(kernel)
 

@@ -43,7 +43,7 @@ KINDS = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_fused")  # bwd_fused: the determinist
 def candidates(kind, head_dim):
     """The autotune space of ``kind``, pruned for shared memory, as kernel meta-parameter dicts."""
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    configs = launch._prune_for_shared_memory(launch._gpu_configs(kind), {"HEAD_DIM_PAD": head_dim_pad})
+    configs = launch.prune_configs(kind, launch._gpu_configs(kind), {"HEAD_DIM_PAD": head_dim_pad})
     return [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in configs]
 
 

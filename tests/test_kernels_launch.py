@@ -70,3 +70,17 @@ def test_a_batch_past_the_grid_cap_names_the_argument(device, triton_path):
     q = torch.randn(launch.MAX_GRID_YZ + 1, 1, 1, 16, device=device, dtype=torch.float16)
     with pytest.raises(ValueError, match="batch = 65536.*flash_attn_varlen_func"):
         flash_attn_func(q, q, q)
+
+
+@pytest.mark.parametrize("kind", ["fwd", "bwd_dkdv", "bwd_dq", "bwd_fused"])
+def test_head_dim_256_has_its_own_candidates(kind):
+    """head_dim 256 autotunes over its own shapes (of the head_dim <= 128 ones only one forward fit its
+    shared memory), and those never leak into the smaller head dims' spaces."""
+    configs = launch._gpu_configs(kind)
+    wide = [launch._shape(c) for c in launch.prune_configs(kind, configs, {"HEAD_DIM_PAD": 256})]
+    assert sorted(wide) == sorted(launch._WIDE_SHAPES[kind])
+    default = launch._default_gpu_config(kind, 256)
+    assert (default["BLOCK_M"], default["BLOCK_N"], default["num_warps"], default["num_stages"]) in wide
+    for head_dim in (64, 128):
+        narrow = [launch._shape(c) for c in launch.prune_configs(kind, configs, {"HEAD_DIM_PAD": head_dim})]
+        assert narrow and set(narrow) <= set(launch._SHAPES[kind])
