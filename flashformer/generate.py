@@ -7,6 +7,9 @@ import sys
 
 import torch
 
+from .attention import resolve_backend
+from .kernels import flash_attn_with_kvcache
+
 
 def _check_sampling_args(max_new_tokens, temperature, top_k, top_p):
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -42,9 +45,67 @@ def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
 
 
+class _DeviceLengthCache:
+    """A KVCache's buffers with its length kept on the device, one entry per row: a decoding step
+    through it reads no host value (the kernels' CUDA-graph-safe path), so it can be captured once
+    and replayed for every token. The model advances ``length`` in place after its layers ran."""
+
+    def __init__(self, cache):
+        self.keys, self.values = cache.keys, cache.values
+        self.length = torch.full((cache.keys[0].shape[0],), cache.length, dtype=torch.int32,
+                                 device=cache.keys[0].device)
+
+    def attend(self, layer_idx, q, k, v, *, backend, window_size, softcap):
+        """As KVCache.attend, on the Triton path whatever ``backend`` (_check_cuda_graph checked it)."""
+        return flash_attn_with_kvcache(q, self.keys[layer_idx], self.values[layer_idx], k=k, v=v,
+                                       cache_seqlens=self.length, causal=True, window_size=window_size,
+                                       softcap=softcap, check_lengths=False)
+
+
+def _decode_step(model, tokens, cache):
+    """Logits (batch, vocab) after appending ``tokens`` (batch, 1) to a _DeviceLengthCache."""
+    return model(tokens, position_ids=cache.length[:, None].long(), kv_cache=cache)[:, -1]
+
+
+class _GraphedDecodeStep:
+    """One decoding step of ``model`` captured in a CUDA graph (embedding, every layer, the LM head):
+    per token, Python launches one graph instead of every kernel of every layer."""
+
+    def __init__(self, model, cache):
+        self.cache = _DeviceLengthCache(cache)
+        self.tokens = torch.zeros(cache.keys[0].shape[0], 1, dtype=torch.long, device=cache.keys[0].device)
+        start = self.cache.length.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compile the kernels and warm the allocator outside the capture
+            for _ in range(2):
+                _decode_step(model, self.tokens, self.cache)
+        torch.cuda.current_stream().wait_stream(side)
+        # The warm-up wrote at positions the real steps overwrite before any query can see them.
+        self.cache.length.copy_(start)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = _decode_step(model, self.tokens, self.cache)
+
+    def __call__(self, tokens):
+        """Logits (batch, vocab) after ``tokens`` (batch,): a view that the next call overwrites."""
+        self.tokens.copy_(tokens[:, None])
+        self.graph.replay()
+        return self.logits
+
+
+def _check_cuda_graph(model, device):
+    if device.type != "cuda":
+        raise ValueError(f"cuda_graph=True needs the model on a CUDA device, not {device}")
+    if resolve_backend(model.attn_backend, device) not in ("flash", "flash-nondeterministic"):
+        raise ValueError(f"cuda_graph=True needs attn_backend='flash', got {model.attn_backend!r}")
+    if model.rope is not None and model.rope.is_dynamic:
+        raise ValueError("cuda_graph=True cannot run dynamic-NTK RoPE: it reads the longest position on the host")
+
+
 @torch.no_grad()
 def generate(model, input_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None, stop_tokens=(), seed=None,
-             stream=None):
+             stream=None, cuda_graph=False):
     """Extend ``input_ids`` token by token, reusing a KV cache.
 
     Args:
@@ -57,6 +118,8 @@ def generate(model, input_ids, max_new_tokens, temperature=1.0, top_k=None, top_
             stopped; rows that stopped earlier are padded with their stop token.
         seed: seeds a private generator, so the same seed gives the same tokens.
         stream: called with each step's new tokens (batch,) as they are produced.
+        cuda_graph: replay one CUDA graph per token instead of launching every kernel from Python
+            (decoding one token is host-bound); CUDA, attn_backend="flash", non-dynamic RoPE only.
     Returns:
         (batch, prompt_len + generated) int64, generated <= max_new_tokens.
     """
@@ -71,10 +134,13 @@ def generate(model, input_ids, max_new_tokens, temperature=1.0, top_k=None, top_
     total = prompt_len + max_new_tokens
     if model.config.pos == "learned" and total > model.config.max_seq_len:
         raise ValueError(f"prompt + max_new_tokens = {total} exceeds max_seq_len={model.config.max_seq_len}")
+    if cuda_graph:
+        _check_cuda_graph(model, device)
     generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
     stop = torch.tensor(list(stop_tokens), dtype=torch.long, device=device)
     cache = model.new_kv_cache(batch, total)
     logits = model(input_ids, kv_cache=cache)[:, -1]
+    graphed_step = _GraphedDecodeStep(model, cache) if cuda_graph and max_new_tokens > 1 else None
     tokens = [input_ids]
     stopped_with = torch.full((batch,), -1, dtype=torch.long, device=device)
     for step in range(max_new_tokens):
@@ -90,7 +156,10 @@ def generate(model, input_ids, max_new_tokens, temperature=1.0, top_k=None, top_
             stopped_with = torch.where(hit_stop, next_tokens, stopped_with)
             if bool((stopped_with >= 0).all()):
                 break
-        logits = model(next_tokens[:, None], kv_cache=cache)[:, -1]
+        if graphed_step is not None:
+            logits = graphed_step(next_tokens)
+        else:
+            logits = model(next_tokens[:, None], kv_cache=cache)[:, -1]
     return torch.cat(tokens, dim=1)
 
 
@@ -130,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="default: as stored")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="replay one CUDA graph per token (CUDA and attn_backend=flash only)")
     args = parser.parse_args(argv)
 
     model = from_pretrained(args.checkpoint, dtype=args.dtype, device=args.device)
@@ -144,6 +215,6 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write(args.prompt)
     generate(model, torch.tensor([prompt_ids]), args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
              top_p=args.top_p, stop_tokens=stop_tokens, seed=args.seed,
-             stream=_TextStream(tokenizer, stop_tokens, sys.stdout))
+             stream=_TextStream(tokenizer, stop_tokens, sys.stdout), cuda_graph=args.cuda_graph)
     sys.stdout.write("\n")
     return 0

@@ -157,7 +157,8 @@ def _describe(x):
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, causal=True,
-                            softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False, num_splits=0):
+                            softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False, num_splits=0,
+                            check_lengths=True):
     """Attention of new query tokens over a KV cache, appending new keys/values first (flash-attn's API).
 
     Inference only: raises if an input requires grad while grad mode is on.
@@ -175,6 +176,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             where total_len = cache_seqlens[b] + seqlen_new.
         softmax_scale, window_size, softcap, return_lse: as flash_attn_func.
         num_splits: chunks of the cache per (sequence, kv head) on the Triton path; 0 = automatic.
+        check_lengths: False trusts a tensor cache_seqlens (the values must lie in [0, capacity -
+            seqlen_new], and a paged cache's pages in use in range): no host sync reads them, as CUDA-graph
+            capture needs, and the automatic splits are sized for the whole cache. The Triton path only.
     Returns:
         out (batch, seqlen_q, heads_q, head_dim), or (out, lse) with lse (batch, heads_q, seqlen_q)
         fp32, -inf for a row that sees no cache entry (its output is 0).
@@ -202,11 +206,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                                                       window_size, softcap)
     cache_seqlens = _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits)
     seqlen_new = 0 if k is None else k.shape[1]
-    lengths = _check_lengths(k_cache, cache_seqlens, seqlen_new, block_table)
+    triton_path = kernel_impl(q.device) == "triton"
+    if check_lengths or not isinstance(cache_seqlens, torch.Tensor):
+        lengths = _check_lengths(k_cache, cache_seqlens, seqlen_new, block_table)
+        max_seqlen_k = max(lengths, default=0)
+    elif triton_path:
+        max_seqlen_k = _capacity(k_cache, block_table)
+    else:
+        raise ValueError("check_lengths=False needs the Triton path (the PyTorch path reads the lengths on the host)")
     if seqlen_new:
         _append(k_cache, v_cache, k, v, cache_seqlens, block_table)
     window_left, window_right = normalize_window(causal, window_size)
-    if kernel_impl(q.device) == "triton":
+    if triton_path:
         compiling = torch.compiler.is_compiling()
         if isinstance(cache_seqlens, int):  # eagerly the launcher takes the shared length as an int
             seqlens_k = cache_seqlens + seqlen_new
@@ -215,7 +226,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         else:
             seqlens_k = cache_seqlens + seqlen_new if seqlen_new else cache_seqlens
         kvcache_fwd = _kvcache_fwd if compiling else _kvcache_impl
-        out, lse = kvcache_fwd(q, k_cache, v_cache, seqlens_k, block_table, max(lengths, default=0), softmax_scale,
+        out, lse = kvcache_fwd(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, softmax_scale,
                                window_left, window_right, float(softcap), num_splits)
     else:
         out, lse = _kvcache_torch(q, k_cache, v_cache, lengths, block_table, softmax_scale, window_left,

@@ -3,6 +3,7 @@
 # Each stage has its own time limit so that one slow stage cannot eat the lease; results come back
 # as $OUT/results.tgz (and $OUT/tuned_configs.json after the tune stage).
 # Usage on the device machine: bash scripts/h200_check.sh [stage ...]   (default: all stages)
+# Stages: quick compile slow tune descriptors decode generate attention varlen train train-chunked memory pi
 # Each stage's limit fits one 10-minute device call with its neighbours: pi beside (half of) slow, quick + tune +
 # attention + varlen + decode when narrowed. Narrowing knobs: TUNE_ARGS (default: --head-dims 64 128 256), ATTN_ARGS (default:
 # all impls, head dims 64 128 256), SLOW_FILTER (a pytest -k expression splitting the slow sweep across calls), SLOW_TIMEOUT.
@@ -25,7 +26,10 @@ for stage in "${stages[@]}"; do
     quick)  FLASHFORMER_AUTOTUNE=0 timeout 180 python3 -m pytest tests/test_kernels_flash.py tests/test_kernels_api.py \
               tests/test_kernels_varlen.py tests/test_kernels_decode.py tests/test_kernels_launch.py \
               tests/test_kernels_cross_entropy.py tests/test_context_parallel.py -q -n 15 -p no:cacheprovider \
-              -W ignore 2>&1 | tee "$RES/quick.log" | tail -4 ;;
+              -W ignore 2>&1 | tee "$RES/quick.log" | tail -4
+            # generation's CUDA-graph path (the rest of that file needs the tokenizers package)
+            timeout 120 python3 -m pytest tests/test_generate.py -k "cuda_graph or device_length" -q \
+              -p no:cacheprovider -W ignore 2>&1 | tee -a "$RES/quick.log" | tail -2 ;;
     compile) FLASHFORMER_AUTOTUNE=0 timeout 60 python3 -m pytest tests/test_kernels_flash.py -k compile -q \
               -p no:cacheprovider -W ignore 2>&1 | tail -2 ;;  # also part of quick
     slow)   # SIGINT at the limit: pytest stops and prints its counts. -v names every result as it lands:
@@ -39,6 +43,8 @@ for stage in "${stages[@]}"; do
             timeout 360 python3 scripts/tune_attention.py --rep-ms 80 ${TUNE_ARGS:---head-dims 64 128 256} --out "$OUT/tuned_configs.json" \
               --json "$RES/tune.json" 2>&1 | tee "$RES/tune.log" | grep -v "it/s\]" | tail -45
             cp "$OUT/tuned_configs.json" kernels/ ;;
+    generate) timeout 300 python3 scripts/bench_generate.py configs/models/llama-125m.yaml --batches 1 8 \
+              --out "$RES/generate.json" 2>&1 | tee "$RES/generate.log" | grep "^|" ;;
     descriptors) timeout 60 python3 scripts/bench_descriptors.py 2>&1 | tee "$RES/descriptors.log" | grep "^|" ;;
     decode) timeout 150 python3 scripts/bench_decode.py --host-profile 200 --out "$RES/decode.json" \
               --plot "$RES/decode.png" 2>&1 \

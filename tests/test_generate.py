@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flashformer.generate import generate, main, sample_next_token
+from flashformer.generate import _decode_step, _DeviceLengthCache, generate, main, sample_next_token
 from flashformer.model import ModelConfig, Transformer
 from flashformer.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, train_bpe
 
@@ -81,6 +81,54 @@ def test_bad_arguments(model):
         generate(model, PROMPT, 3, top_k=0)
     with pytest.raises(ValueError, match="at least one prompt token"):
         generate(model, torch.zeros(1, 0, dtype=torch.long), 3)
+
+
+def _flash_model(device, rope=True):
+    torch.manual_seed(1)
+    config = ModelConfig(vocab_size=VOCAB, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=96, max_seq_len=64,
+                         attn_backend="flash", **({} if rope else {"pos": "learned"}))
+    model = Transformer(config).to(device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+@pytest.mark.parametrize("rope", [True, False], ids=["rope", "learned"])
+def test_device_length_cache_decodes_like_the_host_length_cache(rope, device, triton_path):
+    """The CUDA-graph step's cache keeps its length on the device and appends without a host sync;
+    stepped eagerly it must give the logits of the ordinary cache, token by token."""
+    model = _flash_model(device, rope)
+    prompt = PROMPT.to(device)
+    host, graph_side = model.new_kv_cache(2, 16), model.new_kv_cache(2, 16)
+    with torch.no_grad():
+        model(prompt, kv_cache=host)
+        model(prompt, kv_cache=graph_side)
+        cache = _DeviceLengthCache(graph_side)
+        for token in ([3, 7], [100, 256], [0, 42]):
+            tokens = torch.tensor(token, device=device)[:, None]
+            expected = model(tokens, kv_cache=host)[:, -1]
+            torch.testing.assert_close(_decode_step(model, tokens, cache), expected, atol=1e-5, rtol=1e-5)
+    assert cache.length.tolist() == [host.length, host.length]
+    assert all(torch.equal(a, b) for a, b in zip(host.keys, graph_side.keys))
+
+
+def test_cuda_graph_needs_cuda_and_the_flash_backend(model):
+    with pytest.raises(ValueError, match="CUDA device"):
+        generate(model, PROMPT, 3, cuda_graph=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_generation_equals_eager():
+    model = _flash_model("cuda")
+    prompt = PROMPT.to("cuda")
+    eager = generate(model, prompt, 20, temperature=0)
+    assert torch.equal(generate(model, prompt, 20, temperature=0, cuda_graph=True), eager)
+    sampled = generate(model, prompt, 20, temperature=1.0, top_k=20, seed=5)
+    assert torch.equal(generate(model, prompt, 20, temperature=1.0, top_k=20, seed=5, cuda_graph=True), sampled)
+    model.attn_backend = "sdpa"
+    with pytest.raises(ValueError, match="attn_backend"):
+        generate(model, prompt, 3, cuda_graph=True)
 
 
 def test_cli_streams_text(model, tmp_path, capsys):

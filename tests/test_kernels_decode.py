@@ -254,6 +254,37 @@ def test_repeat_launches_reuse_the_compiled_kernel(device, triton_path):
     assert len(decode._decode_launch.compiled) == 1  # one compile; the later two launches reused it
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_unchecked_lengths_equal_checked(paged, device, triton_path):
+    """check_lengths=False (no host sync, as CUDA-graph capture needs) computes what the checked call
+    does: the same appends, and splits sized for the whole cache (4 for 2048 entries, against 1 for
+    the 701 in use) that merge to the same result."""
+    args, paged_args = _bad_inputs(device)
+    if paged:
+        args.update(paged_args)
+    else:
+        args.update(k_cache=torch.randn(2, 2048, 2, 32, device=device, dtype=torch.float16),
+                    v_cache=torch.randn(2, 2048, 2, 32, device=device, dtype=torch.float16),
+                    cache_seqlens=torch.tensor([3, 700], dtype=torch.int32, device=device))
+        assert choose_num_splits(4, 2048, torch.device("cpu")) > choose_num_splits(4, 701, torch.device("cpu"))
+    runs = []
+    for check in (True, False):
+        caches = {name: args[name].clone() for name in ("k_cache", "v_cache")}
+        runs.append((flash_attn_with_kvcache(**{**args, **caches}, check_lengths=check, return_lse=True), caches))
+    ((out_c, lse_c), caches_c), ((out_u, lse_u), caches_u) = runs
+    torch.testing.assert_close(out_u, out_c, atol=2e-3, rtol=0)
+    torch.testing.assert_close(lse_u, lse_c, atol=1e-5, rtol=0)
+    for name in ("k_cache", "v_cache"):
+        assert torch.equal(caches_u[name], caches_c[name])
+
+
+def test_unchecked_lengths_need_the_triton_path(device, monkeypatch):
+    monkeypatch.setenv("FLASHFORMER_KERNEL", "torch")
+    args, _ = _bad_inputs(device)
+    with pytest.raises(ValueError, match="check_lengths=False"):
+        flash_attn_with_kvcache(**args, check_lengths=False)
+
+
 def _bad_inputs(device):
     q = torch.randn(2, 1, 4, 32, device=device, dtype=torch.float16)
     k_cache, v_cache = (torch.randn(2, 40, 2, 32, device=device, dtype=torch.float16) for _ in range(2))
