@@ -206,6 +206,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                                                       window_size, softcap)
     cache_seqlens = _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits)
     seqlen_new = 0 if k is None else k.shape[1]
+    if not isinstance(check_lengths, bool):
+        raise ValueError(f"check_lengths must be a bool, got {check_lengths!r}")
     triton_path = kernel_impl(q.device) == "triton"
     if check_lengths or not isinstance(cache_seqlens, torch.Tensor):
         lengths = _check_lengths(k_cache, cache_seqlens, seqlen_new, block_table)

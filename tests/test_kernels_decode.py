@@ -283,6 +283,8 @@ def test_unchecked_lengths_need_the_triton_path(device, monkeypatch):
     args, _ = _bad_inputs(device)
     with pytest.raises(ValueError, match="check_lengths=False"):
         flash_attn_with_kvcache(**args, check_lengths=False)
+    with pytest.raises(ValueError, match="check_lengths must be a bool"):
+        flash_attn_with_kvcache(**args, check_lengths="no")
 
 
 def _bad_inputs(device):
