@@ -4,7 +4,9 @@ A randomly initialised model of a config in configs/models/ (speed does not depe
 bf16, greedy, batch B, a prompt of P tokens, N new tokens. The table also gives the share of tokens equal
 to ours eagerly: the graph sizes its cache splits for the whole cache and SDPA sums in its own order, so
 a bf16 near-tie can flip a greedy token and the rest of that row. Paths: ours eagerly (attn_backend=flash: every kernel launched from Python, the host-bound case), ours
-with ``cuda_graph=True``, and SDPA eagerly (attn_backend=sdpa, torch's choice of backend).
+with ``cuda_graph=True`` (each generate call captures its graph; the capture is in the time, as a user
+pays it), and SDPA eagerly (attn_backend=sdpa, torch's choice of backend). tokens/s counts the new
+tokens of every row over the whole call, prefill included.
 
     python scripts/bench_generate.py configs/models/llama-125m.yaml --batches 1 8 --prompt 512 --new 256
 """
