@@ -31,10 +31,14 @@ _SHAPES = {
     # query tiles than bwd_dkdv (at head_dim 128, 32 x 64 and 16 x 128 spill nothing).
     "bwd_fused": [(32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (16, 128, 8, 2), (32, 128, 8, 3),
                   (16, 64, 8, 2), (32, 64, 4, 2)],
+    # The last two of bwd_dkdv and three of bwd_dq (session 5): no spill at head_dim 128 (the 64 x 32 dQ
+    # shapes fit two programs per SM), where session 4's dQ pick for causal 512-1024 (128 x 32, 4 warps,
+    # 3 stages) spills 364 B (compile survey, docs/perf-notes.md "Session 5").
     "bwd_dkdv": [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 2), (64, 128, 8, 3), (64, 64, 4, 4),
-                 (128, 128, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2)],
+                 (128, 128, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (64, 64, 8, 3), (32, 128, 8, 3)],
     "bwd_dq": [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 8, 3), (64, 64, 4, 4),
-               (128, 128, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2)],
+               (128, 128, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 3), (64, 32, 8, 3),
+               (128, 32, 8, 3)],
 }
 # head_dim 256 has its own: of the shapes above, only one forward fits its shared memory, and the
 # backward ones spill. Each of these compiles for sm_90 into <= 227 KB of shared memory with at most
