@@ -5,19 +5,23 @@
 # Usage on the device machine: bash scripts/h200_check.sh [stage ...]   (default: all stages)
 # Stages: quick compile slow tune descriptors decode generate attention varlen train train-chunked memory pi
 # Each stage's limit fits one 10-minute device call with its neighbours: pi beside (half of) slow, quick + tune +
-# attention + varlen + decode when narrowed. Narrowing knobs: TUNE_ARGS (default: --head-dims 64 128 256), ATTN_ARGS (default:
+# attention + varlen + decode when narrowed. Two instances may run at once on a machine of two GPUs
+# (CUDA_VISIBLE_DEVICES=0 / 1, the second started a few seconds later), each with its own RES (results
+# directory) and RESULTS (archive name). Narrowing knobs: TUNE_ARGS (default: --head-dims 64 128 256), ATTN_ARGS (default:
 # all impls, head dims 64 128 256), SLOW_FILTER (a pytest -k expression splitting the slow sweep across calls), SLOW_TIMEOUT.
 set -uo pipefail
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 # The device tool returns at most 8 files from $OUT: stages write to RES, packed into one archive at exit.
-RES=/tmp/h200-results; mkdir -p "$RES"
+RES="${RES:-/tmp/h200-results}"; mkdir -p "$RES"
 # Checkpoints and weights stay behind (the archive may hold 16 MiB).
-trap 'tar czf "$OUT/results.tgz" --exclude="*.safetensors" --exclude="*.pt" --exclude="*.bin" -C "$RES" .' EXIT
+trap 'tar czf "$OUT/${RESULTS:-results}.tgz" --exclude="*.safetensors" --exclude="*.pt" --exclude="*.bin" -C "$RES" .' EXIT
 export PYTHONUNBUFFERED=1
-if [ -d .whl ]; then  # packages the device image lacks (datasets and its pure-Python deps)
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+# Installs once per machine (a second instance started beside the first finds it done).
+if [ -d .whl ] && [ ! -d /tmp/site/datasets ]; then  # packages the device image lacks (datasets and deps)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING
+[ -d .whl ] && export PYTHONPATH=/tmp/site
+python3 -m pip show -q flashformer 2>/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING
 stages=("$@"); [ ${#stages[@]} -eq 0 ] && stages=(quick tune attention varlen descriptors decode train)
 for stage in "${stages[@]}"; do
   workers=15; [ -n "${pi_pid:-}" ] && workers=13  # compile processes; leave the pi run's Python loop some cores
