@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -28,7 +29,7 @@ import triton.language as tl
 
 from .flash_fwd import log2_scales
 from .launch import (CompiledLaunch, as_descriptor_compatible, cdiv, dot_precision, ensure_allocator, new_output,
-                     next_power_of_2, upcast_dot)
+                     next_power_of_2, reused_buffers, upcast_dot)
 from .tile_ops import attention_logits, key_range, narrow, online_softmax_step
 
 LN2 = tl.constexpr(math.log(2.0))
@@ -181,14 +182,17 @@ def _combine_kernel(O_PART, LSE_PART, O, LSE, seqlen_q, heads_q, num_splits,
 
 
 def _page_pool(cache):
-    """(cache, rows per page, rows): ``cache`` (pages, page_size, heads_kv, head_dim) as the 2-D
-    (rows, head_dim) view per head that the kernel reads, page p starting at row p * rows_per_page.
-    A layout that no such view addresses (or TMA cannot) is read from a contiguous copy."""
+    """``cache`` (pages, page_size, heads_kv, head_dim) itself when the kernel can read it as a 2-D
+    (rows, head_dim) view per head (see _page_rows), else a contiguous copy."""
     cache = as_descriptor_compatible(cache)
-    if cache.stride(0) % cache.stride(1):
-        cache = cache.contiguous()
+    return cache.contiguous() if cache.stride(0) % cache.stride(1) else cache
+
+
+def _page_rows(cache):
+    """(rows per page, rows) of a _page_pool cache seen as 2-D (rows, head_dim) per head: page p starts
+    at row p * rows_per_page."""
     page_rows = cache.stride(0) // cache.stride(1)
-    return cache, page_rows, (cache.shape[0] - 1) * page_rows + cache.shape[1]
+    return page_rows, (cache.shape[0] - 1) * page_rows + cache.shape[1]
 
 
 def _launch_config(device, head_dim_pad, page_size):
@@ -222,36 +226,42 @@ def choose_num_splits(programs, keys, device):
     return max(1, min(cdiv(PROGRAMS_PER_SM * sms, programs), keys // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
 
 
-def decode_attention(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, softmax_scale, window_left,
-                     window_right, softcap, num_splits=0):
-    """Attention of a few query tokens over KV caches, on validated inputs (k/v already appended).
+class _Plan(NamedTuple):
+    """What a decode call's launches take besides its tensors and cache length, fixed by the layouts,
+    shapes and options (see _plan_key): computed once, since a batch-1 step is host-bound."""
+    grid: tuple
+    ints: tuple  # the decode kernel's int arguments before cache_len
+    scalars: tuple  # and after it
+    meta: dict
+    partial_shapes: tuple  # () without splits
+    combine_grid: tuple
+    combine_ints: tuple
+    combine_meta: dict
 
-    Args:
-        q: (batch, seqlen_q, heads_q, head_dim).
-        k_cache, v_cache: (batch, max_cache, heads_kv, head_dim), or paged (num_blocks, block_size,
-            heads_kv, head_dim) with block_table (batch, max_blocks) int32.
-        seqlens_k: int32 (batch,): valid cache entries per sequence, or an int shared by every sequence;
-            max_seqlen_k: their maximum.
-        window_left, window_right: -1 = unbounded; causal is window_right = 0 (bottom-right aligned).
-        num_splits: chunks of the cache per (sequence, kv head); 0 = choose_num_splits.
-    Returns:
-        out like q (contiguous), lse fp32 (batch, heads_q, seqlen_q).
-    """
+
+_PLANS = {}
+MAX_PLANS = 256  # a model decodes with a handful; a long-lived server must not grow without bound
+
+
+def _plan_key(q, k_cache, v_cache, block_table, per_sequence, max_seqlen_k, softmax_scale, window_left,
+              window_right, softcap, num_splits):
+    # Automatic splits depend on the cache length only through keys // MIN_KEYS_PER_SPLIT (capped), so a
+    # growing cache changes the plan every MIN_KEYS_PER_SPLIT steps at most.
+    budget = min(max_seqlen_k // MIN_KEYS_PER_SPLIT, MAX_SPLITS) if num_splits == 0 else 0
+    return (q.shape, q.stride(), q.dtype, k_cache.dtype, q.device, k_cache.shape, k_cache.stride(), v_cache.shape,
+            v_cache.stride(), None if block_table is None else block_table.stride(), per_sequence, softmax_scale,
+            window_left, window_right, softcap, num_splits, budget)
+
+
+def _build_plan(q, k_cache, v_cache, block_table, per_sequence, max_seqlen_k, softmax_scale, window_left,
+                window_right, softcap, num_splits):
+    """The _Plan of tensors the kernels can read as they are (see _readable)."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     heads_kv = k_cache.shape[2]
     group = heads_q // heads_kv
-    out = new_output(q)
-    lse = new_output(q, (batch, heads_q, seqlen_q), torch.float32)
-    if out.numel() == 0:
-        return out, lse
-    if max_seqlen_k == 0:  # nothing to attend to: every row is empty
-        return out.zero_(), lse.fill_(-math.inf)
-    q = as_descriptor_compatible(q)  # unit last stride, which the kernel's pointer arithmetic assumes
     page_size = k_cache.shape[1] if block_table is not None else 0
-    if block_table is not None:
-        block_table = block_table.contiguous()  # the kernel steps through a row with unit stride
-    k_cache, k_page_rows, k_rows = _page_pool(k_cache)
-    v_cache, v_page_rows, v_rows = _page_pool(v_cache)
+    k_page_rows, k_rows = _page_rows(k_cache)
+    v_page_rows, v_rows = _page_rows(v_cache)
     head_dim_pad = max(16, next_power_of_2(head_dim))
     group_pad = next_power_of_2(group)
     block_t = min(max(next_power_of_2(seqlen_q), MIN_ROWS // group_pad), max(1, MAX_ROWS // group_pad))
@@ -263,35 +273,91 @@ def decode_attention(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, 
         num_splits = choose_num_splits(batch * heads_kv * token_blocks, keys, q.device)
     block_n, num_warps, num_stages = _launch_config(q.device, head_dim_pad, page_size)
     split = num_splits > 1
-    if split:
-        out_part = new_output(q, (batch, seqlen_q, heads_q, num_splits, head_dim), torch.float32)
-        lse_part = new_output(q, (batch, seqlen_q, heads_q, num_splits), torch.float32)
-    else:
-        out_part = lse_part = None
     qk_scale, softcap_log2 = log2_scales(softmax_scale, softcap)
-    ensure_allocator(q.device)
-    per_sequence = isinstance(seqlens_k, torch.Tensor)
-    _decode_launch(
-        (token_blocks * batch * heads_kv, num_splits),
-        q, k_cache, v_cache, out, lse, out_part, lse_part, seqlens_k if per_sequence else None, block_table,
-        *q.stride()[:3], *k_cache.stride()[1:3], *v_cache.stride()[1:3],
-        block_table.stride(0) if block_table is not None else 0,
-        seqlen_q, heads_kv, num_splits, k_page_rows, v_page_rows, k_rows, v_rows, 0 if per_sequence else seqlens_k,
-        qk_scale, softcap_log2, window_left, window_right,
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_N=block_n, PAGE_SIZE=page_size,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0, SPLIT=split,
-        PER_SEQUENCE_LENGTHS=per_sequence, DOT_PRECISION=dot_precision(q.dtype), UPCAST_DOT=upcast_dot(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+    return _Plan(
+        grid=(token_blocks * batch * heads_kv, num_splits),
+        ints=(*q.stride()[:3], *k_cache.stride()[1:3], *v_cache.stride()[1:3],
+              block_table.stride(0) if block_table is not None else 0,
+              seqlen_q, heads_kv, num_splits, k_page_rows, v_page_rows, k_rows, v_rows),
+        scalars=(qk_scale, softcap_log2, window_left, window_right),
+        meta=dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_N=block_n, PAGE_SIZE=page_size,
+                  HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, LEFT_BOUNDED=window_left >= 0,
+                  RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0, SPLIT=split,
+                  PER_SEQUENCE_LENGTHS=per_sequence, DOT_PRECISION=dot_precision(q.dtype),
+                  UPCAST_DOT=upcast_dot(q.dtype), num_warps=num_warps, num_stages=num_stages),
+        partial_shapes=((batch, seqlen_q, heads_q, num_splits, head_dim), (batch, seqlen_q, heads_q, num_splits))
+        if split else (),
+        combine_grid=(batch * seqlen_q * heads_q,),
+        combine_ints=(seqlen_q, heads_q, num_splits),
+        combine_meta=dict(SPLITS_PAD=max(2, next_power_of_2(num_splits)), HEAD_DIM=head_dim,
+                          HEAD_DIM_PAD=head_dim_pad, num_warps=4),
     )
-    if split:
-        _combine_launch(
-            (batch * seqlen_q * heads_q,),
-            out_part, lse_part, out, lse, seqlen_q, heads_q, num_splits,
-            SPLITS_PAD=max(2, next_power_of_2(num_splits)), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            num_warps=4,
-        )
-    return out, lse
+
+
+def _readable(q, k_cache, v_cache, block_table):
+    """The tensors as the kernels read them: themselves, or a contiguous copy of one whose layout TMA
+    or the kernels' pointer arithmetic cannot address (see as_descriptor_compatible, _page_rows)."""
+    q = as_descriptor_compatible(q)  # unit last stride, which the kernel's pointer arithmetic assumes
+    if block_table is not None and block_table.stride(1) != 1:
+        block_table = block_table.contiguous()  # the kernel steps through a row with unit stride
+    return q, _page_pool(k_cache), _page_pool(v_cache), block_table
+
+
+def decode_attention(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, softmax_scale, window_left,
+                     window_right, softcap, num_splits=0, return_lse=True):
+    """Attention of a few query tokens over KV caches, on validated inputs (k/v already appended).
+
+    Args:
+        q: (batch, seqlen_q, heads_q, head_dim).
+        k_cache, v_cache: (batch, max_cache, heads_kv, head_dim), or paged (num_blocks, block_size,
+            heads_kv, head_dim) with block_table (batch, max_blocks) int32.
+        seqlens_k: int32 (batch,): valid cache entries per sequence, or an int shared by every sequence;
+            max_seqlen_k: their maximum.
+        window_left, window_right: -1 = unbounded; causal is window_right = 0 (bottom-right aligned).
+        num_splits: chunks of the cache per (sequence, kv head); 0 = choose_num_splits.
+        return_lse: False returns None for lse, whose buffer is then reused between calls on CUDA.
+    Returns:
+        out like q (contiguous), lse fp32 (batch, heads_q, seqlen_q) or None.
+    """
+    out = new_output(q)
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+    if return_lse or q.device.type != "cuda":
+        lse = new_output(q, lse_shape, torch.float32)
+    else:
+        (lse,) = reused_buffers(q.device.index, "decode lse", torch.float32, (lse_shape,))
+    if out.numel() == 0:
+        return out, lse if return_lse else None
+    if max_seqlen_k == 0:  # nothing to attend to: every row is empty
+        return out.zero_(), lse.fill_(-math.inf) if return_lse else None
+    per_sequence = isinstance(seqlens_k, torch.Tensor)
+    options = (per_sequence, max_seqlen_k, softmax_scale, window_left, window_right, softcap, num_splits)
+    key = _plan_key(q, k_cache, v_cache, block_table, *options)
+    plan = _PLANS.get(key)
+    # A plan exists only for layouts the kernels read as they are; the base addresses change per call.
+    if plan is None or (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) % 16:
+        q, k_cache, v_cache, block_table = _readable(q, k_cache, v_cache, block_table)
+        key = _plan_key(q, k_cache, v_cache, block_table, *options)
+        plan = _PLANS.get(key)
+        if plan is None:
+            if len(_PLANS) >= MAX_PLANS:
+                _PLANS.clear()
+            plan = _PLANS[key] = _build_plan(q, k_cache, v_cache, block_table, *options)
+    out_part = lse_part = None
+    if plan.partial_shapes:  # reused on CUDA: two allocations are a tenth of a batch-1 step's host time
+        out_part, lse_part = (reused_buffers(q.device.index, "decode partials", torch.float32, plan.partial_shapes)
+                              if q.device.type == "cuda"
+                              else [new_output(q, shape, torch.float32) for shape in plan.partial_shapes])
+    ensure_allocator(q.device)
+    # The plan's key fixes every argument type (the caches' dtype is q's, checked by the API; a lengths
+    # tensor and a block table are int32; a cache length fits int32) and every constexpr.
+    _decode_launch.launch_keyed(
+        ("decode", key), plan.grid, q, k_cache, v_cache, out, lse, out_part, lse_part,
+        seqlens_k if per_sequence else None, block_table, *plan.ints, 0 if per_sequence else seqlens_k,
+        *plan.scalars, **plan.meta)
+    if plan.partial_shapes:
+        _combine_launch.launch_keyed(("combine", key), plan.combine_grid, out_part, lse_part, out, lse,
+                                     *plan.combine_ints, **plan.combine_meta)
+    return out, lse if return_lse else None
 
 
 _decode_launch = CompiledLaunch(_decode_kernel)

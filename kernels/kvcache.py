@@ -227,9 +227,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                 seqlens_k = torch.full((q.shape[0],), seqlens_k, dtype=torch.int32, device=q.device)
         else:
             seqlens_k = cache_seqlens + seqlen_new if seqlen_new else cache_seqlens
-        kvcache_fwd = _kvcache_fwd if compiling else _kvcache_impl
-        out, lse = kvcache_fwd(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, softmax_scale,
-                               window_left, window_right, float(softcap), num_splits)
+        args = (q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, softmax_scale, window_left, window_right,
+                float(softcap), num_splits)
+        if compiling:
+            out, lse = _kvcache_fwd(*args)
+        else:  # eagerly straight to the launcher, which then needs no lse buffer unless one is asked for
+            from .decode import decode_attention
+
+            out, lse = decode_attention(*args, return_lse=return_lse)
     else:
         out, lse = _kvcache_torch(q, k_cache, v_cache, lengths, block_table, softmax_scale, window_left,
                                   window_right, float(softcap))

@@ -6,6 +6,7 @@ import functools
 import json
 import math
 import os
+import threading
 
 import torch
 import triton
@@ -206,12 +207,14 @@ def new_output(like, shape=None, dtype=None):
 
 
 _INT32 = range(-2**31, 2**31)
+# Signatures one CompiledLaunch keeps (a few per model; bounded for a long-lived server).
+MAX_COMPILED_LAUNCHES = 1024
 
 
 class CompiledLaunch:
-    """Launches of ``kernel`` that reuse its compiled form, skipping Triton's per-call argument
-    binding, about half of a JIT launch's host time (H200 host, 2026-11-29: 13 µs against 30 for the
-    decode kernel; bench_decode.py --host-profile), where batch-1 decoding is host-bound.
+    """Launches of ``kernel`` that reuse its compiled form and call Triton's C launcher directly,
+    where batch-1 decoding is host-bound: no per-call argument binding, launch-metadata dict, hook
+    calls or allocator callback (see _DirectLaunch).
 
     Only for kernels whose compiled code depends on nothing but the constexprs, the launch options
     and the arguments' types: every int argument declared ``do_not_specialize`` (Triton would
@@ -232,16 +235,96 @@ class CompiledLaunch:
             self.kernel[grid](*args, **meta)
             return
         # An int's entry says whether it fits int32, which decides its type in Triton's signature.
-        key = (torch.cuda.current_device(), tuple(meta.values()),
-               *[a.dtype if type(a) is torch.Tensor else a in _INT32 if type(a) is int else type(a) for a in args])
-        entry = self.compiled.get(key)
-        if entry is not None:
-            compiled, constexprs = entry
-            compiled[grid + (1,) * (3 - len(grid))](*args, *constexprs)
+        signature = (tuple(meta.values()),
+                     *[a.dtype if type(a) is torch.Tensor else a in _INT32 if type(a) is int else type(a) for a in args])
+        self.launch_keyed(signature, grid, *args, **meta)
+
+    def launch_keyed(self, signature, grid, *args, **meta):
+        """As calling this object, with ``signature`` standing for the constexprs, options and argument
+        types: a caller that already knows them (decode.py's plans) skips working them out again. Equal
+        signatures must mean equal specialisations."""
+        if INTERPRETED:
+            self.kernel[grid](*args, **meta)
+            return
+        device = torch.cuda.current_device()
+        launch = self.compiled.get((device, signature))
+        if launch is not None:
+            launch(device, grid + (1,) * (3 - len(grid)), args)
             return
         compiled = self.kernel[grid](*args, **meta)
         if hasattr(compiled, "__getitem__"):  # a Triton whose launch returns no CompiledKernel: JIT always
-            self.compiled[key] = (compiled, tuple(meta[name] for name in self.kernel.arg_names[len(args):]))
+            if len(self.compiled) >= MAX_COMPILED_LAUNCHES:
+                self.compiled.clear()
+            self.compiled[device, signature] = _DirectLaunch(
+                compiled, tuple(meta[name] for name in self.kernel.arg_names[len(args):]))
+
+
+def _no_hook(hook):
+    """Whether a launch hook setting calls nothing (None, or Triton 3.6's HookChain with no hooks)."""
+    return not getattr(hook, "calls", hook)
+
+
+class _DirectLaunch:
+    """One compiled kernel's launches through Triton's C launcher (Triton 3.6's CudaLauncher.launch),
+    skipping its Python wrapper: the stream is read from torch in one call, and the descriptor
+    scratch that in-kernel TMA descriptors need comes from reused_buffers instead of an allocator
+    callback. A Triton whose launcher lacks these attributes, launch hooks (a profiler's), or profiling
+    scratch take the compiled kernel's own path.
+    """
+
+    def __init__(self, compiled, constexprs):
+        self.compiled, self.constexprs = compiled, constexprs
+        compiled._init_handles()
+        launcher = compiled._run
+        needed = ("launch", "global_scratch_size", "global_scratch_align", "profile_scratch_size", "num_ctas",
+                  "launch_cooperative_grid", "launch_pdl")
+        self.c_launch = None
+        # torch's allocations are 512-byte aligned, which covers any scratch alignment up to that.
+        if (all(hasattr(launcher, name) for name in needed) and not launcher.profile_scratch_size
+                and 512 % max(1, launcher.global_scratch_align) == 0):
+            self.c_launch = launcher.launch
+            self.scratch_bytes = launcher.global_scratch_size * launcher.num_ctas
+            self.flags = (launcher.launch_cooperative_grid, launcher.launch_pdl)
+
+    def __call__(self, device, grid, args):
+        runtime = triton.knobs.runtime
+        if self.c_launch is None or not (_no_hook(runtime.launch_enter_hook) and _no_hook(runtime.launch_exit_hook)):
+            self.compiled[grid](*args, *self.constexprs)
+            return
+        scratch = None
+        if self.scratch_bytes:
+            (scratch,) = reused_buffers(device, "descriptor scratch", torch.uint8,
+                                        ((grid[0] * grid[1] * grid[2] * self.scratch_bytes,),))
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        self.c_launch(*grid, stream, self.compiled.function, *self.flags, scratch, None,
+                      self.compiled.packed_metadata, None, None, None, *args, *self.constexprs)
+
+
+_REUSED = {}
+
+
+def reused_buffers(device, purpose, dtype, shapes):
+    """Uninitialised buffers of ``shapes`` on CUDA device index ``device`` for one launch's temporaries
+    (never results the caller keeps), handed out again to the next call with the same purpose and
+    shapes on the same stream from the same thread (two threads could interleave their launches), whose
+    kernels run after this one's in stream order: no allocation per decoding step. Fresh buffers during CUDA-graph capture, where the graph's memory pool must own
+    them. NaN under POISON_OUTPUTS, as new_output.
+    """
+    if torch.cuda.is_current_stream_capturing():
+        buffers = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
+    else:
+        key = (device, torch._C._cuda_getCurrentRawStream(device), threading.get_ident(), purpose)
+        entry = _REUSED.get(key)
+        if entry is None or entry[0] != (dtype, shapes):
+            # Replacing the last buffers frees them safely: torch's allocator hands their memory out
+            # again on this stream only, behind the kernels already queued there.
+            entry = _REUSED[key] = ((dtype, shapes), [torch.empty(shape, dtype=dtype, device=device)
+                                                      for shape in shapes])
+        buffers = entry[1]
+    if POISON_OUTPUTS and dtype.is_floating_point:
+        for buffer in buffers:
+            buffer.fill_(float("nan"))
+    return buffers
 
 
 def seq_strides(t, is_varlen):

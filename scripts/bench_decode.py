@@ -215,9 +215,9 @@ class _LaunchRecorder:
     def __init__(self, compiled_launch):
         self.compiled_launch, self.launches = compiled_launch, []
 
-    def __call__(self, grid, *args, **meta):
+    def launch_keyed(self, signature, grid, *args, **meta):
         self.launches.append((grid, args, meta))
-        self.compiled_launch(grid, *args, **meta)
+        self.compiled_launch.launch_keyed(signature, grid, *args, **meta)
 
 
 def _recorded_launches(fn):

@@ -10,6 +10,7 @@ import itertools
 
 import pytest
 import torch
+import triton
 from attention_checks import assert_within_2x
 
 from flashformer.kernels import attention_materialized
@@ -238,20 +239,41 @@ def test_int_cache_seqlens_equals_tensor(paged, device, triton_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CompiledLaunch compiles and caches on CUDA only")
-def test_repeat_launches_reuse_the_compiled_kernel(device, triton_path):
-    """Launches after the first with the same constexprs skip Triton's argument binding (decode.py's
-    CompiledLaunch): other lengths, strides and buffers must still be read where they are."""
-    from flashformer.kernels import decode
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_repeat_launches_reuse_the_compiled_kernel(num_splits, device, triton_path):
+    """Calls after the first of one layout reuse its plan, the compiled kernels (launched through
+    Triton's C launcher directly) and, with splits, the partial buffers: other lengths, strides and
+    buffers must still be read and written where they are. A launch hook (a profiler's) must still
+    see every launch."""
+    from flashformer.kernels import decode, launch
 
     decode._decode_launch.compiled.clear()
-    for length, max_cache, head_step in ((100, 128, 1), (300, 320, 2), (77, 96, 1)):
-        q = torch.randn(2, 1, 8 * head_step, 64, device=device, dtype=torch.float16)[:, :, ::head_step]
-        k_cache, v_cache = (torch.randn(2, max_cache, 2, 64, device=device, dtype=torch.float16) for _ in range(2))
-        out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=length)
-        ref, _ = attention_materialized(q.double(), k_cache[:, :length].double(), v_cache[:, :length].double(),
-                                        causal=True)
-        torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=0)
-    assert len(decode._decode_launch.compiled) == 1  # one compile; the later two launches reused it
+    hook_calls = []
+    enter_hook = triton.knobs.runtime.launch_enter_hook
+    for layout, (max_cache, head_step) in enumerate(((128, 1), (320, 2))):
+        for call, length in enumerate((100, 77, 101, 90)):
+            q = torch.randn(2, 1, 8 * head_step, 64, device=device, dtype=torch.float16)[:, :, ::head_step]
+            k_cache, v_cache = (torch.randn(2, max_cache, 2, 64, device=device, dtype=torch.float16)
+                                for _ in range(2))
+            hooked = layout == 1 and call == 3 and hasattr(enter_hook, "add")
+            if hooked:
+                enter_hook.add(hook_calls.append)
+            try:
+                out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=length, num_splits=num_splits)
+            finally:
+                if hooked:
+                    enter_hook.remove(hook_calls.append)
+            ref, _ = attention_materialized(q.double(), k_cache[:, :length].double(),
+                                            v_cache[:, :length].double(), causal=True)
+            torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=0)
+    # One compile: each layout's first launch went through Triton and found the same compiled kernel.
+    assert len(decode._decode_launch.compiled) == 2
+    assert len({id(direct.compiled) for direct in decode._decode_launch.compiled.values()}) == 1
+    assert all(direct.c_launch is not None for direct in decode._decode_launch.compiled.values())
+    if hasattr(enter_hook, "add"):
+        assert len(hook_calls) == (2 if num_splits > 1 else 1)  # decode (+ combine) of the hooked call
+    if num_splits > 1:
+        assert any(key[-1] == "decode partials" for key in launch._REUSED)
 
 
 @pytest.mark.parametrize("paged", [False, True])
