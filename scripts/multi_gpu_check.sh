@@ -2,12 +2,13 @@
 # Issue #8 on a machine with 2+ GPUs (the device tool's nvidia-h200-x2): DDP and FSDP2 training and context
 # parallelism, each against one GPU. Results: one summary line per stage, logs and JSON packed into
 # $OUT/results.tgz.
-# Usage on the device machine: bash scripts/multi_gpu_check.sh [stage ...]   (default: ddp fsdp cp)
+# Usage on the device machine: bash scripts/multi_gpu_check.sh [stage ...]   (default: ddp fsdp cp-check cp-long)
 #   ddp  ~4 min: gpt2-124m, 150 steps: 1 GPU and 2 GPUs at the same per-GPU batch (tokens/s), and 1 GPU at
 #        the same global batch (the loss curve 2 GPUs must match)
 #   fsdp ~3 min: configs/llama-1b.yaml, 30 steps on 1 GPU and on 2 (tokens/s, MFU, peak memory per GPU)
-#   cp   ~6 min: ring attention exact against one GPU (fp32, 8k tokens); then llama-125m steps (no activation
-#        checkpointing) at the longest single-GPU length found here and at twice that, split over the GPUs
+#   cp-check ~3-5 min: ring attention exact against one GPU (fp32, 8k tokens; mostly compiling)
+#   cp-long  ~5 min: llama-125m steps (no activation checkpointing) at the longest single-GPU length found
+#        here and at twice that, split over the GPUs (CP_SEQLENS="L ..." names the lengths, skipping the search)
 set -uo pipefail
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 RES=/tmp/multi-gpu-results; mkdir -p "$RES"
@@ -35,7 +36,7 @@ for run in sys.argv[1:]:
           f"peak {max(r.get('peak_memory_gb', 0) for r in records):.1f} GB/GPU, last loss {records[-1]['loss']:.4f}")
 EOF
 }
-stages=("$@"); [ ${#stages[@]} -eq 0 ] && stages=(ddp fsdp cp)
+stages=("$@"); [ ${#stages[@]} -eq 0 ] && stages=(ddp fsdp cp-check cp-long)
 for stage in "${stages[@]}"; do
   echo "=== $stage $(date -u +%FT%TZ), $GPUS GPUs"
   case $stage in
@@ -64,19 +65,25 @@ EOF
       train 200 configs/llama-1b.yaml "${common[@]}" parallel.mode=none batch_size=2 out_dir=$RES/fsdp-1gpu
       torchrun_train 200 configs/llama-1b.yaml "${common[@]}" batch_size=$((2 * GPUS)) out_dir=$RES/fsdp-${GPUS}gpu
       summary "$RES/fsdp-1gpu" "$RES/fsdp-${GPUS}gpu" ;;
-    cp)
-      timeout 120 python3 -m torch.distributed.run --standalone --nproc_per_node "$GPUS" scripts/context_parallel_step.py \
+    cp-check)  # fp32: one process compiles every kernel variant it meets in turn (minutes on a cold cache)
+      timeout 300 python3 -m torch.distributed.run --standalone --nproc_per_node "$GPUS" scripts/context_parallel_step.py \
         configs/models/llama-125m.yaml --seqlen 8192 --check --out "$RES/cp-check.json" > "$RES/cp-check.log" 2>&1
-      tail -1 "$RES/cp-check.log"
-      # The longest single-GPU length, then twice it over the ranks. Without activation checkpointing: with it
-      # one GPU already reaches ~1.5M tokens, and a step at twice that takes longer than a device call.
-      timeout 240 python3 scripts/memory_savings.py --device cuda --backends flash --checkpointing off \
-        --seqlens 131072 196608 262144 327680 393216 --out "$RES/cp-1gpu.json" --plot "$RES/cp-1gpu.png" \
-        > "$RES/cp-1gpu.log" 2>&1
-      longest=$(python3 -c "import json; print(json.load(open('$RES/cp-1gpu.json'))['longest']['flash + chunked CE'] or 0)")
-      echo "longest on 1 GPU without checkpointing: $longest tokens"
-      for seqlen in "$longest" $((2 * longest)); do
-        timeout 150 python3 -m torch.distributed.run --standalone --nproc_per_node "$GPUS" scripts/context_parallel_step.py \
+      tail -1 "$RES/cp-check.log" ;;
+    cp-long)
+      # The longest single-GPU length, then twice it over the ranks (CP_SEQLENS instead names the lengths and
+      # skips the search). Without activation checkpointing: with it one GPU already reaches ~1.5M tokens, and
+      # a step at twice that takes longer than a device call.
+      seqlens=${CP_SEQLENS:-}
+      if [ -z "$seqlens" ]; then
+        timeout 240 python3 scripts/memory_savings.py --device cuda --backends flash --checkpointing off \
+          --seqlens 131072 196608 262144 327680 393216 --out "$RES/cp-1gpu.json" --plot "$RES/cp-1gpu.png" \
+          > "$RES/cp-1gpu.log" 2>&1
+        longest=$(python3 -c "import json; print(json.load(open('$RES/cp-1gpu.json'))['longest']['flash + chunked CE'] or 0)")
+        echo "longest on 1 GPU without checkpointing: $longest tokens"
+        seqlens="$longest $((2 * longest))"
+      fi
+      for seqlen in $seqlens; do
+        timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node "$GPUS" scripts/context_parallel_step.py \
           configs/models/llama-125m.yaml --seqlen "$seqlen" --steps 2 --no-checkpointing \
           --out "$RES/cp-$seqlen.json" > "$RES/cp-$seqlen.log" 2>&1
         tail -1 "$RES/cp-$seqlen.log"
