@@ -73,6 +73,9 @@ EOF
       # The longest single-GPU length, then twice it over the ranks (CP_SEQLENS instead names the lengths and
       # skips the search). Without activation checkpointing: with it one GPU already reaches ~1.5M tokens, and
       # a step at twice that takes longer than a device call.
+      # Both sides with expandable segments: at 2 x 262144 tokens the default allocator held 6.4 GiB of
+      # fragments when a 0.75 GiB block was refused (2026-11-29).
+      export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
       seqlens=${CP_SEQLENS:-}
       if [ -z "$seqlens" ]; then
         timeout 240 python3 scripts/memory_savings.py --device cuda --backends flash --checkpointing off \
