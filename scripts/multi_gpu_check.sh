@@ -75,10 +75,10 @@ EOF
       # a step at twice that takes longer than a device call.
       # Both sides with expandable segments: at 2 x 262144 tokens the default allocator held 6.4 GiB of
       # fragments when a 0.75 GiB block was refused (2026-11-29).
-      export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+      alloc=PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
       seqlens=${CP_SEQLENS:-}
       if [ -z "$seqlens" ]; then
-        timeout 240 python3 scripts/memory_savings.py --device cuda --backends flash --checkpointing off \
+        env "$alloc" timeout 240 python3 scripts/memory_savings.py --device cuda --backends flash --checkpointing off \
           --seqlens 131072 196608 262144 327680 393216 --out "$RES/cp-1gpu.json" --plot "$RES/cp-1gpu.png" \
           > "$RES/cp-1gpu.log" 2>&1
         longest=$(python3 -c "import json; print(json.load(open('$RES/cp-1gpu.json'))['longest']['flash + chunked CE'] or 0)")
@@ -86,7 +86,7 @@ EOF
         seqlens="$longest $((2 * longest))"
       fi
       for seqlen in $seqlens; do
-        timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node "$GPUS" scripts/context_parallel_step.py \
+        env "$alloc" timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node "$GPUS" scripts/context_parallel_step.py \
           configs/models/llama-125m.yaml --seqlen "$seqlen" --steps 2 --no-checkpointing \
           --out "$RES/cp-$seqlen.json" > "$RES/cp-$seqlen.log" 2>&1
         tail -1 "$RES/cp-$seqlen.log"
