@@ -10,7 +10,9 @@ inputs in the same process, and each cell also records ours' max abs difference 
     python scripts/bench_attention.py --head-dims 128 --causal yes --seqlens 1024 --kernel-times 20
 
 ``--kernel-times N`` adds each cell's largest kernels (torch.profiler, ms per forward + backward), e.g.
-how ours' backward splits between its dQ and dK/dV kernels against SDPA's.
+how ours' backward splits between its dQ and dK/dV kernels against SDPA's. ``--cuda-graphs`` adds a
+second table from CUDA-graph replays: device time alone, where a ~0.2 ms eager call also carries any
+host time longer than do_bench's L2 flush.
 
 ``--varlen`` instead times a packed batch: seeded random document lengths (short and long ones, no
 block-size multiples) summing exactly to --tokens, through flash_attn_varlen_func, beside ours dense at
@@ -161,6 +163,42 @@ def time_fwd_bwd(fn, q, k, v, causal, grad_out, flops):
             "fwd_ms": fwd_ms, "bwd_ms": bwd_ms}, out
 
 
+def _captured(fn, warmups=3):
+    """A CUDA graph of one ``fn()`` call, captured after warm-up calls on a side stream (as torch's docs
+    prescribe for whole-step capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def time_graphed(fn, q, k, v, causal, grad_out, flops):
+    """time_fwd_bwd's cell from CUDA-graph replays: device time alone. An eager call whose host path
+    outlasts do_bench's L2 flush before it leaves the GPU idle inside the timed region, which a training
+    step (whose host runs ahead) never sees. The backward is (forward + backward) - forward, both
+    captured whole: autograd's backward kernels must be captured with the forward that made the graph."""
+    import triton
+
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    try:
+        fwd = _captured(lambda: fn(q, k, v, causal))
+        fwd_bwd = _captured(lambda: fn(*leaves, causal).backward(grad_out))
+        fwd_ms = triton.testing.do_bench(fwd.replay, warmup=20, rep=200, return_mode="median")
+        both_ms = triton.testing.do_bench(fwd_bwd.replay, warmup=20, rep=200, return_mode="median")
+    except RuntimeError as err:  # a backend whose call cannot be captured
+        tqdm.write(f"  graph capture failed: {str(err).splitlines()[0][:120]}")
+        return None
+    bwd_ms = both_ms - fwd_ms
+    return {"fwd_tflops": flops / fwd_ms / 1e9, "bwd_tflops": 2.5 * flops / bwd_ms / 1e9, "fwd_ms": fwd_ms,
+            "bwd_ms": bwd_ms}
+
+
 def fwd_bwd_kernel_times(fn, q, k, v, causal, grad_out, iters, top=6):
     """The ``top`` kernels of one forward + backward of ``fn``: [(name, ms per call)], over ``iters``
     traced calls. Says which kernel of a backward holds the time (ours: dQ and dK/dV)."""
@@ -213,6 +251,9 @@ def main(argv=None):
     parser.add_argument("--kernel-times", type=int, default=0, metavar="N",
                         help="also trace N forward + backward calls per grid cell and implementation and list "
                              "their largest kernels (torch.profiler)")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="also time each grid cell from CUDA-graph replays (device time, no host path) and "
+                             "print a second table")
     args = parser.parse_args(argv)
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -225,6 +266,9 @@ def main(argv=None):
         table = markdown_table(record["results"], names)
         if args.kernel_times:
             table = kernel_times_table(record["results"], names) + "\n\n" + table
+        if args.cuda_graphs:
+            table += ("\n\nCUDA-graph replays (device time only):\n\n"
+                      + markdown_table(graph_rows(record["results"], names), names))
         if args.plot and plot_grid(record["results"], names, args.plot):
             print(f"wrote {args.plot}")
     with open(args.out, "w") as f:
@@ -267,6 +311,8 @@ def run_grid(args, causals):
                 outputs[name], row[name] = out, cell
                 if args.kernel_times:
                     cell["kernels"] = fwd_bwd_kernel_times(fn, q, k, v, causal, grad_out, args.kernel_times)
+                if args.cuda_graphs:
+                    cell["graph"] = time_graphed(fn, q, k, v, causal, grad_out, flops)
         if "ours" in outputs and "sdpa-flash" in outputs:
             row["max_abs_diff_vs_sdpa_flash"] = (outputs["ours"].float() - outputs["sdpa-flash"].float()).abs().max().item()
         results.append(row)
@@ -344,6 +390,13 @@ def markdown_table(results, names):
         lines.append(f"| {r['head_dim']} | {'yes' if r['causal'] else 'no'} | {r['seqlen']} | {r['batch']} | "
                      + " | ".join(cells) + f" | {ratio} | {diff:.1e} |")
     return "\n".join(lines)
+
+
+def graph_rows(results, names):
+    """The grid's rows with each implementation's cell replaced by its CUDA-graph cell (none where the
+    capture failed)."""
+    return [{**{key: value for key, value in r.items() if key not in names},
+             **{n: r[n]["graph"] for n in names if r.get(n, {}).get("graph")}} for r in results]
 
 
 def plot_grid(results, names, path):

@@ -142,3 +142,14 @@ def test_kernel_times_table_lists_each_cell_and_implementation(bench):
     assert table[2:] == ["| 128 | yes | 1024 | ours | _bwd_dkdv_kernel | 0.410 |",
                          "| 128 | yes | 1024 | ours | _bwd_dq_kernel | 0.380 |",
                          "| 128 | yes | 1024 | sdpa-flash | flash_bwd_kernel | 0.700 |"]
+
+
+def test_graph_rows_take_the_graph_cells_and_drop_failed_captures(bench):
+    eager = {"fwd_tflops": 100.0, "bwd_tflops": 50.0}
+    rows = [{"head_dim": 64, "causal": True, "seqlen": 1024, "batch": 16, "max_abs_diff_vs_sdpa_flash": 0.01,
+             "ours": {**eager, "graph": {"fwd_tflops": 120.0, "bwd_tflops": 60.0}},
+             "sdpa-flash": {**eager, "graph": None}}]
+    (row,) = bench.graph_rows(rows, ["ours", "sdpa-flash"])
+    assert row["ours"] == {"fwd_tflops": 120.0, "bwd_tflops": 60.0}
+    assert "sdpa-flash" not in row and row["seqlen"] == 1024
+    assert "| 120 / 60 | – |" in bench.markdown_table([row], ["ours", "sdpa-flash"])
