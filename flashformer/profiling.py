@@ -33,3 +33,19 @@ def kernel_times(step, iters, device="cuda"):
             own_us = event.device_time_total if cuda else event.self_cpu_time_total
             times[event.name] = times.get(event.name, 0.0) + own_us / 1e3 / iters
     return times, wall_ms
+
+
+def capture_cuda_graph(fn, warmups=1):
+    """(graph, output): one ``fn()`` call captured in a CUDA graph, after ``warmups`` calls on a side
+    stream (compilation and allocator warm-up stay outside the capture, as torch's docs prescribe).
+    Replaying the graph reruns the captured kernels into the same output tensors: device time alone."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out

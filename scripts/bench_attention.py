@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from flashformer.kernels import (cu_seqlens_from_lengths, document_ids_from_cu_seqlens, flash_attn_func,
                                  flash_attn_varlen_func)
-from flashformer.profiling import kernel_times
+from flashformer.profiling import capture_cuda_graph, kernel_times
 
 SDPA_BACKENDS = {
     "sdpa-flash": SDPBackend.FLASH_ATTENTION,
@@ -163,21 +163,6 @@ def time_fwd_bwd(fn, q, k, v, causal, grad_out, flops):
             "fwd_ms": fwd_ms, "bwd_ms": bwd_ms}, out
 
 
-def _captured(fn, warmups=3):
-    """A CUDA graph of one ``fn()`` call, captured after warm-up calls on a side stream (as torch's docs
-    prescribe for whole-step capture)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmups):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
 def time_graphed(fn, q, k, v, causal, grad_out, flops):
     """time_fwd_bwd's cell from CUDA-graph replays: device time alone. An eager call whose host path
     outlasts do_bench's L2 flush before it leaves the GPU idle inside the timed region, which a training
@@ -187,8 +172,8 @@ def time_graphed(fn, q, k, v, causal, grad_out, flops):
 
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     try:
-        fwd = _captured(lambda: fn(q, k, v, causal))
-        fwd_bwd = _captured(lambda: fn(*leaves, causal).backward(grad_out))
+        fwd, _ = capture_cuda_graph(lambda: fn(q, k, v, causal), warmups=3)
+        fwd_bwd, _ = capture_cuda_graph(lambda: fn(*leaves, causal).backward(grad_out), warmups=3)
         fwd_ms = triton.testing.do_bench(fwd.replay, warmup=20, rep=200, return_mode="median")
         both_ms = triton.testing.do_bench(fwd_bwd.replay, warmup=20, rep=200, return_mode="median")
     except RuntimeError as err:  # a backend whose call cannot be captured

@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from flashformer.kernels.decode import choose_num_splits, decode_attention
 from flashformer.kernels.kvcache import flash_attn_with_kvcache
+from flashformer.profiling import capture_cuda_graph
 
 HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
 PAGE_SIZE = 256
@@ -62,14 +63,7 @@ def _time_graphed(fn):
 
 
 def _graphed(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (compilation, allocator) outside the capture
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
+    graph, out = capture_cuda_graph(fn)
 
     def replay():
         graph.replay()
@@ -94,8 +88,9 @@ def _median_host_us(fn, repeats=7):
     return times[len(times) // 2]
 
 
-def run_cell(batch, length):
-    """Times and max |ours - SDPA flash| of one (batch, cache length) cell."""
+def run_cell(batch, length, split_sweep=()):
+    """Times and max |ours - SDPA flash| of one (batch, cache length) cell; with ``split_sweep``, also the
+    CUDA-graph TB/s of ours at each of those split counts."""
     device = torch.device("cuda")
     scale = HEAD_DIM**-0.5
     q = torch.randn(batch, 1, HEADS_Q, HEAD_DIM, device=device, dtype=DTYPE)
@@ -109,6 +104,8 @@ def run_cell(batch, length):
         times["ours graph"], outs["ours graph"] = _time_graphed(ours)
         host_us = _median_host_us(ours)
         times["ours API"], _ = _time(lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=length))
+        sweep_ms = {splits: _time_graphed(lambda s=splits: decode_attention(
+            q, k_cache, v_cache, seqlens, None, length, scale, -1, 0, 0.0, s)[0])[0] for splits in split_sweep}
 
         pages = length // PAGE_SIZE
         table = torch.randperm(batch * pages, device=device).view(batch, pages)
@@ -149,6 +146,8 @@ def run_cell(batch, length):
                      for name in METHODS},
         "errors": {name: outs.get(name) for name in METHODS if times.get(name) is None},
         "max_abs_diff_vs_sdpa_flash": diffs,
+        "split_sweep_tb_per_s": {str(splits): kv_bytes / (ms * 1e-3) / 1e12 if ms is not None else None
+                                 for splits, ms in sweep_ms.items()},
     }
 
 
@@ -316,6 +315,9 @@ def main():
     parser.add_argument("--out", default="runs/bench_decode.json")
     parser.add_argument("--host-profile", type=int, default=0, metavar="N", help="also profile N launcher calls")
     parser.add_argument("--plot", help="also draw TB/s against cache length into this PNG (needs matplotlib)")
+    parser.add_argument("--split-sweep", type=int, nargs="+", default=[], metavar="SPLITS",
+                        help="also time ours in CUDA graphs at each of these split counts (device time), to check "
+                             "choose_num_splits")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode.py needs a CUDA device")
@@ -327,7 +329,7 @@ def main():
             reason = f"skipped ({peak / 1e9:.0f} GB)" if peak > MEMORY_LIMIT else f"skipped (not a multiple of {PAGE_SIZE})"
             cells.append({"batch": batch, "cache_len": length, "skipped": reason})
             continue
-        cells.append(run_cell(batch, length))
+        cells.append(run_cell(batch, length, args.split_sweep))
         torch.cuda.empty_cache()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
@@ -340,6 +342,22 @@ def main():
     if args.plot and plot_cells(cells, args.plot):
         print(f"wrote {args.plot}")
     print(markdown(cells))
+    if args.split_sweep:
+        print("\n" + split_sweep_table(cells, args.split_sweep))
+
+
+def split_sweep_table(cells, split_counts):
+    """Markdown: per cell, ours' CUDA-graph TB/s at each swept split count (the automatic count first)."""
+    header = ["batch", "cache length", "automatic splits", "at automatic"] + [f"{s} splits" for s in split_counts]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for cell in cells:
+        if "skipped" in cell:
+            continue
+        sweep = cell["split_sweep_tb_per_s"]
+        lines.append(f"| {cell['batch']} | {cell['cache_len']} | {cell['num_splits']} | "
+                     f"{_fmt(cell['tb_per_s']['ours graph'], '.2f')} | "
+                     + " | ".join(_fmt(sweep[str(s)], ".2f") for s in split_counts) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

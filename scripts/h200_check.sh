@@ -8,7 +8,8 @@
 # attention + varlen + decode when narrowed. Two instances may run at once on a machine of two GPUs
 # (CUDA_VISIBLE_DEVICES=0 / 1, the second started a few seconds later), each with its own RES (results
 # directory) and RESULTS (archive name). Narrowing knobs: TUNE_ARGS (default: --head-dims 64 128 256), ATTN_ARGS (default:
-# all impls, head dims 64 128 256), SLOW_FILTER (a pytest -k expression splitting the slow sweep across calls), SLOW_TIMEOUT.
+# all impls, head dims 64 128 256), SLOW_FILTER (a pytest -k expression splitting the slow sweep across calls), SLOW_TIMEOUT,
+# DECODE_ARGS (default: --host-profile 200).
 set -uo pipefail
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 # The device tool returns at most 8 files from $OUT: stages write to RES, packed into one archive at exit.
@@ -50,7 +51,7 @@ for stage in "${stages[@]}"; do
     generate) timeout 300 python3 scripts/bench_generate.py configs/models/llama-125m.yaml --batches 1 8 \
               --out "$RES/generate.json" 2>&1 | tee "$RES/generate.log" | grep "^|" ;;
     descriptors) timeout 60 python3 scripts/bench_descriptors.py 2>&1 | tee "$RES/descriptors.log" | grep "^|" ;;
-    decode) timeout 150 python3 scripts/bench_decode.py --host-profile 200 --out "$RES/decode.json" \
+    decode) timeout 150 python3 scripts/bench_decode.py ${DECODE_ARGS:---host-profile 200} --out "$RES/decode.json" \
               --plot "$RES/decode.png" 2>&1 \
               | tee "$RES/decode.log" | grep -A30 "^host profile\|^|" ;;
     attention) timeout 420 python3 scripts/bench_attention.py ${ATTN_ARGS:---impls ours ours-nondet sdpa-flash sdpa-cudnn --head-dims 64 128 256} \

@@ -123,6 +123,16 @@ def test_decode_table_shows_both_host_times():
     assert decode.markdown([{**cell, "cudnn_host_us": None}]).splitlines()[2].count("–") == 1
 
 
+def test_decode_split_sweep_table_lists_each_measured_cell():
+    decode = _load_script("bench_decode")
+    rates = {name: 3.0 for name in decode.METHODS}
+    cell = {"batch": 1, "cache_len": 65536, "num_splits": 50, "tb_per_s": rates,
+            "split_sweep_tb_per_s": {"33": 3.1, "64": None}}
+    lines = decode.split_sweep_table([cell, {"batch": 64, "cache_len": 131072, "skipped": "skipped"}], [33, 64])
+    assert lines.splitlines()[0] == "| batch | cache length | automatic splits | at automatic | 33 splits | 64 splits |"
+    assert lines.splitlines()[2:] == ["| 1 | 65536 | 50 | 3.00 | 3.10 | – |"]
+
+
 def test_kernel_times_attribute_time_to_the_ops_that_ran():
     """flashformer.profiling on CPU ops (the GPU path reads the same profiler's device events)."""
     from flashformer.profiling import kernel_times
