@@ -301,6 +301,7 @@ class _DirectLaunch:
 
 
 _REUSED = {}
+MAX_REUSED = 256
 
 
 def reused_buffers(device, purpose, dtype, shapes):
@@ -316,8 +317,10 @@ def reused_buffers(device, purpose, dtype, shapes):
         key = (device, torch._C._cuda_getCurrentRawStream(device), threading.get_ident(), purpose)
         entry = _REUSED.get(key)
         if entry is None or entry[0] != (dtype, shapes):
-            # Replacing the last buffers frees them safely: torch's allocator hands their memory out
-            # again on this stream only, behind the kernels already queued there.
+            # Replacing (or forgetting) buffers frees them safely: torch's allocator hands their memory
+            # out again on this stream only, behind the kernels already queued there.
+            if len(_REUSED) >= MAX_REUSED:  # threads and streams that come and go leave entries behind
+                _REUSED.clear()
             entry = _REUSED[key] = ((dtype, shapes), [torch.empty(shape, dtype=dtype, device=device)
                                                       for shape in shapes])
         buffers = entry[1]
