@@ -259,6 +259,10 @@ class CompiledLaunch:
                 compiled, tuple(meta[name] for name in self.kernel.arg_names[len(args):]))
 
 
+# Triton versions whose C launcher _DirectLaunch calls directly (its argument order is theirs).
+DIRECT_LAUNCH_TRITON = "3.6."
+
+
 def _no_hook(hook):
     """Whether a launch hook setting calls nothing (None, or Triton 3.6's HookChain with no hooks)."""
     return not getattr(hook, "calls", hook)
@@ -279,9 +283,11 @@ class _DirectLaunch:
         needed = ("launch", "global_scratch_size", "global_scratch_align", "profile_scratch_size", "num_ctas",
                   "launch_cooperative_grid", "launch_pdl")
         self.c_launch = None
-        # torch's allocations are 512-byte aligned, which covers any scratch alignment up to that.
-        if (all(hasattr(launcher, name) for name in needed) and not launcher.profile_scratch_size
-                and 512 % max(1, launcher.global_scratch_align) == 0):
+        # The launcher's positional protocol is Triton 3.6's: another version takes the compiled kernel's
+        # own path (correct, just slower) until its protocol is checked. torch's allocations are 512-byte
+        # aligned, which covers any scratch alignment up to that.
+        if (triton.__version__.startswith(DIRECT_LAUNCH_TRITON) and all(hasattr(launcher, name) for name in needed)
+                and not launcher.profile_scratch_size and 512 % max(1, launcher.global_scratch_align) == 0):
             self.c_launch = launcher.launch
             self.scratch_bytes = launcher.global_scratch_size * launcher.num_ctas
             self.flags = (launcher.launch_cooperative_grid, launcher.launch_pdl)

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+import triton
 from attention_checks import assert_matches_reference
 
 from flashformer.kernels import flash_attn_func, launch
@@ -84,3 +85,38 @@ def test_head_dim_256_has_its_own_candidates(kind):
     for head_dim in (64, 128):
         narrow = [launch._shape(c) for c in launch.prune_configs(kind, configs, {"HEAD_DIM_PAD": head_dim})]
         assert narrow and set(narrow) <= set(launch._SHAPES[kind])
+
+
+class _LauncherAttributes:
+    """The attributes of Triton 3.6's CudaLauncher that _DirectLaunch reads (no GPU here to compile one)."""
+    global_scratch_size, global_scratch_align, profile_scratch_size, num_ctas = 128, 128, 0, 1
+    launch_cooperative_grid = launch_pdl = False
+
+    def launch(self, *args):
+        raise AssertionError("not launched in this test")
+
+
+class _CompiledKernelAttributes:
+    def __init__(self, **launcher_attributes):
+        self._run = _LauncherAttributes()
+        vars(self._run).update(launcher_attributes)
+
+    def _init_handles(self):
+        pass
+
+
+def test_direct_launch_only_where_the_launcher_protocol_is_known(monkeypatch):
+    """Triton's C launcher is called directly only for the version whose argument order it follows
+    and without profiling scratch; everything else takes the compiled kernel's own launch path."""
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    assert launch._DirectLaunch(_CompiledKernelAttributes(), ()).c_launch is not None
+    assert launch._DirectLaunch(_CompiledKernelAttributes(profile_scratch_size=64), ()).c_launch is None
+    monkeypatch.setattr(triton, "__version__", "3.7.0")
+    assert launch._DirectLaunch(_CompiledKernelAttributes(), ()).c_launch is None
+
+
+def test_launch_hooks_count_only_when_something_is_registered():
+    chain = triton.knobs.HookChain()
+    assert launch._no_hook(None) and launch._no_hook(chain)
+    chain.add(print)
+    assert not launch._no_hook(chain) and not launch._no_hook(print)
