@@ -166,12 +166,13 @@ def gradient_sync(model: nn.Module, enabled: bool):
     return contextlib.nullcontext()
 
 
-def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> float:
-    """Clip the global gradient norm (over all ranks' shards) to ``max_norm``; return the norm before clipping."""
+def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip the global gradient norm (over all ranks' shards) to ``max_norm``; return the norm before clipping,
+    a 0-dim tensor on the gradients' device (reading it waits for the step, so callers read it when they log)."""
     norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
-    return float(norm)
+    return norm
 
 
 _FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)

@@ -269,8 +269,8 @@ class _StopRequests:
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.requested = True
-        tqdm.write(f"{signal.Signals(signum).name}: saving a checkpoint after this step, then exiting "
-                   "(Ctrl-C again aborts)", file=sys.stderr)
+        tqdm.write(f"{signal.Signals(signum).name}: saving a checkpoint after this step (with several "
+                   "processes, the next), then exiting (Ctrl-C again aborts)", file=sys.stderr)
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
@@ -482,8 +482,9 @@ class Trainer:
             logits = self.wrapped(batch.input_ids, **batch.model_kwargs())
         return F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten())
 
-    def train_step(self) -> tuple[torch.Tensor, float, float]:
-        """One optimizer step; returns (mean loss over this rank's micro batches, grad norm, lr used)."""
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Queue one optimizer step; returns (mean loss over this rank's micro batches, grad norm, lr used),
+        the first two as device tensors: nothing here waits for the GPU."""
         micro_batches = self.batches.next_step()
         loss_sum = torch.zeros((), device=self.device)
         for index, batch in enumerate(micro_batches):
@@ -562,21 +563,24 @@ class Trainer:
         train_loss = eval_loss = None
         interrupted = False
         bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step", disable=not main, dynamic_ncols=True)
-        interval_seconds, interval_steps = 0.0, 0  # training time only: evals and checkpoints do not count
+        # Training time only (evals and checkpoints do not count). Steps are queued without waiting for the
+        # GPU, so the clock is read where the host has waited for the queued steps: at a logged loss, and
+        # (synchronize) before an eval or a checkpoint.
+        interval_seconds, interval_steps, clock = 0.0, 0, time.perf_counter()
+        pending_stop = None
         with _StopRequests() as stop:
             while self.step < cfg.steps:
-                step_start = time.perf_counter()
-                loss, grad_norm, lr = self.train_step()  # grad_norm is a float: the step has finished
-                interval_seconds += time.perf_counter() - step_start
+                loss, grad_norm, lr = self.train_step()
                 self.step += 1
                 interval_steps += 1
                 bar.update(1)
                 last = self.step == cfg.steps
                 if self.step % cfg.log_every == 0 or self.step == 1 or last:
                     train_loss = (all_reduce(loss, self.env) / self.env.world_size).item()
-                    tokens_per_s = interval_steps * tokens_per_step / interval_seconds
+                    now = time.perf_counter()
+                    tokens_per_s = interval_steps * tokens_per_step / (interval_seconds + now - clock)
                     record = {"step": self.step, "loss": train_loss, "lr": lr,
-                              "grad_norm": grad_norm, "tokens": self.step * tokens_per_step,
+                              "grad_norm": grad_norm.item(), "tokens": self.step * tokens_per_step,
                               "tokens_per_s": tokens_per_s}
                     postfix = {"loss": f"{train_loss:.3f}", "tok/s": f"{tokens_per_s:,.0f}"}
                     if self.device.type == "cuda":
@@ -586,19 +590,34 @@ class Trainer:
                     bar.set_postfix(postfix)
                     if main:
                         metrics.write(record)
-                    interval_seconds, interval_steps = 0.0, 0
-                if self.step % cfg.eval_every == 0 or last:
+                    interval_seconds, interval_steps, clock = 0.0, 0, time.perf_counter()
+                # Every rank stops after the same step. Across processes the requests are reduced each step
+                # and read one step later, so that reading them waits for the previous step, not the one
+                # just queued: the GPU keeps working while the host queues the next.
+                if self.env.distributed:
+                    stop_now = pending_stop is not None and bool(pending_stop)
+                    pending_stop = all_reduce(torch.tensor(float(stop.requested), device=self.device), self.env,
+                                              op=dist.ReduceOp.MAX)
+                else:
+                    stop_now = stop.requested
+                evaluating = self.step % cfg.eval_every == 0 or last
+                checkpointing = self.step % cfg.ckpt_every == 0 or last or stop_now
+                if evaluating or checkpointing:
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    interval_seconds += time.perf_counter() - clock
+                if evaluating:
                     eval_loss = self.evaluate()
                     if main:
                         metrics.write({"step": self.step, "eval_loss": eval_loss})
                         bar.write(f"step {self.step}: eval loss {eval_loss:.4f}")
-                stop_flag = torch.tensor(float(stop.requested), device=self.device)
-                stop_now = bool(all_reduce(stop_flag, self.env, op=dist.ReduceOp.MAX))
-                if self.step % cfg.ckpt_every == 0 or last or stop_now:
+                if checkpointing:
                     path = self.save_checkpoint()
                     if stop_now:
                         bar.write(f"stopped at step {self.step}; checkpoint {path}; "
                                   f"continue with `flashformer train --resume {self.run_dir}`")
+                if evaluating or checkpointing:
+                    clock = time.perf_counter()
                 if stop_now:
                     interrupted = True
                     break

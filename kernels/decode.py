@@ -39,8 +39,9 @@ DEFAULT_SMS = 132
 # shared memory for two. Splits fill these slots in whole waves (choose_num_splits).
 RESIDENT_PER_SM = 2
 # A split should stream at least this many keys, or its fixed costs (Q load, partial write, combine)
-# outweigh the bandwidth it adds.
+# outweigh the bandwidth it adds; once every SM has a program, splits grow to TARGET_KEYS_PER_SPLIT.
 MIN_KEYS_PER_SPLIT = 512
+TARGET_KEYS_PER_SPLIT = 4096
 # The combine kernel holds (splits x head_dim) fp32 in registers.
 MAX_SPLITS = 64
 # Query rows (tokens x padded GQA group) per program: at least tl.dot's minimum M, at most a size that
@@ -216,13 +217,13 @@ def _sm_count(device_index):
 
 
 def choose_num_splits(programs, keys, device):
-    """Splits of the cache per program, for when the (batch, kv head, token block) programs alone leave
-    resident slots (RESIDENT_PER_SM per SM) empty, each split streaming enough keys.
+    """Splits of the cache per program: at least one program per SM where the keys allow, then up to
+    TARGET_KEYS_PER_SPLIT keys per split, the most splits whose waves of RESIDENT_PER_SM programs per SM
+    are >= 95% filled (or the best-filled count when none is).
 
-    Under one wave, every split adds bandwidth: take as many as the keys allow. Past one wave, a
-    partial last wave idles SMs (measured on the H200, batch 1 at 64k: 264 programs read 3.26 TB/s,
-    320 read 2.71 and 400 read 3.03), so among the split counts giving one to two waves take the one
-    that fills its waves best, the fewest on a tie.
+    Measured on the H200 (bench_decode.py --split-sweep, 2026-11-29): a partly filled second wave costs
+    up to 17% (batch 1 at 64k: 264 programs read 3.26 TB/s, 320 read 2.71), many short-enough splits
+    gain 1-3% at batch 8 and 64, and splits under ~1k keys lose at any batch.
 
     Args:
         programs: programs without splitting; keys: the most keys one of them reads.
@@ -231,16 +232,16 @@ def choose_num_splits(programs, keys, device):
         if device.type == "cuda" else DEFAULT_SMS
     slots = RESIDENT_PER_SM * sms
     most = max(1, min(keys // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
-    if programs * most <= slots:
-        return most
-    fewest = max(1, min(slots // programs, most))
-    candidates = range(fewest, min(cdiv(2 * slots, programs), most) + 1)
-    return max(candidates, key=lambda splits: (_wave_fill(programs * splits, slots), -splits))
+    fewest = min(most, cdiv(sms, programs))
+    candidates = range(fewest, max(fewest, min(keys // TARGET_KEYS_PER_SPLIT, most)) + 1)
+    filled = [splits for splits in candidates if _wave_fill(programs * splits, slots) >= 0.95]
+    return max(filled) if filled else max(candidates, key=lambda splits: _wave_fill(programs * splits, slots))
 
 
 def _wave_fill(programs, slots):
-    """Share of the launched waves' slots that ``programs`` occupy."""
-    return programs / (cdiv(programs, slots) * slots)
+    """Share of the launched waves' slots that ``programs`` occupy; a single wave counts as full (its
+    programs all run at once)."""
+    return 1.0 if programs <= slots else programs / (cdiv(programs, slots) * slots)
 
 
 class _Plan(NamedTuple):

@@ -9,7 +9,7 @@
 # (CUDA_VISIBLE_DEVICES=0 / 1, the second started a few seconds later), each with its own RES (results
 # directory) and RESULTS (archive name). Narrowing knobs: TUNE_ARGS (default: --head-dims 64 128 256), ATTN_ARGS (default:
 # all impls, head dims 64 128 256), SLOW_FILTER (a pytest -k expression splitting the slow sweep across calls), SLOW_TIMEOUT,
-# DECODE_ARGS (default: --host-profile 200).
+# DECODE_ARGS (default: --host-profile 200), TRAIN_ARGS (default: --seqlens 1024 4096 16384 --steps 50 --profile 5).
 set -uo pipefail
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 # The device tool returns at most 8 files from $OUT: stages write to RES, packed into one archive at exit.
@@ -58,8 +58,8 @@ for stage in "${stages[@]}"; do
               --out "$RES/attention.json" --plot "$RES/attention.png" 2>&1 | tee "$RES/attention.log" | grep "^|" ;;
     varlen) timeout 300 python3 scripts/bench_attention.py --varlen --impls ours --out "$RES/varlen.json" 2>&1 \
               | tee "$RES/varlen.log" | grep "documents\|^|" ;;
-    train)  timeout 540 python3 scripts/bench_train.py configs/gpt2-124m.yaml --seqlens 1024 4096 16384 --steps 50 \
-              --profile 5 --out "$RES/train.json" 2>&1 | tee "$RES/train.log" | grep "^|\| @ " ;;
+    train)  timeout 540 python3 scripts/bench_train.py configs/gpt2-124m.yaml ${TRAIN_ARGS:---seqlens 1024 4096 16384 --steps 50 \
+              --profile 5} --out "$RES/train.json" 2>&1 | tee "$RES/train.log" | grep "^|\| @ " ;;
     train-chunked)  # the chunked LM-head loss (Triton cross-entropy) at every length, against the default
             timeout 300 python3 scripts/bench_train.py configs/gpt2-124m.yaml --seqlens 1024 4096 --steps 50 \
               --paths flash sdpa-cudnn --set chunked_loss=true --out "$RES/train_chunked.json" 2>&1 \

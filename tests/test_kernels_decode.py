@@ -14,7 +14,7 @@ import triton
 from attention_checks import assert_within_2x
 
 from flashformer.kernels import attention_materialized
-from flashformer.kernels.decode import DEFAULT_SMS, MIN_KEYS_PER_SPLIT, RESIDENT_PER_SM, choose_num_splits
+from flashformer.kernels.decode import DEFAULT_SMS, RESIDENT_PER_SM, TARGET_KEYS_PER_SPLIT, choose_num_splits
 from flashformer.kernels.kvcache import flash_attn_with_kvcache
 
 MASKS = [  # (causal, window_size, softcap)
@@ -201,14 +201,14 @@ def test_splits_equal_one_split(device, triton_path):
 
 def test_split_heuristic():
     cpu = torch.device("cpu")
-    assert choose_num_splits(1 * 8, 131072, cpu) > 16  # one sequence: split to fill the SMs
-    assert choose_num_splits(64 * 8, 131072, cpu) == 1  # 512 programs already fill them
-    assert choose_num_splits(8, 700, cpu) == 1  # too short to be worth a split
-    assert 1 < choose_num_splits(8 * 8, 16384, cpu) <= 8
-    # Past one wave, the count fills its waves: 8 programs x 33 splits = the H200's 2 x 132 slots.
     slots = RESIDENT_PER_SM * DEFAULT_SMS
-    assert (8 * choose_num_splits(8, 65536, cpu)) % slots == 0
-    assert choose_num_splits(8, 16384, cpu) == 16384 // MIN_KEYS_PER_SPLIT  # under one wave: every split helps
+    assert choose_num_splits(8, 700, cpu) == 1  # too short to be worth a split
+    assert 8 * choose_num_splits(8, 16384, cpu) >= DEFAULT_SMS  # one sequence: a program for every SM
+    assert choose_num_splits(64 * 8, 65536, cpu) == 65536 // TARGET_KEYS_PER_SPLIT  # long caches: long splits
+    for batch, keys in itertools.product((1, 8, 64), (16384, 65536, 163840)):
+        programs = batch * 8 * choose_num_splits(batch * 8, keys, cpu)
+        # no partly filled second wave (batch 1, 40 splits: 320 programs would fill 61% of two waves)
+        assert programs <= slots or programs / (-(-programs // slots) * slots) >= 0.95, (batch, keys)
 
 
 def test_int_and_default_cache_seqlens(device, triton_path):
