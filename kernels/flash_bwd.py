@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .flash_fwd import log2_scales
-from .launch import (INTERPRETED, as_descriptor_compatible, dot_precision, ensure_allocator, grouped_tiles, new_output,
+from .launch import (INTERPRETED, as_descriptor_compatible, dot_precision, ensure_allocator, new_output,
                      next_power_of_2, pick_kernel, seq_strides, seqs_pad, table_mask, tile_grid, tuned, upcast_dot)
 from .tile_ops import (key_range, mma, narrow, program_tile, query_range, rows_descriptor, sequence_bounds, tanh,
                        visible)
@@ -45,8 +45,7 @@ def _bwd_preprocess(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK: tl.constexpr, IS_VARLEN: tl.constexpr,
     SEQS_PAD: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
-    batch, pid_m, head = program_tile(num_seqs, CU_SEQLENS_Q, seqlen_q, BLOCK, SEQS_PAD, False, IS_VARLEN, False,
-                                      HEAD_DIM)
+    batch, pid_m, head = program_tile(num_seqs, CU_SEQLENS_Q, BLOCK, SEQS_PAD, False, IS_VARLEN)
     if batch >= num_seqs:
         return
     q_start, _, seqlen_q, _ = sequence_bounds(batch, seqlen_q, 0, CU_SEQLENS_Q, CU_SEQLENS_Q, IS_VARLEN)
@@ -131,11 +130,10 @@ def _bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     IS_VARLEN: tl.constexpr, SEQS_PAD: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, DQ_TMA_REDUCE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, GROUPED_TILES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     # Key tiles first to last: under a causal mask the first keys are seen by the most queries.
-    batch, pid_n, kv_head = program_tile(num_seqs, CU_SEQLENS_K, seqlen_k, BLOCK_N, SEQS_PAD, False, IS_VARLEN,
-                                         GROUPED_TILES, HEAD_DIM)
+    batch, pid_n, kv_head = program_tile(num_seqs, CU_SEQLENS_K, BLOCK_N, SEQS_PAD, False, IS_VARLEN)
     if batch >= num_seqs:
         return
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(batch, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K,
@@ -231,10 +229,9 @@ def _bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     IS_VARLEN: tl.constexpr, SEQS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    HAS_DLSE: tl.constexpr, GROUPED_TILES: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
 ):
-    batch, pid_m, head = program_tile(num_seqs, CU_SEQLENS_Q, seqlen_q, BLOCK_M, SEQS_PAD, True, IS_VARLEN,
-                                      GROUPED_TILES, HEAD_DIM)
+    batch, pid_m, head = program_tile(num_seqs, CU_SEQLENS_Q, BLOCK_M, SEQS_PAD, True, IS_VARLEN)
     if batch >= num_seqs:
         return
     kv_head = head // GROUP
@@ -321,7 +318,7 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
         GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
         IS_VARLEN=is_varlen, SEQS_PAD=seqs_pad(batch, is_varlen), DOT_PRECISION=dot_precision(q.dtype),
-        UPCAST_DOT=upcast_dot(q.dtype), GROUPED_TILES=grouped_tiles(window_left, window_right, is_varlen),
+        UPCAST_DOT=upcast_dot(q.dtype),
     )
     buckets = (next_power_of_2(max(seqlen_q, 1)), next_power_of_2(max(seqlen_k, 1)))
     scalars = (softmax_scale, qk_scale, softcap_log2, window_left, window_right, *buckets)

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import (as_descriptor_compatible, dot_precision, ensure_allocator, grouped_tiles, new_output,
-                     next_power_of_2, pick_kernel, seq_strides, seqs_pad, table_mask, tile_grid, tuned, upcast_dot)
+from .launch import (as_descriptor_compatible, dot_precision, ensure_allocator, new_output, next_power_of_2,
+                     pick_kernel, seq_strides, seqs_pad, table_mask, tile_grid, tuned, upcast_dot)
 from .tile_ops import (attention_logits, key_range, narrow, online_softmax_step, program_tile, rows_descriptor,
                        sequence_bounds)
 
@@ -58,10 +58,8 @@ def _attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     IS_VARLEN: tl.constexpr, SEQS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    GROUPED_TILES: tl.constexpr,
 ):
-    batch, pid_m, head = program_tile(num_seqs, CU_SEQLENS_Q, seqlen_q, BLOCK_M, SEQS_PAD, True, IS_VARLEN,
-                                      GROUPED_TILES, HEAD_DIM)
+    batch, pid_m, head = program_tile(num_seqs, CU_SEQLENS_Q, BLOCK_M, SEQS_PAD, True, IS_VARLEN)
     if batch >= num_seqs:
         return
     kv_head = head // GROUP
@@ -165,6 +163,6 @@ def attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap
         GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
         IS_VARLEN=is_varlen, SEQS_PAD=seqs_pad(batch, is_varlen), DOT_PRECISION=dot_precision(q.dtype),
-        UPCAST_DOT=upcast_dot(q.dtype), GROUPED_TILES=grouped_tiles(window_left, window_right, is_varlen), **config,
+        UPCAST_DOT=upcast_dot(q.dtype), **config,
     )
     return out, lse

@@ -192,16 +192,6 @@ def as_descriptor_compatible(t):
     return t if ok else t.contiguous()
 
 
-# The tile order of causal kernels (tile_ops.program_tile's GROUPED): off until the H200 says whether it
-# pays (docs/perf-notes.md, "Session 6"); FLASHFORMER_GROUPED_TILES=1 at import, or the attribute, turns it on.
-GROUPED_TILES = os.environ.get("FLASHFORMER_GROUPED_TILES") == "1"
-
-
-def grouped_tiles(window_left, window_right, is_varlen):
-    """program_tile's GROUPED for one launch: dense causal attention only, whose tiles' work differs."""
-    return GROUPED_TILES and window_left < 0 and window_right >= 0 and not is_varlen
-
-
 # Tests turn this on (FLASHFORMER_POISON=1 at import, or set the attribute); read once here because
 # an environment lookup costs ~2 µs and a decoding step allocates four outputs.
 POISON_OUTPUTS = os.environ.get("FLASHFORMER_POISON") == "1"
@@ -324,9 +314,8 @@ def reused_buffers(device, purpose, dtype, shapes):
     """Uninitialised buffers of ``shapes`` on CUDA device index ``device`` for one launch's temporaries
     (never results the caller keeps), handed out again to the next call with the same purpose and
     shapes on the same stream from the same thread (two threads could interleave their launches), whose
-    kernels run after this one's in stream order: no allocation per decoding step. Fresh buffers during
-    CUDA-graph capture, where the graph's memory pool must own them. NaN under POISON_OUTPUTS, as
-    new_output.
+    kernels run after this one's in stream order: no allocation per decoding step. Fresh buffers during CUDA-graph capture, where the graph's memory pool must own
+    them. NaN under POISON_OUTPUTS, as new_output.
     """
     if torch.cuda.is_current_stream_capturing():
         buffers = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]

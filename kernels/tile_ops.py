@@ -110,13 +110,9 @@ def visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right,
     return mask
 
 
-# L2 share for one group of GROUPED tiles: about two thirds of the H200's 50 MB.
-GROUP_L2_BYTES = tl.constexpr(32 * 2**20)
-
-
 @triton.jit
-def program_tile(num_seqs, CU_SEQLENS, seqlen, BLOCK: tl.constexpr, SEQS_PAD: tl.constexpr,
-                 LAST_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, GROUPED: tl.constexpr, HEAD_DIM: tl.constexpr):
+def program_tile(num_seqs, CU_SEQLENS, BLOCK: tl.constexpr, SEQS_PAD: tl.constexpr,
+                 LAST_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr):
     """(sequence, tile within it, head) of this program.
 
     Dense: grid (tiles per sequence, heads, batch). Varlen: grid (tiles of all sequences + num_seqs,
@@ -125,39 +121,24 @@ def program_tile(num_seqs, CU_SEQLENS, seqlen, BLOCK: tl.constexpr, SEQS_PAD: tl
     sequence's end as with one grid row per sequence at the longest length; the few programs past
     the last tile get sequence = num_seqs. LAST_FIRST launches tiles in reverse order (a causal
     query tile's work grows with its index: the longest programs start first).
-
-    GROUPED (dense only): blocks start in linear order, and by default that order runs all tiles of one
-    (sequence, head) before the next, so the last wave mixes long and short causal tiles. GROUPED
-    reorders tile-major within groups of (sequence, head) pairs whose rows (q, k, v, o ~ 8 x seqlen x
-    HEAD_DIM bytes each) fit GROUP_L2_BYTES: a group's longest tiles run first, and its heads stay in L2.
     """
     t = tl.program_id(0)
-    head = tl.program_id(1)
-    seq = tl.program_id(2)
-    if GROUPED and not IS_VARLEN:
-        tiles = tl.num_programs(0)
-        heads = tl.num_programs(1)
-        pairs = heads * tl.num_programs(2)
-        linear = t.to(tl.int64) + tiles * (head.to(tl.int64) + heads * seq.to(tl.int64))
-        group_pairs = tl.minimum(tl.maximum(GROUP_L2_BYTES // (seqlen.to(tl.int64) * 8 * HEAD_DIM), 1), pairs)
-        group = linear // (group_pairs * tiles)
-        size = tl.minimum(group_pairs, pairs - group * group_pairs)
-        within = linear - group * group_pairs * tiles
-        pair = group * group_pairs + within % size
-        t = (within // size).to(tl.int32)
-        head = (pair % heads).to(tl.int32)
-        seq = (pair // heads).to(tl.int32)
     if LAST_FIRST:
         t = tl.num_programs(0) - 1 - t
     if IS_VARLEN:
+        head = tl.program_id(1)
         index = tl.arange(0, SEQS_PAD)
         starts = tl.load(CU_SEQLENS + index, mask=index < num_seqs, other=0)
         ends = tl.load(CU_SEQLENS + index + 1, mask=index < num_seqs, other=0)
         tiles = (ends - starts + BLOCK - 1) // BLOCK
         seq = tl.sum((tl.cumsum(tiles, 0) <= t).to(tl.int32), 0)
-        t = t - tl.sum(tl.where(index < seq, tiles, 0), 0)
+        tile = t - tl.sum(tl.where(index < seq, tiles, 0), 0)
+    else:
+        seq = tl.program_id(2)
+        head = tl.program_id(1)
+        tile = t
     # 64-bit: base offsets such as seq * stride_batch pass 2**31 in tensors over 2**31 elements.
-    return seq.to(tl.int64), t, head.to(tl.int64)
+    return seq.to(tl.int64), tile, head.to(tl.int64)
 
 
 @triton.jit

@@ -28,7 +28,6 @@ outside reference; the max diff is ours varlen against each document run through
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import time
@@ -61,19 +60,6 @@ def _ours(q, k, v, causal):
 
 def _ours_nondeterministic(q, k, v, causal):
     return flash_attn_func(q, k, v, causal=causal, deterministic=False)
-
-
-@contextlib.contextmanager
-def _tile_order(grouped):
-    """Our causal kernels' program order (kernels/launch.py GROUPED_TILES) for the timings inside, forward
-    and backward alike (the backward reads it when autograd launches it)."""
-    from flashformer.kernels import launch
-
-    saved, launch.GROUPED_TILES = launch.GROUPED_TILES, grouped
-    try:
-        yield
-    finally:
-        launch.GROUPED_TILES = saved
 
 
 def _sdpa(backend):
@@ -236,8 +222,7 @@ def main(argv=None):
     parser.add_argument("--width", type=int, default=2048, help="heads * head_dim")
     parser.add_argument("--heads-256", type=int, default=8, help="heads at head_dim 256 (flash-attn uses 8)")
     parser.add_argument("--impls", nargs="+", default=["ours", "ours-nondet", *SDPA_BACKENDS, "flex"],
-                        help="ours-nondet: deterministic=False (the backward accumulates dQ by TMA reductions); "
-                             "ours-grouped: causal tiles in grouped tile-major order (kernels/launch.py GROUPED_TILES)")
+                        help="ours-nondet: deterministic=False (the backward accumulates dQ by TMA reductions)")
     parser.add_argument("--flex-seqlens", type=int, nargs="+", default=[1024, 4096, 16384],
                         help="FlexAttention compiles per shape: only these lengths")
     parser.add_argument("--flex-head-dims", type=int, nargs="+", default=[128])
@@ -288,7 +273,7 @@ def warm_up_gpu(seconds=2.0):
 
 def run_grid(args, causals):
     """(rows of the dense grid, implementation names in column order)."""
-    impls = {"ours": _ours, "ours-grouped": _ours, "ours-nondet": _ours_nondeterministic,
+    impls = {"ours": _ours, "ours-nondet": _ours_nondeterministic,
              **{name: _sdpa(b) for name, b in SDPA_BACKENDS.items()}}
     if "flex" in args.impls:
         impls["flex"] = _flex()
@@ -306,14 +291,13 @@ def run_grid(args, causals):
         for name, fn in impls.items():
             if name == "flex" and (seqlen not in args.flex_seqlens or head_dim not in args.flex_head_dims):
                 continue
-            with _tile_order(name == "ours-grouped"):
-                cell, out = time_fwd_bwd(fn, q, k, v, causal, grad_out, flops)
-                if cell is not None:
-                    outputs[name], row[name] = out, cell
-                    if args.kernel_times:
-                        cell["kernels"] = fwd_bwd_kernel_times(fn, q, k, v, causal, grad_out, args.kernel_times)
-                    if args.cuda_graphs:
-                        cell["graph"] = time_graphed(fn, q, k, v, causal, grad_out, flops)
+            cell, out = time_fwd_bwd(fn, q, k, v, causal, grad_out, flops)
+            if cell is not None:
+                outputs[name], row[name] = out, cell
+                if args.kernel_times:
+                    cell["kernels"] = fwd_bwd_kernel_times(fn, q, k, v, causal, grad_out, args.kernel_times)
+                if args.cuda_graphs:
+                    cell["graph"] = time_graphed(fn, q, k, v, causal, grad_out, flops)
         if "ours" in outputs and "sdpa-flash" in outputs:
             row["max_abs_diff_vs_sdpa_flash"] = (outputs["ours"].float() - outputs["sdpa-flash"].float()).abs().max().item()
         results.append(row)

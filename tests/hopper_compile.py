@@ -56,12 +56,11 @@ def resource_usage(compiled):
 
 
 def attention_constexprs(head_dim, block_m, block_n, causal=True, window=False, softcap=False, varlen=False, group=1,
-                         accumulate_dq=False, has_dlse=False, grouped_tiles=False):
+                         accumulate_dq=False, has_dlse=False):
     return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_M=block_m,
                 BLOCK_N=block_n, LEFT_BOUNDED=window, RIGHT_BOUNDED=causal or window, HAS_SOFTCAP=softcap,
                 IS_VARLEN=varlen, SEQS_PAD=16 if varlen else 1, ACCUMULATE_DQ=accumulate_dq,
-                DQ_TMA_REDUCE=accumulate_dq, DOT_PRECISION="tf32", UPCAST_DOT=False, HAS_DLSE=has_dlse,
-                GROUPED_TILES=grouped_tiles)
+                DQ_TMA_REDUCE=accumulate_dq, DOT_PRECISION="tf32", UPCAST_DOT=False, HAS_DLSE=has_dlse)
 
 
 CASES = {
@@ -86,13 +85,6 @@ CASES = {
                                 dict(attention_constexprs(64, 32, 128, causal=False, group=2, accumulate_dq=True),
                                      seqlen_q=1), 8, 2),
     "bwd_dq-d128-causal": (flash_bwd._bwd_dq_kernel, attention_constexprs(128, 128, 64, has_dlse=True), 8, 2),
-    # The grouped tile order (tile_ops.program_tile GROUPED) at the shapes the H200 tables pick for causal 1k.
-    "fwd-d128-causal-grouped": (flash_fwd._attn_fwd_kernel, attention_constexprs(128, 128, 32, grouped_tiles=True),
-                                4, 3),
-    "bwd_dkdv-d128-causal-grouped": (flash_bwd._bwd_dkdv_kernel,
-                                     attention_constexprs(128, 64, 128, grouped_tiles=True), 8, 3),
-    "bwd_dq-d128-causal-grouped": (flash_bwd._bwd_dq_kernel, attention_constexprs(128, 128, 32, grouped_tiles=True),
-                                   4, 3),
     "bwd_dq-d256": (flash_bwd._bwd_dq_kernel, attention_constexprs(256, 64, 32, causal=False), 8, 2),
     "bwd_dq-d64-window": (flash_bwd._bwd_dq_kernel, attention_constexprs(64, 64, 64, window=True), 4, 3),
     "bwd_preprocess-d128": (flash_bwd._bwd_preprocess,

@@ -1,12 +1,10 @@
 """Config choice for the kernels: the offline-measured table and forced configs (tuning runs)."""
 
-import functools
 import json
 
 import pytest
 import torch
 import triton
-import triton.language as tl
 from attention_checks import assert_matches_reference
 
 from flashformer.kernels import flash_attn_func, launch
@@ -52,27 +50,6 @@ def test_forced_configs_compute_the_same_attention(config, device, triton_path, 
     monkeypatch.setattr(launch, "FORCED_CONFIGS", {kind: config for kind in ("fwd", "bwd_dkdv", "bwd_dq")})
     q, k, v, grad_out = (torch.randn(1, 77, 2, 32, device=device, dtype=torch.float16) for _ in range(4))
     assert_matches_reference(flash_attn_func, q, k, v, grad_out, causal=True)
-
-
-@pytest.mark.parametrize("causal,deterministic,heads", [(True, True, (4, 4)), (True, True, (4, 2)),
-                                                        (True, False, (4, 4)), (False, True, (4, 4))])
-def test_grouped_tile_order_computes_the_same_attention(causal, deterministic, heads, device, triton_path, monkeypatch):
-    """GROUPED program order (tile-major within groups of (sequence, head) pairs) still gives every
-    tile of every head and sequence exactly one program: in the interpreter, groups of 3 of the 2 x 4
-    pairs leave a last group of 2 (with BLOCK_M != BLOCK_N); compiled, the L2 budget makes one group of
-    all 8. Non-causal launches keep the default order."""
-    from flashformer.kernels import tile_ops
-
-    seqlen, head_dim = 150, 32
-    monkeypatch.setattr(launch, "GROUPED_TILES", True)
-    if launch.INTERPRETED:  # the interpreter reads the constexpr global live; a compiled kernel would not
-        monkeypatch.setattr(tile_ops, "GROUP_L2_BYTES", tl.constexpr(3 * seqlen * 8 * head_dim))
-    q, grad_out = (torch.randn(2, seqlen, heads[0], head_dim, device=device, dtype=torch.float16) for _ in range(2))
-    k, v = (torch.randn(2, seqlen, heads[1], head_dim, device=device, dtype=torch.float16) for _ in range(2))
-    assert_matches_reference(functools.partial(flash_attn_func, deterministic=deterministic), q, k, v, grad_out,
-                             causal=causal)
-    assert launch.grouped_tiles(-1, 0, False) and not launch.grouped_tiles(-1, -1, False)
-    assert not launch.grouped_tiles(16, 0, False) and not launch.grouped_tiles(-1, 0, True)
 
 
 def test_forced_config_overrides_every_other_choice(monkeypatch):
