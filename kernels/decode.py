@@ -217,31 +217,35 @@ def _sm_count(device_index):
 
 
 def choose_num_splits(programs, keys, device):
-    """Splits of the cache per program: at least one program per SM where the keys allow, then up to
-    TARGET_KEYS_PER_SPLIT keys per split, the most splits whose waves of RESIDENT_PER_SM programs per SM
-    are >= 95% filled (or the best-filled count when none is).
+    """Splits of the cache per program: as many programs as SMs where the keys allow (not more: a few
+    SMs running two programs while the rest run one stretch the launch), then splits of up to
+    TARGET_KEYS_PER_SPLIT keys, the most whose waves are >= 95% filled, both waves of one program per
+    SM and of RESIDENT_PER_SM (the best-filled count when none is).
 
-    Measured on the H200 (bench_decode.py --split-sweep, 2026-11-29): a partly filled second wave costs
-    up to 17% (batch 1 at 64k: 264 programs read 3.26 TB/s, 320 read 2.71), many short-enough splits
-    gain 1-3% at batch 8 and 64, and splits under ~1k keys lose at any batch.
+    Measured on the H200 (bench_decode.py --split-sweep, 2026-11-29; batch 1 at 64k): 128 programs read
+    3.29 TB/s, 136 read 3.11, 264 (two per SM) 3.26, 320 2.71, 400 3.03. At batch 8 and 64, splits of
+    4k keys gain 1-3% over fewer, and splits under ~1k keys lose at any batch.
 
     Args:
         programs: programs without splitting; keys: the most keys one of them reads.
     """
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else DEFAULT_SMS
-    slots = RESIDENT_PER_SM * sms
     most = max(1, min(keys // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
-    fewest = min(most, cdiv(sms, programs))
+    fewest = max(1, min(most, sms // programs))
     candidates = range(fewest, max(fewest, min(keys // TARGET_KEYS_PER_SPLIT, most)) + 1)
-    filled = [splits for splits in candidates if _wave_fill(programs * splits, slots) >= 0.95]
-    return max(filled) if filled else max(candidates, key=lambda splits: _wave_fill(programs * splits, slots))
+
+    def fill(splits):
+        total = programs * splits
+        return 1.0 if total <= sms else min(_wave_fill(total, sms), _wave_fill(total, RESIDENT_PER_SM * sms))
+
+    filled = [splits for splits in candidates if fill(splits) >= 0.95]
+    return max(filled) if filled else max(candidates, key=fill)
 
 
 def _wave_fill(programs, slots):
-    """Share of the launched waves' slots that ``programs`` occupy; a single wave counts as full (its
-    programs all run at once)."""
-    return 1.0 if programs <= slots else programs / (cdiv(programs, slots) * slots)
+    """Share of the launched waves' slots that ``programs`` occupy."""
+    return programs / (cdiv(programs, slots) * slots)
 
 
 class _Plan(NamedTuple):

@@ -3,8 +3,9 @@
 # parallelism, each against one GPU. Results: one summary line per stage, logs and JSON packed into
 # $OUT/results.tgz.
 # Usage on the device machine: bash scripts/multi_gpu_check.sh [stage ...]   (default: ddp fsdp cp-check cp-long)
-#   ddp  ~4 min: gpt2-124m, 150 steps: 1 GPU and 2 GPUs at the same per-GPU batch (tokens/s), and 1 GPU at
+#   ddp  ~2 min: gpt2-124m, 150 steps: 1 GPU and 2 GPUs at the same per-GPU batch (tokens/s), and 1 GPU at
 #        the same global batch (the loss curve 2 GPUs must match)
+#   ddp-apart  ~40 s: ddp's one-GPU run on every GPU at once (no communication)
 #   fsdp ~3 min: configs/llama-1b.yaml, 30 steps on 1 GPU and on 2 (tokens/s, MFU, peak memory per GPU)
 #   cp-check ~3-5 min: ring attention exact against one GPU (fp32, 8k tokens; mostly compiling)
 #   cp-long  ~5 min: llama-125m steps (no activation checkpointing) at the longest single-GPU length found
@@ -36,19 +37,21 @@ for run in sys.argv[1:]:
           f"peak {max(r.get('peak_memory_gb', 0) for r in records):.1f} GB/GPU, last loss {records[-1]['loss']:.4f}")
 EOF
 }
+# DDP's runs: gpt2-124m, 1024-token rows, per_gpu rows per GPU and step, eager
+ddp_common=(data.source=stdlib data.tokenizer=null data.seq_len=1024 steps=150 log_every=10 eval_every=1000
+            eval_batches=1 ckpt_every=1000 keep_checkpoints=1 sample.max_new_tokens=0 compile=false)
+per_gpu=16
 stages=("$@"); [ ${#stages[@]} -eq 0 ] && stages=(ddp fsdp cp-check cp-long)
 for stage in "${stages[@]}"; do
   echo "=== $stage $(date -u +%FT%TZ), $GPUS GPUs"
   case $stage in
     ddp)
-      common=(data.source=stdlib data.tokenizer=null data.seq_len=1024 steps=150 log_every=10 eval_every=1000
-              eval_batches=1 ckpt_every=1000 keep_checkpoints=1 sample.max_new_tokens=0 compile=false)
-      per_gpu=16; global=$((per_gpu * GPUS))
-      train 100 configs/gpt2-124m.yaml "${common[@]}" parallel.mode=none batch_size=$per_gpu \
+      global=$((per_gpu * GPUS))
+      train 100 configs/gpt2-124m.yaml "${ddp_common[@]}" parallel.mode=none batch_size=$per_gpu \
         micro_batch_size=$per_gpu out_dir=$RES/ddp-1gpu-same-per-gpu
-      torchrun_train 100 configs/gpt2-124m.yaml "${common[@]}" parallel.mode=ddp batch_size=$global \
+      torchrun_train 100 configs/gpt2-124m.yaml "${ddp_common[@]}" parallel.mode=ddp batch_size=$global \
         micro_batch_size=$per_gpu out_dir=$RES/ddp-${GPUS}gpu
-      train 100 configs/gpt2-124m.yaml "${common[@]}" parallel.mode=none batch_size=$global \
+      train 100 configs/gpt2-124m.yaml "${ddp_common[@]}" parallel.mode=none batch_size=$global \
         micro_batch_size=$per_gpu out_dir=$RES/ddp-1gpu-same-global
       summary "$RES/ddp-1gpu-same-per-gpu" "$RES/ddp-${GPUS}gpu" "$RES/ddp-1gpu-same-global"
       python3 - "$RES/ddp-${GPUS}gpu" "$RES/ddp-1gpu-same-global" <<'EOF'
@@ -59,6 +62,14 @@ print("loss, %s GPUs vs 1 GPU at the same global batch: max |diff| %.4f over %d 
       % (sys.argv[1].rsplit("-", 1)[-1], max(abs(a["loss"] - b["loss"]) for a, b in zip(many, one)), len(one)))
 EOF
       ;;
+    ddp-apart)  # ddp's one-GPU run on every GPU at once, without communication: what each GPU reaches while
+      # all of them work (shared host, power); DDP against this isolates what its communication costs
+      for ((gpu = 0; gpu < GPUS; gpu++)); do
+        CUDA_VISIBLE_DEVICES=$gpu train 100 configs/gpt2-124m.yaml "${ddp_common[@]}" parallel.mode=none \
+          batch_size=$per_gpu micro_batch_size=$per_gpu out_dir=$RES/ddp-apart-gpu$gpu &
+      done
+      wait
+      summary "$RES"/ddp-apart-gpu* ;;
     fsdp)
       common=(steps=30 log_every=5 eval_every=1000 eval_batches=1 ckpt_every=1000 keep_checkpoints=1
               sample.max_new_tokens=0 micro_batch_size=2)

@@ -203,12 +203,14 @@ def test_split_heuristic():
     cpu = torch.device("cpu")
     slots = RESIDENT_PER_SM * DEFAULT_SMS
     assert choose_num_splits(8, 700, cpu) == 1  # too short to be worth a split
-    assert 8 * choose_num_splits(8, 16384, cpu) >= DEFAULT_SMS  # one sequence: a program for every SM
+    assert 8 * choose_num_splits(8, 16384, cpu) == DEFAULT_SMS // 8 * 8  # one sequence: a program per SM
     assert choose_num_splits(64 * 8, 65536, cpu) == 65536 // TARGET_KEYS_PER_SPLIT  # long caches: long splits
     for batch, keys in itertools.product((1, 8, 64), (16384, 65536, 163840)):
         programs = batch * 8 * choose_num_splits(batch * 8, keys, cpu)
-        # no partly filled second wave (batch 1, 40 splits: 320 programs would fill 61% of two waves)
-        assert programs <= slots or programs / (-(-programs // slots) * slots) >= 0.95, (batch, keys)
+        # no partly filled wave (batch 1, 40 splits: 320 programs would fill 61% of two waves of two per SM;
+        # 17 splits, 136 programs: four SMs would run two)
+        for wave in (DEFAULT_SMS, slots):
+            assert programs <= DEFAULT_SMS or programs / (-(-programs // wave) * wave) >= 0.95, (batch, keys)
 
 
 def test_int_and_default_cache_seqlens(device, triton_path):
