@@ -69,7 +69,7 @@ EOF
           batch_size=$per_gpu micro_batch_size=$per_gpu out_dir=$RES/ddp-apart-gpu$gpu &
       done
       wait
-      summary "$RES"/ddp-apart-gpu* ;;
+      summary $(for ((gpu = 0; gpu < GPUS; gpu++)); do echo "$RES/ddp-apart-gpu$gpu"; done) ;;
     fsdp)
       common=(steps=30 log_every=5 eval_every=1000 eval_batches=1 ckpt_every=1000 keep_checkpoints=1
               sample.max_new_tokens=0 micro_batch_size=2)

@@ -1,14 +1,17 @@
 """Two real processes (torchrun, gloo on CPU) reproduce one process's run with the same global batch."""
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
 
-from flashformer.train import load_train_config, read_metrics, train
+from flashformer.train import INTERRUPTED_EXIT_CODE, latest_checkpoint, load_train_config, read_metrics, train
 from test_train import SUBPROCESS_ENV, data_cache, one_thread, tiny_recipe  # noqa: F401 (fixtures)
 
 TOLERANCE = 1e-5  # fp32: the two runs sum the same numbers in a different order
@@ -57,3 +60,46 @@ def test_fsdp_matches_one_process_and_resumes(tmp_path, data_cache):
     torchrun({}, tmp_path, "--resume", str(sharded))
     assert (sharded / "ckpt-6").is_dir()
     assert_same_losses(sharded, tmp_path / "one")
+
+
+def worker_pid(rank: int, marker: str) -> int | None:
+    """The torchrun worker of ``rank`` whose command line holds ``marker`` (Linux /proc), if it runs yet."""
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if marker.encode() in cmdline and b"flashformer.cli" in cmdline and f"RANK={rank}".encode() in environ:
+            return int(entry)
+    return None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the worker through /proc")
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, data_cache):
+    # Ranks agree on stopping through an all-reduce read one step late: if they disagreed, one rank would
+    # enter the checkpoint's collectives while the other trained on, and the run would hang or fail.
+    run = tmp_path / "run"
+    config = tmp_path / "recipe.yaml"
+    config.write_text(yaml.safe_dump(tiny_recipe(run, data_cache, steps=100_000, ckpt_every=100_000,
+                                                 parallel={"mode": "ddp"})))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+               "-m", "flashformer.cli", "train", str(config)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=SUBPROCESS_ENV,
+                               start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while not (run / "metrics.jsonl").exists() or os.path.getsize(run / "metrics.jsonl") == 0:
+            assert process.poll() is None and time.time() < deadline
+            time.sleep(0.05)
+        os.kill(worker_pid(1, str(config)), signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert "Traceback" not in stdout and f"exitcode  : {INTERRUPTED_EXIT_CODE}" in stderr, stderr[-3000:]
+    assert "stopped at step" in stdout + stderr
+    checkpoint = latest_checkpoint(str(run))
+    assert checkpoint is not None and checkpoint.endswith(f"ckpt-{read_metrics(run)[-1]['step']}")
