@@ -49,8 +49,9 @@ for stage in "${stages[@]}"; do
       global=$((per_gpu * GPUS))
       train 100 configs/gpt2-124m.yaml "${ddp_common[@]}" parallel.mode=none batch_size=$per_gpu \
         micro_batch_size=$per_gpu out_dir=$RES/ddp-1gpu-same-per-gpu
-      torchrun_train 100 configs/gpt2-124m.yaml "${ddp_common[@]}" parallel.mode=ddp batch_size=$global \
-        micro_batch_size=$per_gpu out_dir=$RES/ddp-${GPUS}gpu
+      # NCCL's transport and channel choices go into the log: the 2-GPU side varied 12% between calls
+      NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GRAPH,TUNING torchrun_train 100 configs/gpt2-124m.yaml "${ddp_common[@]}" \
+        parallel.mode=ddp batch_size=$global micro_batch_size=$per_gpu out_dir=$RES/ddp-${GPUS}gpu
       train 100 configs/gpt2-124m.yaml "${ddp_common[@]}" parallel.mode=none batch_size=$global \
         micro_batch_size=$per_gpu out_dir=$RES/ddp-1gpu-same-global
       summary "$RES/ddp-1gpu-same-per-gpu" "$RES/ddp-${GPUS}gpu" "$RES/ddp-1gpu-same-global"
