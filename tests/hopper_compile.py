@@ -93,7 +93,10 @@ CASES = {
                                dict(GROUP=4, GROUP_PAD=4, BLOCK_T=16, BLOCK_N=64, PAGE_SIZE=256, HEAD_DIM=128,
                                     HEAD_DIM_PAD=128, LEFT_BOUNDED=False, RIGHT_BOUNDED=True, HAS_SOFTCAP=False,
                                     SPLIT=True, PER_SEQUENCE_LENGTHS=True, DOT_PRECISION="tf32",
-                                    UPCAST_DOT=False), 4, 3),
+                                    UPCAST_DOT=False, LAUNCH_DEPENDENTS=True), 4, 3),
+    # launched as a programmatic dependent of the split decode kernel (griddepcontrol)
+    "combine-d128-dependent": (decode._combine_kernel, dict(SPLITS_PAD=32, HEAD_DIM=128, HEAD_DIM_PAD=128,
+                                                            WAIT_FOR_PRIMARY=True), 4, 1),
     "cross_entropy_fwd": (cross_entropy._ce_forward_kernel, dict(BLOCK_V=4096, HAS_BIAS=True, HAS_SOFTCAP=True), 8, 3),
     "cross_entropy_bwd": (cross_entropy._ce_backward_kernel, dict(BLOCK_V=4096, HAS_BIAS=True, HAS_SOFTCAP=True), 8, 3),
 }
@@ -112,6 +115,7 @@ def main(selected):
         registers, spill_bytes = resource_usage(compiled)
         report[name] = {"wgmma": "wgmma.mma_async" in ptx, "tma": "cp.async.bulk.tensor" in ptx,
                         "tma_reduce": "cp.reduce.async.bulk.tensor" in ptx,
+                        "grid_dependency": re.findall(r"griddepcontrol\.(\w+)", ptx),
                         "shared_bytes": compiled.metadata.shared, "registers": registers, "spill_bytes": spill_bytes}
     print(json.dumps(report))
 
