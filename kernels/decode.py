@@ -31,13 +31,13 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .flash_fwd import log2_scales
 from .launch import (INTERPRETED, CompiledLaunch, as_descriptor_compatible, cdiv, dot_precision, ensure_allocator,
-                     new_output, next_power_of_2, reused_buffers, upcast_dot)
+                     new_output, next_power_of_2, reused_buffers, supports_dependent_launch, upcast_dot)
 from .tile_ops import attention_logits, key_range, narrow, online_softmax_step
 
 LN2 = tl.constexpr(math.log(2.0))
 # The interpreter has no SMs: use the H200's count so that CPU runs take the GPU's split decisions.
 DEFAULT_SMS = 132
-# The combine kernel as a programmatic dependent of the split decode kernel (_supports_dependent_launch):
+# The combine kernel as a programmatic dependent of the split decode kernel (supports_dependent_launch):
 # off until the H200 has measured it (bench_decode.py's "PDL" columns); FLASHFORMER_DEPENDENT_LAUNCH=1 at
 # import, or the attribute, turns it on.
 DEPENDENT_LAUNCH = os.environ.get("FLASHFORMER_DEPENDENT_LAUNCH") == "1"
@@ -228,14 +228,6 @@ def _sm_count(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-@functools.cache
-def _supports_dependent_launch(device_index):
-    """Whether the combine kernel can be launched as a programmatic dependent of the decode kernel
-    (Hopper and newer; not in the interpreter): scheduled while the decode kernel's last programs run,
-    it waits in gdc_wait instead of in the launch queue, hiding the gap between the two kernels."""
-    return not INTERPRETED and torch.cuda.get_device_capability(device_index) >= (9, 0)
-
-
 def choose_num_splits(programs, keys, device):
     """Splits of the cache per program: as many programs as SMs where the keys allow (not more: a few
     SMs running two programs while the rest run one stretch the launch), then splits of up to
@@ -316,7 +308,7 @@ def _build_plan(q, k_cache, v_cache, block_table, per_sequence, max_seqlen_k, so
     block_n, num_warps, num_stages = _launch_config(q.device, head_dim_pad, page_size)
     split = num_splits > 1
     dependent = (split and DEPENDENT_LAUNCH and q.device.type == "cuda"
-                 and _supports_dependent_launch(q.device.index))
+                 and supports_dependent_launch(q.device.index))
     qk_scale, softcap_log2 = log2_scales(softmax_scale, softcap)
     return _Plan(
         grid=(token_blocks * batch * heads_kv, num_splits),

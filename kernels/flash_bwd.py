@@ -24,17 +24,28 @@ d qk = dS * scale (times 1 - tanh^2 with softcap).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .flash_fwd import log2_scales
 from .launch import (INTERPRETED, as_descriptor_compatible, dot_precision, ensure_allocator, new_output,
-                     next_power_of_2, pick_kernel, seq_strides, seqs_pad, table_mask, tile_grid, tuned, upcast_dot)
+                     next_power_of_2, pick_kernel, seq_strides, seqs_pad, supports_dependent_launch, table_mask,
+                     tile_grid, tuned, upcast_dot)
 from .tile_ops import (key_range, mma, narrow, program_tile, query_range, rows_descriptor, sequence_bounds, tanh,
                        visible)
 
 PREPROCESS_BLOCK = 64
+# Session 8's experiment switches (docs/perf-notes.md), measured side by side by scripts/bench_bwd_variants.py:
+# each kernel's edge tiles masked inside one pipelined loop instead of three loops (0: three loops; 1: one
+# loop, the mask under a branch; 2: one loop, the mask everywhere), and the dK/dV kernel launched as a
+# programmatic dependent of the dQ kernel. Environment variables set them for test processes.
+ONE_LOOP_DQ = int(os.environ.get("FLASHFORMER_ONE_LOOP_DQ", "0"))
+ONE_LOOP_DKDV = int(os.environ.get("FLASHFORMER_ONE_LOOP_DKDV", "0"))
+DEPENDENT_BWD = os.environ.get("FLASHFORMER_DEPENDENT_BWD") == "1"
 
 
 @triton.jit
@@ -77,7 +88,7 @@ def _row_stats(o, do, LSE, DLSE, DELTA, LSE_LOG2, row_offsets, in_seq, HAS_DLSE:
 
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, DQ_ACC, stride_dq_acc, LSE_LOG2, DELTA, cols, start, end,
-                qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
+                un_lo, un_hi, qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
                 BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
                 LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, ACCUMULATE_DQ: tl.constexpr,
@@ -94,9 +105,18 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, DQ_ACC, stride_dq_acc, L
             tanh_t = tanh(s_t)
             s_t = tanh_t * softcap_log2
         p_t = tl.exp2(s_t - lse_log2[None, :])
-        if MASKED:
+        if MASKED == 1:
             keep = visible(rows[None, :], cols[:, None], seqlen_q, seqlen_k, window_left, window_right,
                            LEFT_BOUNDED, RIGHT_BOUNDED)
+            p_t = tl.where(keep, p_t, 0.0)
+        elif MASKED == 2:
+            if (m0 < un_lo) | (m0 >= un_hi):
+                keep = visible(rows[None, :], cols[:, None], seqlen_q, seqlen_k, window_left, window_right,
+                               LEFT_BOUNDED, RIGHT_BOUNDED)
+                p_t = tl.where(keep, p_t, 0.0)
+        elif MASKED == 3:
+            keep = visible(rows[None, :], cols[:, None], seqlen_q, seqlen_k, window_left, window_right,
+                           LEFT_BOUNDED, RIGHT_BOUNDED) | ((m0 >= un_lo) & (m0 < un_hi))
             p_t = tl.where(keep, p_t, 0.0)
         dv += mma(narrow(p_t, do.dtype), do, DOT_PRECISION, UPCAST_DOT)
         dp_t = mma(v, tl.trans(do), DOT_PRECISION, UPCAST_DOT)
@@ -130,7 +150,7 @@ def _bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     IS_VARLEN: tl.constexpr, SEQS_PAD: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, DQ_TMA_REDUCE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, ONE_LOOP: tl.constexpr, WAIT_FOR_PRIMARY: tl.constexpr,
 ):
     # Key tiles first to last: under a causal mask the first keys are seen by the most queries.
     batch, pid_n, kv_head = program_tile(num_seqs, CU_SEQLENS_K, BLOCK_N, SEQS_PAD, False, IS_VARLEN)
@@ -153,6 +173,8 @@ def _bwd_dkdv_kernel(
     start, un_lo, un_hi, end = query_range(n0, seqlen_q, seqlen_k, window_left, window_right,
                                            BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
     lse_base = batch * stride_lse_b + q_start
+    if WAIT_FOR_PRIMARY:  # the dQ kernel writes the row statistics read below
+        gdc_wait()
     # Never software-pipelined: the loop creates descriptors, which the pipeliner cannot predicate. It
     # would try when a query length of 1 (specialised as a constant) folds the inner loops away.
     for g in tl.range(GROUP, num_stages=1):
@@ -169,18 +191,24 @@ def _bwd_dkdv_kernel(
             dq_acc = DQ_ACC + batch * stride_dqab + q_start * stride_dqas + head * stride_dqah
             if DQ_TMA_REDUCE:
                 dq_desc = rows_descriptor(dq_acc, seqlen_q, stride_dqas, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_acc, stride_dqas, lse_ptr, delta_ptr, cols,
-                             start, un_lo, qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
-                             BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED,
-                             ACCUMULATE_DQ, DQ_TMA_REDUCE, DOT_PRECISION, UPCAST_DOT)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_acc, stride_dqas, lse_ptr, delta_ptr, cols,
-                             un_lo, un_hi, qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
-                             BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HAS_SOFTCAP, False, LEFT_BOUNDED, RIGHT_BOUNDED,
-                             ACCUMULATE_DQ, DQ_TMA_REDUCE, DOT_PRECISION, UPCAST_DOT)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_acc, stride_dqas, lse_ptr, delta_ptr, cols,
-                             un_hi, end, qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
-                             BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED,
-                             ACCUMULATE_DQ, DQ_TMA_REDUCE, DOT_PRECISION, UPCAST_DOT)
+        if ONE_LOOP:  # one software pipeline per program: the edge tiles mask inside it
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_acc, stride_dqas, lse_ptr, delta_ptr,
+                                 cols, start, end, un_lo, un_hi, qk_scale, softcap_log2, seqlen_q, seqlen_k,
+                                 window_left, window_right, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HAS_SOFTCAP, ONE_LOOP + 1,
+                                 LEFT_BOUNDED, RIGHT_BOUNDED, ACCUMULATE_DQ, DQ_TMA_REDUCE, DOT_PRECISION, UPCAST_DOT)
+        else:
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_acc, stride_dqas, lse_ptr, delta_ptr,
+                                 cols, start, un_lo, un_lo, un_hi, qk_scale, softcap_log2, seqlen_q, seqlen_k,
+                                 window_left, window_right, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HAS_SOFTCAP, 1,
+                                 LEFT_BOUNDED, RIGHT_BOUNDED, ACCUMULATE_DQ, DQ_TMA_REDUCE, DOT_PRECISION, UPCAST_DOT)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_acc, stride_dqas, lse_ptr, delta_ptr,
+                                 cols, un_lo, un_hi, un_lo, un_hi, qk_scale, softcap_log2, seqlen_q, seqlen_k,
+                                 window_left, window_right, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HAS_SOFTCAP, 0,
+                                 LEFT_BOUNDED, RIGHT_BOUNDED, ACCUMULATE_DQ, DQ_TMA_REDUCE, DOT_PRECISION, UPCAST_DOT)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_acc, stride_dqas, lse_ptr, delta_ptr,
+                                 cols, un_hi, end, un_lo, un_hi, qk_scale, softcap_log2, seqlen_q, seqlen_k,
+                                 window_left, window_right, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HAS_SOFTCAP, 1,
+                                 LEFT_BOUNDED, RIGHT_BOUNDED, ACCUMULATE_DQ, DQ_TMA_REDUCE, DOT_PRECISION, UPCAST_DOT)
     dk_desc = rows_descriptor(DK + batch * stride_dkb + k_start * stride_dks + kv_head * stride_dkh, seqlen_k,
                               stride_dks, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
     dv_desc = rows_descriptor(DV + batch * stride_dvb + k_start * stride_dvs + kv_head * stride_dvh, seqlen_k,
@@ -190,7 +218,7 @@ def _bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse_log2, delta, k_desc, v_desc, rows, start, end,
+def _dq_tiles(dq, q, do, lse_log2, delta, k_desc, v_desc, rows, start, end, un_lo, un_hi,
               qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
               BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
               LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr,
@@ -203,10 +231,21 @@ def _dq_tiles(dq, q, do, lse_log2, delta, k_desc, v_desc, rows, start, end,
             tanh_s = tanh(s)
             s = tanh_s * softcap_log2
         p = tl.exp2(s - lse_log2[:, None])
-        if MASKED:
+        if MASKED == 1:
             cols = n0 + tl.arange(0, BLOCK_N)
             keep = visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
                            LEFT_BOUNDED, RIGHT_BOUNDED)
+            p = tl.where(keep, p, 0.0)
+        elif MASKED == 2:
+            if (n0 < un_lo) | (n0 >= un_hi):
+                cols = n0 + tl.arange(0, BLOCK_N)
+                keep = visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
+                               LEFT_BOUNDED, RIGHT_BOUNDED)
+                p = tl.where(keep, p, 0.0)
+        elif MASKED == 3:
+            cols = n0 + tl.arange(0, BLOCK_N)
+            keep = visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
+                           LEFT_BOUNDED, RIGHT_BOUNDED) | ((n0 >= un_lo) & (n0 < un_hi))
             p = tl.where(keep, p, 0.0)
         dp = mma(do, tl.trans(v), DOT_PRECISION, UPCAST_DOT)
         ds = p * (dp - delta[:, None])
@@ -229,8 +268,10 @@ def _bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     IS_VARLEN: tl.constexpr, SEQS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    HAS_DLSE: tl.constexpr,
+    HAS_DLSE: tl.constexpr, ONE_LOOP: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
+    if LAUNCH_DEPENDENTS:  # the dK/dV kernel may take SMs as this one's last programs finish
+        gdc_launch_dependents()
     batch, pid_m, head = program_tile(num_seqs, CU_SEQLENS_Q, BLOCK_M, SEQS_PAD, True, IS_VARLEN)
     if batch >= num_seqs:
         return
@@ -261,15 +302,20 @@ def _bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     start, un_lo, un_hi, end = key_range(m0, seqlen_q, seqlen_k, window_left, window_right,
                                          BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
-    dq = _dq_tiles(dq, q, do, lse_log2, delta, k_desc, v_desc, rows, start, un_lo,
-                   qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
-                   BLOCK_N, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
-    dq = _dq_tiles(dq, q, do, lse_log2, delta, k_desc, v_desc, rows, un_lo, un_hi,
-                   qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
-                   BLOCK_N, HAS_SOFTCAP, False, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
-    dq = _dq_tiles(dq, q, do, lse_log2, delta, k_desc, v_desc, rows, un_hi, end,
-                   qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
-                   BLOCK_N, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
+    if ONE_LOOP:
+        dq = _dq_tiles(dq, q, do, lse_log2, delta, k_desc, v_desc, rows, start, end, un_lo, un_hi,
+                       qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
+                       BLOCK_N, HAS_SOFTCAP, ONE_LOOP + 1, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
+    else:
+        dq = _dq_tiles(dq, q, do, lse_log2, delta, k_desc, v_desc, rows, start, un_lo, un_lo, un_hi,
+                       qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
+                       BLOCK_N, HAS_SOFTCAP, 1, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
+        dq = _dq_tiles(dq, q, do, lse_log2, delta, k_desc, v_desc, rows, un_lo, un_hi, un_lo, un_hi,
+                       qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
+                       BLOCK_N, HAS_SOFTCAP, 0, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
+        dq = _dq_tiles(dq, q, do, lse_log2, delta, k_desc, v_desc, rows, un_hi, end, un_lo, un_hi,
+                       qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
+                       BLOCK_N, HAS_SOFTCAP, 1, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
     dq_desc = rows_descriptor(DQ + batch * stride_dqb + q_start * stride_dqs + head * stride_dqh, seqlen_q,
                               stride_dqs, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
     dq_desc.store([m0, 0], narrow(dq * softmax_scale, DQ.dtype.element_ty))
@@ -326,13 +372,15 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
                    *seq_strides(grad_out, is_varlen))
 
     mask = table_mask(window_left, window_right, softcap)
+    dependent = deterministic and DEPENDENT_BWD and q.is_cuda and supports_dependent_launch(q.device.index)
     if deterministic:  # the dQ kernel also writes delta and lse_log2
         kernel, config = pick_kernel(q.device, "bwd_dq", _bwd_dq_kernel, _bwd_dq_tuned, head_dim_pad, mask,
                                      buckets[0])
         kernel[lambda meta: tile_grid(meta["BLOCK_M"], seqlen_q, q.shape[0], batch, heads_q, is_varlen)](
             q, k, v, grad_out, dq, lse_log2, delta, cu_seqlens_q, cu_seqlens_k, out, lse, grad_lse,
             *strides_qkv, *seq_strides(dq, is_varlen), *seq_strides(out, is_varlen), *strides_lse,
-            seqlen_q, seqlen_k, batch, *scalars, **common, HAS_DLSE=grad_lse is not None, **config,
+            seqlen_q, seqlen_k, batch, *scalars, **common, HAS_DLSE=grad_lse is not None, ONE_LOOP=ONE_LOOP_DQ,
+            LAUNCH_DEPENDENTS=dependent, **config,
         )
     else:
         _bwd_preprocess[tile_grid(PREPROCESS_BLOCK, seqlen_q, out.shape[0], batch, heads_q, is_varlen)](
@@ -350,7 +398,8 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
         *strides_qkv, *seq_strides(dk, is_varlen), *seq_strides(dv, is_varlen),
         *(seq_strides(dq_acc, is_varlen) if dq_acc is not None else (0, 0, 0)), *strides_lse,
         seqlen_q, seqlen_k, batch, *scalars, **common, ACCUMULATE_DQ=not deterministic,
-        DQ_TMA_REDUCE=not INTERPRETED, **config,
+        DQ_TMA_REDUCE=not INTERPRETED, ONE_LOOP=ONE_LOOP_DKDV, WAIT_FOR_PRIMARY=dependent, launch_pdl=dependent,
+        **config,
     )
     if not deterministic:
         return dq.copy_(dq_acc.mul_(softmax_scale)), dk, dv
