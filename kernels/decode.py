@@ -21,26 +21,20 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .flash_fwd import log2_scales
-from .launch import (INTERPRETED, CompiledLaunch, as_descriptor_compatible, cdiv, dot_precision, ensure_allocator,
-                     new_output, next_power_of_2, reused_buffers, supports_dependent_launch, upcast_dot)
+from .launch import (CompiledLaunch, as_descriptor_compatible, cdiv, dot_precision, ensure_allocator, new_output,
+                     next_power_of_2, reused_buffers, upcast_dot)
 from .tile_ops import attention_logits, key_range, narrow, online_softmax_step
 
 LN2 = tl.constexpr(math.log(2.0))
 # The interpreter has no SMs: use the H200's count so that CPU runs take the GPU's split decisions.
 DEFAULT_SMS = 132
-# The combine kernel as a programmatic dependent of the split decode kernel (supports_dependent_launch):
-# off until the H200 has measured it (bench_decode.py's "PDL" columns); FLASHFORMER_DEPENDENT_LAUNCH=1 at
-# import, or the attribute, turns it on.
-DEPENDENT_LAUNCH = os.environ.get("FLASHFORMER_DEPENDENT_LAUNCH") == "1"
 # Programs of the decode kernel resident on one SM at a time: its launch config (_launch_config) leaves
 # shared memory for two. Splits fill these slots in whole waves (choose_num_splits).
 RESIDENT_PER_SM = 2
@@ -97,10 +91,7 @@ def _decode_kernel(
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr,
     PER_SEQUENCE_LENGTHS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
-    if LAUNCH_DEPENDENTS:  # the combine may be scheduled once every program has started (DEPENDENT_LAUNCH)
-        gdc_launch_dependents()
     # Token blocks and (sequence, kv head) share grid dimension 0, whose cap (2**31 - 1) no batch reaches.
     token_blocks = tl.cdiv(seqlen_q, BLOCK_T)
     pid_t = tl.program_id(0) % token_blocks
@@ -170,12 +161,9 @@ def _decode_kernel(
 
 @triton.jit(do_not_specialize=["seqlen_q", "heads_q", "num_splits"])  # CompiledLaunch; pointers: fresh buffers
 def _combine_kernel(O_PART, LSE_PART, O, LSE, seqlen_q, heads_q, num_splits,
-                    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                    WAIT_FOR_PRIMARY: tl.constexpr):
+                    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
     # One program per (batch, token, query head) row: out = sum_s exp(lse_s - lse) * out_s.
     row = tl.program_id(0)
-    if WAIT_FOR_PRIMARY:  # launched before the decode kernel finished: its partials are complete after this
-        gdc_wait()
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
     lse_s = tl.load(LSE_PART + row * num_splits + splits, mask=splits < num_splits, other=float("-inf"))
@@ -284,7 +272,7 @@ def _plan_key(q, k_cache, v_cache, block_table, per_sequence, max_seqlen_k, soft
     budget = min(max_seqlen_k // MIN_KEYS_PER_SPLIT, MAX_SPLITS) if num_splits == 0 else 0
     return (q.shape, q.stride(), q.dtype, k_cache.dtype, q.device, k_cache.shape, k_cache.stride(), v_cache.shape,
             v_cache.stride(), None if block_table is None else block_table.stride(), per_sequence, softmax_scale,
-            window_left, window_right, softcap, num_splits, budget, DEPENDENT_LAUNCH)
+            window_left, window_right, softcap, num_splits, budget)
 
 
 def _build_plan(q, k_cache, v_cache, block_table, per_sequence, max_seqlen_k, softmax_scale, window_left,
@@ -307,8 +295,6 @@ def _build_plan(q, k_cache, v_cache, block_table, per_sequence, max_seqlen_k, so
         num_splits = choose_num_splits(batch * heads_kv * token_blocks, keys, q.device)
     block_n, num_warps, num_stages = _launch_config(q.device, head_dim_pad, page_size)
     split = num_splits > 1
-    dependent = (split and DEPENDENT_LAUNCH and q.device.type == "cuda"
-                 and supports_dependent_launch(q.device.index))
     qk_scale, softcap_log2 = log2_scales(softmax_scale, softcap)
     return _Plan(
         grid=(token_blocks * batch * heads_kv, num_splits),
@@ -320,15 +306,13 @@ def _build_plan(q, k_cache, v_cache, block_table, per_sequence, max_seqlen_k, so
                   HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, LEFT_BOUNDED=window_left >= 0,
                   RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0, SPLIT=split,
                   PER_SEQUENCE_LENGTHS=per_sequence, DOT_PRECISION=dot_precision(q.dtype),
-                  UPCAST_DOT=upcast_dot(q.dtype), LAUNCH_DEPENDENTS=dependent, num_warps=num_warps,
-                  num_stages=num_stages),
+                  UPCAST_DOT=upcast_dot(q.dtype), num_warps=num_warps, num_stages=num_stages),
         partial_shapes=((batch, seqlen_q, heads_q, num_splits, head_dim), (batch, seqlen_q, heads_q, num_splits))
         if split else (),
         combine_grid=(batch * seqlen_q * heads_q,),
         combine_ints=(seqlen_q, heads_q, num_splits),
         combine_meta=dict(SPLITS_PAD=max(2, next_power_of_2(num_splits)), HEAD_DIM=head_dim,
-                          HEAD_DIM_PAD=head_dim_pad, WAIT_FOR_PRIMARY=dependent, num_warps=4,
-                          launch_pdl=dependent),
+                          HEAD_DIM_PAD=head_dim_pad, num_warps=4),
     )
 
 

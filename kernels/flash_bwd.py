@@ -29,23 +29,21 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .flash_fwd import log2_scales
 from .launch import (INTERPRETED, as_descriptor_compatible, dot_precision, ensure_allocator, new_output,
-                     next_power_of_2, pick_kernel, seq_strides, seqs_pad, supports_dependent_launch, table_mask,
-                     tile_grid, tuned, upcast_dot)
+                     next_power_of_2, pick_kernel, seq_strides, seqs_pad, table_mask, tile_grid, tuned,
+                     upcast_dot)
 from .tile_ops import (key_range, mma, narrow, program_tile, query_range, rows_descriptor, sequence_bounds, tanh,
                        visible)
 
 PREPROCESS_BLOCK = 64
-# Session 8's experiment switches (docs/perf-notes.md), measured side by side by scripts/bench_bwd_variants.py:
+# Session 8's experiment switches (docs/perf-notes.md), measured side by side by scripts/bench_loop_variants.py:
 # each kernel's edge tiles masked inside one pipelined loop instead of three loops (0: three loops; 1: one
-# loop, the mask under a branch; 2: one loop, the mask everywhere), and the dK/dV kernel launched as a
-# programmatic dependent of the dQ kernel. Environment variables set them for test processes.
+# loop, the mask under a branch; 2: one loop, the mask everywhere). Environment variables set them for
+# test processes.
 ONE_LOOP_DQ = int(os.environ.get("FLASHFORMER_ONE_LOOP_DQ", "0"))
 ONE_LOOP_DKDV = int(os.environ.get("FLASHFORMER_ONE_LOOP_DKDV", "0"))
-DEPENDENT_BWD = os.environ.get("FLASHFORMER_DEPENDENT_BWD") == "1"
 
 
 @triton.jit
@@ -150,7 +148,7 @@ def _bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     IS_VARLEN: tl.constexpr, SEQS_PAD: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, DQ_TMA_REDUCE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, ONE_LOOP: tl.constexpr, WAIT_FOR_PRIMARY: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, ONE_LOOP: tl.constexpr,
 ):
     # Key tiles first to last: under a causal mask the first keys are seen by the most queries.
     batch, pid_n, kv_head = program_tile(num_seqs, CU_SEQLENS_K, BLOCK_N, SEQS_PAD, False, IS_VARLEN)
@@ -173,8 +171,6 @@ def _bwd_dkdv_kernel(
     start, un_lo, un_hi, end = query_range(n0, seqlen_q, seqlen_k, window_left, window_right,
                                            BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
     lse_base = batch * stride_lse_b + q_start
-    if WAIT_FOR_PRIMARY:  # the dQ kernel writes the row statistics read below
-        gdc_wait()
     # Never software-pipelined: the loop creates descriptors, which the pipeliner cannot predicate. It
     # would try when a query length of 1 (specialised as a constant) folds the inner loops away.
     for g in tl.range(GROUP, num_stages=1):
@@ -268,10 +264,8 @@ def _bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     IS_VARLEN: tl.constexpr, SEQS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    HAS_DLSE: tl.constexpr, ONE_LOOP: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+    HAS_DLSE: tl.constexpr, ONE_LOOP: tl.constexpr,
 ):
-    if LAUNCH_DEPENDENTS:  # the dK/dV kernel may take SMs as this one's last programs finish
-        gdc_launch_dependents()
     batch, pid_m, head = program_tile(num_seqs, CU_SEQLENS_Q, BLOCK_M, SEQS_PAD, True, IS_VARLEN)
     if batch >= num_seqs:
         return
@@ -372,7 +366,6 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
                    *seq_strides(grad_out, is_varlen))
 
     mask = table_mask(window_left, window_right, softcap)
-    dependent = deterministic and DEPENDENT_BWD and q.is_cuda and supports_dependent_launch(q.device.index)
     if deterministic:  # the dQ kernel also writes delta and lse_log2
         kernel, config = pick_kernel(q.device, "bwd_dq", _bwd_dq_kernel, _bwd_dq_tuned, head_dim_pad, mask,
                                      buckets[0])
@@ -380,7 +373,7 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
             q, k, v, grad_out, dq, lse_log2, delta, cu_seqlens_q, cu_seqlens_k, out, lse, grad_lse,
             *strides_qkv, *seq_strides(dq, is_varlen), *seq_strides(out, is_varlen), *strides_lse,
             seqlen_q, seqlen_k, batch, *scalars, **common, HAS_DLSE=grad_lse is not None, ONE_LOOP=ONE_LOOP_DQ,
-            LAUNCH_DEPENDENTS=dependent, **config,
+            **config,
         )
     else:
         _bwd_preprocess[tile_grid(PREPROCESS_BLOCK, seqlen_q, out.shape[0], batch, heads_q, is_varlen)](
@@ -398,8 +391,7 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
         *strides_qkv, *seq_strides(dk, is_varlen), *seq_strides(dv, is_varlen),
         *(seq_strides(dq_acc, is_varlen) if dq_acc is not None else (0, 0, 0)), *strides_lse,
         seqlen_q, seqlen_k, batch, *scalars, **common, ACCUMULATE_DQ=not deterministic,
-        DQ_TMA_REDUCE=not INTERPRETED, ONE_LOOP=ONE_LOOP_DKDV, WAIT_FOR_PRIMARY=dependent, launch_pdl=dependent,
-        **config,
+        DQ_TMA_REDUCE=not INTERPRETED, ONE_LOOP=ONE_LOOP_DKDV, **config,
     )
     if not deterministic:
         return dq.copy_(dq_acc.mul_(softmax_scale)), dk, dv

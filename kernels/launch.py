@@ -170,14 +170,6 @@ def pick_kernel(device, kind, kernel, tuned_kernel, head_dim_pad, mask=None, seq
     return tuned_kernel, {}
 
 
-@functools.cache
-def supports_dependent_launch(device_index):
-    """Whether a kernel can be launched as a programmatic dependent of the one before it (Hopper and
-    newer; not in the interpreter): scheduled while the first kernel's last programs run, it waits in
-    gdc_wait instead of in the launch queue, hiding the gap between the two."""
-    return not INTERPRETED and torch.cuda.get_device_capability(device_index) >= (9, 0)
-
-
 def _torch_allocator(size, alignment, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 

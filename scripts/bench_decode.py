@@ -22,7 +22,6 @@ whose tensors would pass MEMORY_LIMIT are skipped. Prints a markdown table last;
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import json
 import os
@@ -42,8 +41,7 @@ HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
 PAGE_SIZE = 256
 DTYPE = torch.bfloat16
 MEMORY_LIMIT = 60e9  # peak bytes of one cell: the cache plus one other layout of it
-METHODS = ("ours", "ours paged", "ours API", "SDPA flash", "SDPA cuDNN", "ours graph", "SDPA cuDNN graph",
-           "ours PDL", "ours PDL graph")
+METHODS = ("ours", "ours paged", "ours API", "SDPA flash", "SDPA cuDNN", "ours graph", "SDPA cuDNN graph")
 HOST_CALLS = 200
 
 
@@ -62,18 +60,6 @@ def _time_graphed(fn):
         return _time(_graphed(fn))
     except RuntimeError as error:  # a capture failure is a result to report, not a crash
         return None, str(error).splitlines()[0]
-
-
-@contextlib.contextmanager
-def _dependent_launch():
-    """decode.DEPENDENT_LAUNCH on for the calls inside (each plan remembers it: a key of its own)."""
-    from flashformer.kernels import decode
-
-    saved, decode.DEPENDENT_LAUNCH = decode.DEPENDENT_LAUNCH, True
-    try:
-        yield
-    finally:
-        decode.DEPENDENT_LAUNCH = saved
 
 
 def _graphed(fn):
@@ -116,9 +102,6 @@ def run_cell(batch, length, split_sweep=()):
             return decode_attention(q, k_cache, v_cache, seqlens, None, length, scale, -1, 0, 0.0)[0]
         times["ours"], outs["ours"] = _time(ours)
         times["ours graph"], outs["ours graph"] = _time_graphed(ours)
-        with _dependent_launch():  # the combine as a programmatic dependent (decode.DEPENDENT_LAUNCH)
-            times["ours PDL"], outs["ours PDL"] = _time(ours)
-            times["ours PDL graph"], outs["ours PDL graph"] = _time_graphed(ours)
         host_us = _median_host_us(ours)
         times["ours API"], _ = _time(lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=length))
         sweep_ms = {splits: _time_graphed(lambda s=splits: decode_attention(
@@ -152,7 +135,7 @@ def run_cell(batch, length, split_sweep=()):
     reference = outs["SDPA flash"]
     diffs = {name: (outs[name].float() - reference.float()).abs().max().item()
              if times[name] is not None and times["SDPA flash"] is not None else None
-             for name in ("ours", "ours paged", "ours graph", "ours PDL graph")}
+             for name in ("ours", "ours paged", "ours graph")}
     return {
         "batch": batch, "cache_len": length,
         "num_splits": choose_num_splits(batch * HEADS_KV, length, device),
@@ -206,7 +189,7 @@ def plot_cells(cells, path):
 def markdown(cells):
     header = (["batch", "cache length", "splits"] + [f"{name} TB/s" for name in METHODS]
               + ["graph: ours / cuDNN", "ours host µs", "cuDNN host µs",
-                 "max abs diff vs SDPA flash (ours / paged / graph / PDL graph)"])
+                 "max abs diff vs SDPA flash (ours / paged / graph)"])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for cell in cells:
         if "skipped" in cell:
@@ -219,7 +202,7 @@ def markdown(cells):
         row = ([str(cell["batch"]), str(cell["cache_len"]), str(cell["num_splits"])]
                + [_fmt(rates[name], ".2f") for name in METHODS]
                + [_fmt(ratio, ".2f"), f"{cell['ours_host_us']:.0f}", _fmt(cell["cudnn_host_us"], ".0f"),
-                  " / ".join(_fmt(diffs[name], ".1e") for name in ("ours", "ours paged", "ours graph", "ours PDL graph"))])
+                  " / ".join(_fmt(diffs[name], ".1e") for name in ("ours", "ours paged", "ours graph"))])
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

@@ -56,12 +56,12 @@ def resource_usage(compiled):
 
 
 def attention_constexprs(head_dim, block_m, block_n, causal=True, window=False, softcap=False, varlen=False, group=1,
-                         accumulate_dq=False, has_dlse=False, one_loop=False, dependent=False):
+                         accumulate_dq=False, has_dlse=False, one_loop=0):
     return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_M=block_m,
                 BLOCK_N=block_n, LEFT_BOUNDED=window, RIGHT_BOUNDED=causal or window, HAS_SOFTCAP=softcap,
                 IS_VARLEN=varlen, SEQS_PAD=16 if varlen else 1, ACCUMULATE_DQ=accumulate_dq,
                 DQ_TMA_REDUCE=accumulate_dq, DOT_PRECISION="tf32", UPCAST_DOT=False, HAS_DLSE=has_dlse,
-                ONE_LOOP=one_loop, LAUNCH_DEPENDENTS=dependent, WAIT_FOR_PRIMARY=dependent)
+                ONE_LOOP=one_loop)
 
 
 CASES = {
@@ -94,10 +94,7 @@ CASES = {
                                dict(GROUP=4, GROUP_PAD=4, BLOCK_T=16, BLOCK_N=64, PAGE_SIZE=256, HEAD_DIM=128,
                                     HEAD_DIM_PAD=128, LEFT_BOUNDED=False, RIGHT_BOUNDED=True, HAS_SOFTCAP=False,
                                     SPLIT=True, PER_SEQUENCE_LENGTHS=True, DOT_PRECISION="tf32",
-                                    UPCAST_DOT=False, LAUNCH_DEPENDENTS=True), 4, 3),
-    # launched as a programmatic dependent of the split decode kernel (griddepcontrol)
-    "combine-d128-dependent": (decode._combine_kernel, dict(SPLITS_PAD=32, HEAD_DIM=128, HEAD_DIM_PAD=128,
-                                                            WAIT_FOR_PRIMARY=True), 4, 1),
+                                    UPCAST_DOT=False), 4, 3),
     "cross_entropy_fwd": (cross_entropy._ce_forward_kernel, dict(BLOCK_V=4096, HAS_BIAS=True, HAS_SOFTCAP=True), 8, 3),
     "cross_entropy_bwd": (cross_entropy._ce_backward_kernel, dict(BLOCK_V=4096, HAS_BIAS=True, HAS_SOFTCAP=True), 8, 3),
 }
@@ -116,7 +113,6 @@ def main(selected):
         registers, spill_bytes = resource_usage(compiled)
         report[name] = {"wgmma": "wgmma.mma_async" in ptx, "tma": "cp.async.bulk.tensor" in ptx,
                         "tma_reduce": "cp.reduce.async.bulk.tensor" in ptx,
-                        "grid_dependency": re.findall(r"griddepcontrol\.(\w+)", ptx),
                         "shared_bytes": compiled.metadata.shared, "registers": registers, "spill_bytes": spill_bytes}
     print(json.dumps(report))
 

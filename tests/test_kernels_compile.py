@@ -49,10 +49,3 @@ def test_nondeterministic_backward_reduces_dq_through_tma(report):
     element-wise atomics; the deterministic kernels issue none."""
     for name, case in report.items():
         assert case.get("tma_reduce", False) == name.startswith("bwd_fused"), (name, case)
-
-
-def test_decode_and_combine_overlap_through_grid_dependency_control(report):
-    """The split decode kernel lets its combine launch early (griddepcontrol.launch_dependents), and
-    the combine waits for the decode kernel's partials (griddepcontrol.wait) before reading them."""
-    assert report["decode-d128-gqa4-paged"]["grid_dependency"] == ["launch_dependents"]
-    assert report["combine-d128-dependent"]["grid_dependency"] == ["wait"]

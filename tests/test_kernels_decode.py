@@ -282,33 +282,6 @@ def test_repeat_launches_reuse_the_compiled_kernel(num_splits, device, triton_pa
         assert any(key[-1] == "decode partials" for key in launch._REUSED)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                    reason="programmatic dependent launch needs a Hopper GPU")
-def test_dependent_launch_equals_separate_launches(device, triton_path, monkeypatch):
-    """The combine launched as a programmatic dependent of the split decode kernel (it waits in the
-    kernel for the partials) gives the bits of the two separate launches, eagerly and replayed from a
-    CUDA graph, whose capture turns the launch attribute into a programmatic edge."""
-    from flashformer.kernels import decode
-
-    q = torch.randn(2, 1, 8, 128, device=device, dtype=torch.bfloat16)
-    k_cache, v_cache = (torch.randn(2, 4096, 2, 128, device=device, dtype=torch.bfloat16) for _ in range(2))
-    lengths = torch.tensor([4000, 1500], dtype=torch.int32, device=device)
-
-    def step():
-        return flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, num_splits=6)
-
-    separate = step()
-    monkeypatch.setattr(decode, "DEPENDENT_LAUNCH", True)
-    assert torch.equal(step(), separate)
-    step()  # compiled outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, separate)
-
-
 @pytest.mark.parametrize("paged", [False, True])
 def test_unchecked_lengths_equal_checked(paged, device, triton_path):
     """check_lengths=False (no host sync, as CUDA-graph capture needs) computes what the checked call
