@@ -7,10 +7,10 @@ turned into +inf so that their recomputed probabilities are 0.
 
 Two launches:
 1. ``_bwd_dq_kernel``: one program per query tile and query head; it computes its rows' statistics
-   (and stores them), then walks the key tiles like the forward does and accumulates dQ.
+   (and stores them), then walks the key tiles in one loop and accumulates dQ.
 2. ``_bwd_dkdv_kernel``: one program per key tile and kv head; it walks the query tiles that see the
    keys, for every query head of its GQA group, recomputing P^T from the stored lse, and accumulates
-   dK and dV in registers. Looping over the group inside the program (instead of atomics across
+   dK and dV in registers (one loop, or three at head_dim <= 64: ONE_LOOP_DKDV_HEAD_DIM). Looping over the group inside the program (instead of atomics across
    programs) keeps GQA deterministic.
 
 With deterministic=False there is no dQ kernel: ``_bwd_preprocess`` computes the statistics, and the
@@ -24,8 +24,6 @@ d qk = dS * scale (times 1 - tanh^2 with softcap).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -38,12 +36,10 @@ from .tile_ops import (key_range, mma, narrow, program_tile, query_range, rows_d
                        visible)
 
 PREPROCESS_BLOCK = 64
-# Session 8's experiment switches (docs/perf-notes.md), measured side by side by scripts/bench_loop_variants.py:
-# each kernel's edge tiles masked inside one pipelined loop instead of three loops (0: three loops; 1: one
-# loop, the mask under a branch; 2: one loop, the mask everywhere). Environment variables set them for
-# test processes.
-ONE_LOOP_DQ = int(os.environ.get("FLASHFORMER_ONE_LOOP_DQ", "0"))
-ONE_LOOP_DKDV = int(os.environ.get("FLASHFORMER_ONE_LOOP_DKDV", "0"))
+# The dK/dV kernel walks its query tiles in one loop (edge tiles masked under a branch) from this padded
+# head_dim up, and in three loops (masked edge, unmasked middle, masked edge) below it: on the H200 one
+# loop gained 2-11% at head_dim 128 and 256 and lost 4-13% at head_dim 64 (docs/perf-notes.md, "Session 8").
+ONE_LOOP_DKDV_HEAD_DIM = 128
 
 
 @triton.jit
@@ -103,19 +99,15 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, DQ_ACC, stride_dq_acc, L
             tanh_t = tanh(s_t)
             s_t = tanh_t * softcap_log2
         p_t = tl.exp2(s_t - lse_log2[None, :])
-        if MASKED == 1:
+        if MASKED == 1:  # every tile of this loop
             keep = visible(rows[None, :], cols[:, None], seqlen_q, seqlen_k, window_left, window_right,
                            LEFT_BOUNDED, RIGHT_BOUNDED)
             p_t = tl.where(keep, p_t, 0.0)
-        elif MASKED == 2:
+        elif MASKED == 2:  # the tiles outside [un_lo, un_hi)
             if (m0 < un_lo) | (m0 >= un_hi):
                 keep = visible(rows[None, :], cols[:, None], seqlen_q, seqlen_k, window_left, window_right,
                                LEFT_BOUNDED, RIGHT_BOUNDED)
                 p_t = tl.where(keep, p_t, 0.0)
-        elif MASKED == 3:
-            keep = visible(rows[None, :], cols[:, None], seqlen_q, seqlen_k, window_left, window_right,
-                           LEFT_BOUNDED, RIGHT_BOUNDED) | ((m0 >= un_lo) & (m0 < un_hi))
-            p_t = tl.where(keep, p_t, 0.0)
         dv += mma(narrow(p_t, do.dtype), do, DOT_PRECISION, UPCAST_DOT)
         dp_t = mma(v, tl.trans(do), DOT_PRECISION, UPCAST_DOT)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -190,7 +182,7 @@ def _bwd_dkdv_kernel(
         if ONE_LOOP:  # one software pipeline per program: the edge tiles mask inside it
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_acc, stride_dqas, lse_ptr, delta_ptr,
                                  cols, start, end, un_lo, un_hi, qk_scale, softcap_log2, seqlen_q, seqlen_k,
-                                 window_left, window_right, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HAS_SOFTCAP, ONE_LOOP + 1,
+                                 window_left, window_right, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HAS_SOFTCAP, 2,
                                  LEFT_BOUNDED, RIGHT_BOUNDED, ACCUMULATE_DQ, DQ_TMA_REDUCE, DOT_PRECISION, UPCAST_DOT)
         else:
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_acc, stride_dqas, lse_ptr, delta_ptr,
@@ -216,9 +208,12 @@ def _bwd_dkdv_kernel(
 @triton.jit
 def _dq_tiles(dq, q, do, lse_log2, delta, k_desc, v_desc, rows, start, end, un_lo, un_hi,
               qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
-              BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
+              BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
               LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr,
               DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """All key tiles in one software pipeline; tiles outside [un_lo, un_hi) are masked. The mask is a
+    select on every tile (its condition also admits the unmasked middle): one pipeline fill per program
+    instead of three loops' three, and, measured on the H200, faster than masking under a branch."""
     for n0 in tl.range(start, end, BLOCK_N):
         k = k_desc.load([n0, 0])
         v = v_desc.load([n0, 0])
@@ -227,22 +222,10 @@ def _dq_tiles(dq, q, do, lse_log2, delta, k_desc, v_desc, rows, start, end, un_l
             tanh_s = tanh(s)
             s = tanh_s * softcap_log2
         p = tl.exp2(s - lse_log2[:, None])
-        if MASKED == 1:
-            cols = n0 + tl.arange(0, BLOCK_N)
-            keep = visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
-                           LEFT_BOUNDED, RIGHT_BOUNDED)
-            p = tl.where(keep, p, 0.0)
-        elif MASKED == 2:
-            if (n0 < un_lo) | (n0 >= un_hi):
-                cols = n0 + tl.arange(0, BLOCK_N)
-                keep = visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
-                               LEFT_BOUNDED, RIGHT_BOUNDED)
-                p = tl.where(keep, p, 0.0)
-        elif MASKED == 3:
-            cols = n0 + tl.arange(0, BLOCK_N)
-            keep = visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
-                           LEFT_BOUNDED, RIGHT_BOUNDED) | ((n0 >= un_lo) & (n0 < un_hi))
-            p = tl.where(keep, p, 0.0)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        keep = visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
+                       LEFT_BOUNDED, RIGHT_BOUNDED) | ((n0 >= un_lo) & (n0 < un_hi))
+        p = tl.where(keep, p, 0.0)
         dp = mma(do, tl.trans(v), DOT_PRECISION, UPCAST_DOT)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
@@ -264,7 +247,7 @@ def _bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     IS_VARLEN: tl.constexpr, SEQS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    HAS_DLSE: tl.constexpr, ONE_LOOP: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
 ):
     batch, pid_m, head = program_tile(num_seqs, CU_SEQLENS_Q, BLOCK_M, SEQS_PAD, True, IS_VARLEN)
     if batch >= num_seqs:
@@ -296,20 +279,9 @@ def _bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     start, un_lo, un_hi, end = key_range(m0, seqlen_q, seqlen_k, window_left, window_right,
                                          BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
-    if ONE_LOOP:
-        dq = _dq_tiles(dq, q, do, lse_log2, delta, k_desc, v_desc, rows, start, end, un_lo, un_hi,
-                       qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
-                       BLOCK_N, HAS_SOFTCAP, ONE_LOOP + 1, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
-    else:
-        dq = _dq_tiles(dq, q, do, lse_log2, delta, k_desc, v_desc, rows, start, un_lo, un_lo, un_hi,
-                       qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
-                       BLOCK_N, HAS_SOFTCAP, 1, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
-        dq = _dq_tiles(dq, q, do, lse_log2, delta, k_desc, v_desc, rows, un_lo, un_hi, un_lo, un_hi,
-                       qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
-                       BLOCK_N, HAS_SOFTCAP, 0, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
-        dq = _dq_tiles(dq, q, do, lse_log2, delta, k_desc, v_desc, rows, un_hi, end, un_lo, un_hi,
-                       qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
-                       BLOCK_N, HAS_SOFTCAP, 1, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
+    dq = _dq_tiles(dq, q, do, lse_log2, delta, k_desc, v_desc, rows, start, end, un_lo, un_hi,
+                   qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
+                   BLOCK_N, HAS_SOFTCAP, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
     dq_desc = rows_descriptor(DQ + batch * stride_dqb + q_start * stride_dqs + head * stride_dqh, seqlen_q,
                               stride_dqs, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
     dq_desc.store([m0, 0], narrow(dq * softmax_scale, DQ.dtype.element_ty))
@@ -372,8 +344,7 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
         kernel[lambda meta: tile_grid(meta["BLOCK_M"], seqlen_q, q.shape[0], batch, heads_q, is_varlen)](
             q, k, v, grad_out, dq, lse_log2, delta, cu_seqlens_q, cu_seqlens_k, out, lse, grad_lse,
             *strides_qkv, *seq_strides(dq, is_varlen), *seq_strides(out, is_varlen), *strides_lse,
-            seqlen_q, seqlen_k, batch, *scalars, **common, HAS_DLSE=grad_lse is not None, ONE_LOOP=ONE_LOOP_DQ,
-            **config,
+            seqlen_q, seqlen_k, batch, *scalars, **common, HAS_DLSE=grad_lse is not None, **config,
         )
     else:
         _bwd_preprocess[tile_grid(PREPROCESS_BLOCK, seqlen_q, out.shape[0], batch, heads_q, is_varlen)](
@@ -391,7 +362,8 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
         *strides_qkv, *seq_strides(dk, is_varlen), *seq_strides(dv, is_varlen),
         *(seq_strides(dq_acc, is_varlen) if dq_acc is not None else (0, 0, 0)), *strides_lse,
         seqlen_q, seqlen_k, batch, *scalars, **common, ACCUMULATE_DQ=not deterministic,
-        DQ_TMA_REDUCE=not INTERPRETED, ONE_LOOP=ONE_LOOP_DKDV, **config,
+        DQ_TMA_REDUCE=not INTERPRETED, ONE_LOOP=deterministic and head_dim_pad >= ONE_LOOP_DKDV_HEAD_DIM,
+        **config,
     )
     if not deterministic:
         return dq.copy_(dq_acc.mul_(softmax_scale)), dk, dv

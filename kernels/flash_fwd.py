@@ -14,7 +14,6 @@ past the end: any seqlen and any head_dim up to the padded HEAD_DIM_PAD work wit
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -23,15 +22,13 @@ import triton.language as tl
 from .launch import (as_descriptor_compatible, dot_precision, ensure_allocator, new_output, next_power_of_2,
                      pick_kernel, seq_strides, seqs_pad, table_mask, tile_grid, tuned, upcast_dot)
 from .tile_ops import (attention_logits, key_range, narrow, online_softmax_step, program_tile, rows_descriptor,
-                       sequence_bounds, visible)
+                       sequence_bounds)
 
 LOG2E = 1.4426950408889634
-# Session 8's experiment switch, as flash_bwd.ONE_LOOP_DQ (scripts/bench_loop_variants.py).
-ONE_LOOP_FWD = int(os.environ.get("FLASHFORMER_ONE_LOOP_FWD", "0"))
 
 
 @triton.jit
-def _fwd_tiles(acc, row_max, row_sum, q, k_desc, v_desc, rows, start, end, un_lo, un_hi,
+def _fwd_tiles(acc, row_max, row_sum, q, k_desc, v_desc, rows, start, end,
                qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
                BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
                LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -39,20 +36,10 @@ def _fwd_tiles(acc, row_max, row_sum, q, k_desc, v_desc, rows, start, end, un_lo
     for n0 in tl.range(start, end, BLOCK_N):
         k = k_desc.load([n0, 0])
         v = v_desc.load([n0, 0])
-        cols = n0 + tl.arange(0, BLOCK_N)
-        s = attention_logits(q, k, rows, cols, qk_scale, softcap_log2, seqlen_q, seqlen_k,
-                             window_left, window_right, HAS_SOFTCAP, MASKED == 1, LEFT_BOUNDED, RIGHT_BOUNDED,
+        s = attention_logits(q, k, rows, n0 + tl.arange(0, BLOCK_N), qk_scale, softcap_log2, seqlen_q, seqlen_k,
+                             window_left, window_right, HAS_SOFTCAP, MASKED, LEFT_BOUNDED, RIGHT_BOUNDED,
                              DOT_PRECISION, UPCAST_DOT)
-        if MASKED == 2:
-            if (n0 < un_lo) | (n0 >= un_hi):
-                s = tl.where(visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
-                                     LEFT_BOUNDED, RIGHT_BOUNDED), s, float("-inf"))
-        elif MASKED == 3:
-            keep = visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
-                           LEFT_BOUNDED, RIGHT_BOUNDED) | ((n0 >= un_lo) & (n0 < un_hi))
-            s = tl.where(keep, s, float("-inf"))
-        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, s, v, MASKED != 0, DOT_PRECISION,
-                                                    UPCAST_DOT)
+        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, s, v, MASKED, DOT_PRECISION, UPCAST_DOT)
     return acc, row_max, row_sum
 
 
@@ -71,7 +58,6 @@ def _attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     IS_VARLEN: tl.constexpr, SEQS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    ONE_LOOP: tl.constexpr,
 ):
     batch, pid_m, head = program_tile(num_seqs, CU_SEQLENS_Q, BLOCK_M, SEQS_PAD, True, IS_VARLEN)
     if batch >= num_seqs:
@@ -99,24 +85,15 @@ def _attn_fwd_kernel(
 
     start, un_lo, un_hi, end = key_range(m0, seqlen_q, seqlen_k, window_left, window_right,
                                          BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
-    if ONE_LOOP:  # one software pipeline per program: the edge tiles mask inside it
-        acc, row_max, row_sum = _fwd_tiles(acc, row_max, row_sum, q, k_desc, v_desc, rows, start, end, un_lo, un_hi,
-                                           qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
-                                           BLOCK_N, HAS_SOFTCAP, ONE_LOOP + 1, LEFT_BOUNDED, RIGHT_BOUNDED,
-                                           DOT_PRECISION, UPCAST_DOT)
-    else:
-        acc, row_max, row_sum = _fwd_tiles(acc, row_max, row_sum, q, k_desc, v_desc, rows, start, un_lo, un_lo, un_hi,
-                                           qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
-                                           BLOCK_N, HAS_SOFTCAP, 1, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION,
-                                           UPCAST_DOT)
-        acc, row_max, row_sum = _fwd_tiles(acc, row_max, row_sum, q, k_desc, v_desc, rows, un_lo, un_hi, un_lo, un_hi,
-                                           qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
-                                           BLOCK_N, HAS_SOFTCAP, 0, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION,
-                                           UPCAST_DOT)
-        acc, row_max, row_sum = _fwd_tiles(acc, row_max, row_sum, q, k_desc, v_desc, rows, un_hi, end, un_lo, un_hi,
-                                           qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
-                                           BLOCK_N, HAS_SOFTCAP, 1, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION,
-                                           UPCAST_DOT)
+    acc, row_max, row_sum = _fwd_tiles(acc, row_max, row_sum, q, k_desc, v_desc, rows, start, un_lo,
+                                       qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
+                                       BLOCK_N, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
+    acc, row_max, row_sum = _fwd_tiles(acc, row_max, row_sum, q, k_desc, v_desc, rows, un_lo, un_hi,
+                                       qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
+                                       BLOCK_N, HAS_SOFTCAP, False, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
+    acc, row_max, row_sum = _fwd_tiles(acc, row_max, row_sum, q, k_desc, v_desc, rows, un_hi, end,
+                                       qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
+                                       BLOCK_N, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
 
     # A row that saw no key: output 0 and lse = -inf (log of an empty sum).
     empty = row_sum == 0.0
@@ -186,6 +163,6 @@ def attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap
         GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
         IS_VARLEN=is_varlen, SEQS_PAD=seqs_pad(batch, is_varlen), DOT_PRECISION=dot_precision(q.dtype),
-        UPCAST_DOT=upcast_dot(q.dtype), ONE_LOOP=ONE_LOOP_FWD, **config,
+        UPCAST_DOT=upcast_dot(q.dtype), **config,
     )
     return out, lse

@@ -56,12 +56,12 @@ def resource_usage(compiled):
 
 
 def attention_constexprs(head_dim, block_m, block_n, causal=True, window=False, softcap=False, varlen=False, group=1,
-                         accumulate_dq=False, has_dlse=False, one_loop=0):
+                         accumulate_dq=False, has_dlse=False):
     return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_M=block_m,
                 BLOCK_N=block_n, LEFT_BOUNDED=window, RIGHT_BOUNDED=causal or window, HAS_SOFTCAP=softcap,
                 IS_VARLEN=varlen, SEQS_PAD=16 if varlen else 1, ACCUMULATE_DQ=accumulate_dq,
                 DQ_TMA_REDUCE=accumulate_dq, DOT_PRECISION="tf32", UPCAST_DOT=False, HAS_DLSE=has_dlse,
-                ONE_LOOP=one_loop)
+                ONE_LOOP=not accumulate_dq and triton.next_power_of_2(head_dim) >= flash_bwd.ONE_LOOP_DKDV_HEAD_DIM)
 
 
 CASES = {
