@@ -24,10 +24,15 @@ INTERPRETER_CONFIGS = {
 }
 
 
-# The autotune space per kernel on CUDA, as (BLOCK_M, BLOCK_N, num_warps, num_stages), for head_dim <= 128
-# (pruned for shared memory per head_dim below).
+# The autotune space per kernel on CUDA, as (BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg]), for
+# head_dim <= 128 (pruned for shared memory per head_dim below).
+# maxnreg 128 (session 8, CPU compile survey; not yet timed): Triton 3.6 waits on every matmul inside
+# one program (wgmma.wait_group 0 only), so the tensor cores idle while that program's softmax runs;
+# a second program on the SM can fill them. Capping 8 warps at 128 registers fits two programs where
+# 137-146 registers fit one, with no spill at head_dim 128 for these shapes (98-115 KB of shared memory).
 _SHAPES = {
-    "fwd": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)],
+    "fwd": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
+            (128, 64, 8, 2, 128)],
     # dK/dV plus each tile's dQ share: one more (BLOCK_M, HEAD_DIM) product live per step, so smaller
     # query tiles than bwd_dkdv (at head_dim 128, 32 x 64 and 16 x 128 spill nothing).
     "bwd_fused": [(32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (16, 128, 8, 2), (32, 128, 8, 3),
@@ -39,7 +44,7 @@ _SHAPES = {
                  (128, 128, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (64, 64, 8, 3), (32, 128, 8, 3)],
     "bwd_dq": [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 8, 3), (64, 64, 4, 4),
                (128, 128, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 3), (64, 32, 8, 3),
-               (128, 32, 8, 3)],
+               (128, 32, 8, 3), (128, 32, 8, 2, 128), (128, 32, 8, 3, 128)],
 }
 # head_dim 256 has its own: of the shapes above, only one forward fits its shared memory, and the
 # backward ones spill. Each of these compiles for sm_90 into <= 227 KB of shared memory with at most
@@ -55,13 +60,27 @@ WIDE_HEAD_DIM = 128  # HEAD_DIM_PAD above this takes _WIDE_SHAPES
 
 
 def _shape(config):
-    return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
+    shape = (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
+    return shape + (config.maxnreg,) if config.maxnreg else shape
+
+
+def config_from_shape(shape):
+    """Launch meta-parameters of a (BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg]) shape."""
+    config = {"BLOCK_M": shape[0], "BLOCK_N": shape[1], "num_warps": shape[2], "num_stages": shape[3]}
+    return {**config, "maxnreg": shape[4]} if len(shape) > 4 else config
+
+
+def shape_of_config(config):
+    """config_from_shape's inverse: the offline table's entry for launch meta-parameters."""
+    shape = (config["BLOCK_M"], config["BLOCK_N"], config["num_warps"], config["num_stages"])
+    return shape + (config["maxnreg"],) if "maxnreg" in config else shape
 
 
 def _gpu_configs(kind):
     """Every candidate of one kernel on CUDA, both head_dim classes (prune_configs picks per launch)."""
     shapes = _SHAPES[kind] + [shape for shape in _WIDE_SHAPES[kind] if shape not in _SHAPES[kind]]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+    return [triton.Config({"BLOCK_M": shape[0], "BLOCK_N": shape[1]}, num_warps=shape[2], num_stages=shape[3],
+                          maxnreg=shape[4] if len(shape) > 4 else None) for shape in shapes]
 
 
 def prune_configs(kind, configs, named_args, **kwargs):
@@ -106,7 +125,8 @@ def _default_gpu_config(kind, head_dim_pad):
 
 # Configs measured offline by scripts/tune_attention.py (long timing runs per shape; the autotuner's
 # short runs picked differently from run to run for sub-millisecond shapes). Per GPU name, kernel and
-# "d<HEAD_DIM_PAD>-<causal|full>", a map from seqlen bucket to [BLOCK_M, BLOCK_N, num_warps, num_stages].
+# "d<HEAD_DIM_PAD>-<causal|full>", a map from seqlen bucket to [BLOCK_M, BLOCK_N, num_warps, num_stages] (and
+# maxnreg where the pick caps registers).
 TUNED_CONFIGS_PATH = os.path.join(os.path.dirname(__file__), "tuned_configs.json")
 # A config per kernel kind that overrides every other choice (scripts/tune_attention.py sets it).
 FORCED_CONFIGS: dict[str, dict] = {}
@@ -137,8 +157,7 @@ def measured_config(device, kind, head_dim_pad, causal, seqlen_bucket):
     longest_beyond = int(nearest) >= LONG_SEQLEN_BUCKET and seqlen_bucket > int(nearest)
     if abs(math.log2(int(nearest)) - math.log2(seqlen_bucket)) > 1 and not longest_beyond:
         return None
-    block_m, block_n, warps, stages = entries[nearest]
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+    return config_from_shape(entries[nearest])
 
 
 def table_mask(window_left, window_right, softcap):

@@ -44,7 +44,7 @@ def candidates(kind, head_dim):
     """The autotune space of ``kind``, pruned for shared memory, as kernel meta-parameter dicts."""
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     configs = launch.prune_configs(kind, launch._gpu_configs(kind), {"HEAD_DIM_PAD": head_dim_pad})
-    return [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in configs]
+    return [launch.config_from_shape(launch._shape(c)) for c in configs]
 
 
 def make_inputs(batch, seqlen, heads, head_dim, seed=0):
@@ -150,8 +150,7 @@ def write_table(path, device_name, results):
     for r in results:
         for kind, (config, _, _) in r["picks"].items():
             key = f"d{max(16, triton.next_power_of_2(r['head_dim']))}-{'causal' if r['causal'] else 'full'}"
-            entries.setdefault(kind, {}).setdefault(key, {})[str(r["seqlen"])] = [
-                config["BLOCK_M"], config["BLOCK_N"], config["num_warps"], config["num_stages"]]
+            entries.setdefault(kind, {}).setdefault(key, {})[str(r["seqlen"])] = list(launch.shape_of_config(config))
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".json")
     with os.fdopen(fd, "w") as f:
         text = json.dumps(table, indent=1, sort_keys=True)
@@ -168,7 +167,8 @@ def markdown_table(results):
         cells = []
         for kind in KINDS:
             config, ms, default_ms = r["picks"][kind]
-            cells += [f"{config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}",
+            cap = f" r{config['maxnreg']}" if "maxnreg" in config else ""
+            cells += [f"{config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}{cap}",
                       f"{default_ms / ms:.2f}"]
         lines.append(f"| {r['head_dim']} | {'yes' if r['causal'] else 'no'} | {r['seqlen']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -24,7 +24,7 @@ INT32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K", "BLOCK_TABLE"}
 FLOAT_SCALARS = {"qk_scale", "softcap_log2", "softmax_scale", "softcap"}
 
 
-def compile_for_hopper(kernel, constexprs, num_warps, num_stages, dtype="bf16"):
+def compile_for_hopper(kernel, constexprs, num_warps, num_stages, maxnreg=None, dtype="bf16"):
     """Compile ``kernel`` for sm_90 with the given constexprs; pointers named in CAPS, other args i32."""
     names = kernel.arg_names
     signature, constants = {}, {}
@@ -39,7 +39,7 @@ def compile_for_hopper(kernel, constexprs, num_warps, num_stages, dtype="bf16"):
             signature[name] = "fp32" if name in FLOAT_SCALARS else "i32"
     source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+                          options={"num_warps": num_warps, "num_stages": num_stages, "maxnreg": maxnreg})
 
 
 def resource_usage(compiled):
@@ -86,6 +86,9 @@ CASES = {
                                 dict(attention_constexprs(64, 32, 128, causal=False, group=2, accumulate_dq=True),
                                      seqlen_q=1), 8, 2),
     "bwd_dq-d128-causal": (flash_bwd._bwd_dq_kernel, attention_constexprs(128, 128, 64, has_dlse=True), 8, 2),
+    # the register-capped candidates of kernels/launch.py (two programs per SM)
+    "fwd-d128-two-per-sm": (flash_fwd._attn_fwd_kernel, attention_constexprs(128, 128, 64), 8, 2, 128),
+    "bwd_dq-d128-two-per-sm": (flash_bwd._bwd_dq_kernel, attention_constexprs(128, 128, 32), 8, 2, 128),
     "bwd_dq-d256": (flash_bwd._bwd_dq_kernel, attention_constexprs(256, 64, 32, causal=False), 8, 2),
     "bwd_dq-d64-window": (flash_bwd._bwd_dq_kernel, attention_constexprs(64, 64, 64, window=True), 4, 3),
     "bwd_preprocess-d128": (flash_bwd._bwd_preprocess,
@@ -103,9 +106,9 @@ CASES = {
 def main(selected):
     report = {}
     for name in selected or CASES:
-        kernel, constexprs, num_warps, num_stages = CASES[name]
+        kernel, constexprs, *options = CASES[name]
         try:
-            compiled = compile_for_hopper(kernel, constexprs, num_warps, num_stages)
+            compiled = compile_for_hopper(kernel, constexprs, *options)
         except Exception as error:  # report every case, then let the test say which failed
             report[name] = {"error": f"{type(error).__name__}: {str(error)[:2000]}"}
             continue

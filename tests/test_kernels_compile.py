@@ -44,6 +44,15 @@ def test_head_dim_256_backward_fits_the_registers(report):
         assert report[name]["spill_bytes"] <= 640, report[name]
 
 
+def test_register_capped_candidates_fit_two_programs_per_sm(report):
+    """maxnreg 128 at 8 warps (kernels/launch.py) is there so that two programs share an SM: it must
+    not spill, and each program must leave the other half of the shared memory."""
+    for name in ("fwd-d128-two-per-sm", "bwd_dq-d128-two-per-sm"):
+        case = report[name]
+        assert case["registers"] <= 128 and case["spill_bytes"] == 0, (name, case)
+        assert case["shared_bytes"] <= 227 * 1024 // 2, (name, case)
+
+
 def test_nondeterministic_backward_reduces_dq_through_tma(report):
     """deterministic=False adds dQ shares with TMA bulk reductions (cp.reduce.async.bulk), not
     element-wise atomics; the deterministic kernels issue none."""

@@ -18,7 +18,8 @@ def test_table_covers_plain_masks_only(window_left, window_right, softcap, expec
 
 
 def test_measured_config_takes_the_nearest_bucket_within_an_octave(tmp_path, monkeypatch):
-    table = {"Some GPU": {"fwd": {"d128-causal": {"512": [64, 32, 4, 2], "16384": [128, 64, 8, 3]}},
+    table = {"Some GPU": {"fwd": {"d128-causal": {"512": [64, 32, 4, 2], "16384": [128, 64, 8, 3]},
+                                  "d64-full": {"4096": [128, 64, 8, 2, 128]}},
                           "bwd_dq": {"d64-full": {"1024": [128, 64, 8, 3]}}}}
     path = tmp_path / "tuned.json"
     path.write_text(json.dumps(table))
@@ -32,6 +33,8 @@ def test_measured_config_takes_the_nearest_bucket_within_an_octave(tmp_path, mon
         assert launch.measured_config(gpu, "fwd", 128, True, 65536) == {  # past the longest, >= 16k
             "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
         assert launch.measured_config(gpu, "fwd", 128, True, 2048) is None  # 2 octaves from 512 and 16k
+        assert launch.measured_config(gpu, "fwd", 64, False, 4096) == {  # a pick that caps registers
+            "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "maxnreg": 128}
         assert launch.measured_config(gpu, "bwd_dq", 64, False, 2048) is not None
         assert launch.measured_config(gpu, "bwd_dq", 64, False, 4096) is None  # a table cut short at 1k
         assert launch.measured_config(gpu, "fwd", 128, False, 1024) is None  # not measured: autotune
@@ -44,6 +47,7 @@ def test_measured_config_takes_the_nearest_bucket_within_an_octave(tmp_path, mon
 @pytest.mark.parametrize("config", [
     {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1},
     {"BLOCK_M": 128, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
+    {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "maxnreg": 128},
 ])
 def test_forced_configs_compute_the_same_attention(config, device, triton_path, monkeypatch):
     """Tile shapes other than the interpreter's defaults (as a tuning run forces them) stay exact."""
@@ -85,6 +89,18 @@ def test_head_dim_256_has_its_own_candidates(kind):
     for head_dim in (64, 128):
         narrow = [launch._shape(c) for c in launch.prune_configs(kind, configs, {"HEAD_DIM_PAD": head_dim})]
         assert narrow and set(narrow) <= set(launch._SHAPES[kind])
+
+
+@pytest.mark.parametrize("kind", ["fwd", "bwd_dkdv", "bwd_dq", "bwd_fused"])
+def test_candidates_survive_the_round_trip_to_the_table(kind):
+    """A tuning run writes its pick as a table entry and a launch reads it back: the register cap of
+    the capped shapes must survive both ways."""
+    for config in launch._gpu_configs(kind):
+        shape = launch._shape(config)
+        meta = launch.config_from_shape(shape)
+        assert launch.shape_of_config(meta) == shape
+        assert meta.get("maxnreg") == config.maxnreg
+    assert any(config.maxnreg for config in launch._gpu_configs("fwd"))
 
 
 class _LauncherAttributes:
