@@ -10,8 +10,8 @@ Two launches:
    (and stores them), then walks the key tiles in one loop and accumulates dQ.
 2. ``_bwd_dkdv_kernel``: one program per key tile and kv head; it walks the query tiles that see the
    keys, for every query head of its GQA group, recomputing P^T from the stored lse, and accumulates
-   dK and dV in registers (one loop, or three at head_dim <= 64: ONE_LOOP_DKDV_HEAD_DIM). Looping over the group inside the program (instead of atomics across
-   programs) keeps GQA deterministic.
+   dK and dV in registers (one loop, or three at head_dim <= 64: ONE_LOOP_DKDV_HEAD_DIM). Looping over
+   the group inside the program (instead of atomics across programs) keeps GQA deterministic.
 
 With deterministic=False there is no dQ kernel: ``_bwd_preprocess`` computes the statistics, and the
 dK/dV program also forms each query tile's dQ share dS K and adds it to an fp32 buffer (a TMA

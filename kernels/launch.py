@@ -29,7 +29,8 @@ INTERPRETER_CONFIGS = {
 # maxnreg 128 (session 8, CPU compile survey; not yet timed): Triton 3.6 waits on every matmul inside
 # one program (wgmma.wait_group 0 only), so the tensor cores idle while that program's softmax runs;
 # a second program on the SM can fill them. Capping 8 warps at 128 registers fits two programs where
-# 137-146 registers fit one, with no spill at head_dim 128 for these shapes (98-115 KB of shared memory).
+# 136-146 registers fit one, with no spill at head_dim 128 (98-115 KB of shared memory; the 3-stage dQ
+# shape spills 20 B without a causal mask).
 _SHAPES = {
     "fwd": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
             (128, 64, 8, 2, 128)],
