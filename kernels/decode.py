@@ -30,7 +30,7 @@ import triton.language as tl
 from .flash_fwd import log2_scales
 from .launch import (CompiledLaunch, as_descriptor_compatible, cdiv, dot_precision, ensure_allocator, new_output,
                      next_power_of_2, reused_buffers, upcast_dot)
-from .tile_ops import attention_logits, key_range, narrow, online_softmax_step
+from .tile_ops import attention_logits, key_range, logit_scale, narrow, online_softmax_step
 
 LN2 = tl.constexpr(math.log(2.0))
 # The interpreter has no SMs: use the H200's count so that CPU runs take the GPU's split decisions.
@@ -71,7 +71,8 @@ def _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_
             # Past the sequence's end a cache holds stale entries (NaN in a fresh torch.empty cache):
             # p = 0 there, but 0 * NaN would still poison the product, so zero those rows of V.
             v = tl.where((cols < seqlen_k)[:, None], v, 0.0)
-        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, s, v, MASKED, DOT_PRECISION, UPCAST_DOT)
+        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, s, logit_scale(qk_scale, HAS_SOFTCAP), v,
+                                                    MASKED, DOT_PRECISION, UPCAST_DOT)
     return acc, row_max, row_sum
 
 

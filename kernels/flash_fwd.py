@@ -21,8 +21,8 @@ import triton.language as tl
 
 from .launch import (as_descriptor_compatible, dot_precision, ensure_allocator, new_output, next_power_of_2,
                      pick_kernel, seq_strides, seqs_pad, table_mask, tile_grid, tuned, upcast_dot)
-from .tile_ops import (attention_logits, key_range, narrow, online_softmax_step, program_tile, rows_descriptor,
-                       sequence_bounds)
+from .tile_ops import (attention_logits, key_range, logit_scale, narrow, online_softmax_step, program_tile,
+                       rows_descriptor, sequence_bounds)
 
 LOG2E = 1.4426950408889634
 
@@ -39,7 +39,8 @@ def _fwd_tiles(acc, row_max, row_sum, q, k_desc, v_desc, rows, start, end,
         s = attention_logits(q, k, rows, n0 + tl.arange(0, BLOCK_N), qk_scale, softcap_log2, seqlen_q, seqlen_k,
                              window_left, window_right, HAS_SOFTCAP, MASKED, LEFT_BOUNDED, RIGHT_BOUNDED,
                              DOT_PRECISION, UPCAST_DOT)
-        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, s, v, MASKED, DOT_PRECISION, UPCAST_DOT)
+        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, s, logit_scale(qk_scale, HAS_SOFTCAP), v,
+                                                    MASKED, DOT_PRECISION, UPCAST_DOT)
     return acc, row_max, row_sum
 
 

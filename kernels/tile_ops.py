@@ -176,10 +176,12 @@ def rows_descriptor(BASE, rows, stride_rows, BLOCK: tl.constexpr, HEAD_DIM: tl.c
 def attention_logits(q, k, rows, cols, qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
                      HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr, LEFT_BOUNDED: tl.constexpr,
                      RIGHT_BOUNDED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """Logits in log2 units of query tile q (M, D) against key tile k (N, D); -inf where masked."""
-    s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale
+    """Logits of query tile q (M, D) against key tile k (N, D), -inf where masked: the raw q.k (times
+    qk_scale they are in log2 units: online_softmax_step applies it, ``logit_scale``), or with softcap
+    the capped logits already in log2 units."""
+    s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT)
     if HAS_SOFTCAP:
-        s = tanh(s) * softcap_log2
+        s = tanh(s * qk_scale) * softcap_log2
     if MASKED:
         keep = visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
                        LEFT_BOUNDED, RIGHT_BOUNDED)
@@ -188,16 +190,27 @@ def attention_logits(q, k, rows, cols, qk_scale, softcap_log2, seqlen_q, seqlen_
 
 
 @triton.jit
-def online_softmax_step(acc, row_max, row_sum, s, v, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+def logit_scale(qk_scale, HAS_SOFTCAP: tl.constexpr):
+    """What attention_logits' logits are multiplied by to be in log2 units."""
+    if HAS_SOFTCAP:
+        return 1.0
+    return qk_scale
+
+
+@triton.jit
+def online_softmax_step(acc, row_max, row_sum, s, scale, v, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
                         UPCAST_DOT: tl.constexpr):
-    """Fold one tile of logits s (M, N) and values v (N, D) into the running (acc, max, sum)."""
-    new_max = tl.maximum(row_max, tl.max(s, 1))
+    """Fold one tile of logits s (M, N), in log2 units once multiplied by ``scale`` (> 0), and values v
+    (N, D) into the running (acc, max, sum). The scale is applied to the tile's row maxima and inside
+    exp2's argument (one fused multiply-add per logit), never to the tile itself: a scaled copy would
+    cost a multiply per logit, since the maximum and the exponent both read it."""
+    new_max = tl.maximum(row_max, tl.max(s, 1) * scale)
     if MASKED:
         # A row with no visible key so far keeps max = -inf: shift by 0 to avoid inf - inf.
         new_max_safe = tl.where(new_max == float("-inf"), 0.0, new_max)
     else:
         new_max_safe = new_max
-    p = tl.exp2(s - new_max_safe[:, None])
+    p = tl.exp2(s * scale - new_max_safe[:, None])
     alpha = tl.exp2(row_max - new_max_safe)
     row_sum = row_sum * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + mma(narrow(p, v.dtype), v, DOT_PRECISION, UPCAST_DOT)
