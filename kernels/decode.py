@@ -5,8 +5,7 @@ heads) would leave most SMs idle and read each kv head's cache once per query he
 owns one kv head of one sequence: every query head of its GQA group and every query token become
 the rows (M) of its tiles, so K and V are read once per kv head. To fill the GPU when
 batch x kv_heads is small, the cache is cut into ``num_splits`` chunks, each program writes a
-partial (out, lse) in fp32, and the last split of each row block to finish merges them through
-log-sum-exp (an arrival counter per row block decides which split that is; no second kernel).
+partial (out, lse) in fp32, and a second small kernel merges the splits through log-sum-exp.
 
 Row r of a program's tile is query token ``t0 + r // GROUP_PAD`` and query head
 ``kv_head * GROUP + r % GROUP_PAD``: whole tokens per program, so the dense kernel's causal /
@@ -22,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import NamedTuple
 
 import torch
@@ -44,7 +42,7 @@ RESIDENT_PER_SM = 2
 # outweigh the bandwidth it adds; once every SM has a program, splits grow to TARGET_KEYS_PER_SPLIT.
 MIN_KEYS_PER_SPLIT = 512
 TARGET_KEYS_PER_SPLIT = 4096
-# Past this, splits add more partial traffic and merge time than they add bandwidth.
+# The combine kernel holds (splits x head_dim) fp32 in registers.
 MAX_SPLITS = 64
 # Query rows (tokens x padded GQA group) per program: at least tl.dot's minimum M, at most a size that
 # keeps the score tile in registers when a long chunk of queries attends to the cache.
@@ -78,56 +76,6 @@ def _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_
     return acc, row_max, row_sum
 
 
-@triton.jit
-def _rows(r, batch, t0, kv_head, seqlen_q, heads_q, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr):
-    """Of a program's tile rows ``r``: query tokens, query heads, which rows are real, and each row's flat
-    index into out and the partials (contiguous (batch, seqlen_q, heads_q[, splits], head_dim)) and lse."""
-    tokens = t0 + r // GROUP_PAD
-    heads = kv_head * GROUP + r % GROUP_PAD
-    row_ok = (tokens < seqlen_q) & (r % GROUP_PAD < GROUP)
-    return tokens, heads, row_ok, (batch * seqlen_q + tokens) * heads_q + heads, (batch * heads_q + heads) * seqlen_q + tokens
-
-
-@triton.jit
-def _store_rows(O, LSE, out, lse, out_row, lse_row, row_ok, dims, HEAD_DIM: tl.constexpr):
-    tl.store(O + out_row[:, None] * HEAD_DIM + dims[None, :], narrow(out, O.dtype.element_ty),
-             mask=row_ok[:, None] & (dims[None, :] < HEAD_DIM))
-    tl.store(LSE + lse_row, lse, mask=row_ok)
-
-
-@triton.jit
-def _merge_splits(O_PART, LSE_PART, O, LSE, batch, t0, kv_head, seqlen_q, heads_q, num_splits,
-                  ROWS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  HEAD_DIM_PAD: tl.constexpr):
-    """Write out and lse of a program's rows from every split's partial: out = sum_s exp(lse_s - lse) * out_s.
-    Sixteen rows at a time (the registers of the split loop stay free); loads skip L1 (.cg), which is not
-    coherent with the other SMs that wrote the partials."""
-    CHUNK: tl.constexpr = min(ROWS, 16)
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    for chunk in tl.range(0, ROWS // CHUNK):
-        _, _, row_ok, out_row, lse_row = _rows(chunk * CHUNK + tl.arange(0, CHUNK), batch, t0, kv_head, seqlen_q,
-                                               heads_q, GROUP, GROUP_PAD)
-        part_row = out_row * num_splits
-        lse_max = tl.full([CHUNK], float("-inf"), dtype=tl.float32)
-        for s in range(num_splits):
-            lse_max = tl.maximum(lse_max, tl.load(LSE_PART + part_row + s, mask=row_ok, other=float("-inf"),
-                                                  cache_modifier=".cg"))
-        # Every split empty: keep lse -inf and output 0 without computing inf - inf.
-        shift = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-        total = tl.zeros([CHUNK], dtype=tl.float32)
-        out = tl.zeros([CHUNK, HEAD_DIM_PAD], dtype=tl.float32)
-        for s in range(num_splits):
-            weight = tl.exp(tl.load(LSE_PART + part_row + s, mask=row_ok, other=float("-inf"),
-                                    cache_modifier=".cg") - shift)
-            total += weight
-            out += weight[:, None] * tl.load(O_PART + (part_row + s)[:, None] * HEAD_DIM + dims[None, :],
-                                             mask=row_ok[:, None] & (dims[None, :] < HEAD_DIM), other=0.0,
-                                             cache_modifier=".cg")
-        out = out / tl.where(total == 0.0, 1.0, total)[:, None]
-        lse = tl.where(total == 0.0, float("-inf"), shift + tl.log(total))
-        _store_rows(O, LSE, out, lse, out_row, lse_row, row_ok, dims, HEAD_DIM)
-
-
 # Launched through launch.CompiledLaunch: no int is specialised, and of the pointers only the caller's
 # SEQLENS_K and BLOCK_TABLE may be unaligned (q and the caches pass as_descriptor_compatible; the
 # outputs and partials are fresh allocations).
@@ -136,7 +84,7 @@ def _merge_splits(O_PART, LSE_PART, O, LSE, batch, t0, kv_head, seqlen_q, heads_
                                "v_page_rows", "k_rows", "v_rows", "cache_len", "window_left", "window_right"],
             do_not_specialize_on_alignment=["SEQLENS_K", "BLOCK_TABLE"])
 def _decode_kernel(
-    Q, K, V, O, LSE, O_PART, LSE_PART, ARRIVALS, SEQLENS_K, BLOCK_TABLE,
+    Q, K, V, O, LSE, O_PART, LSE_PART, SEQLENS_K, BLOCK_TABLE,
     stride_qb, stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt,
     seqlen_q, heads_kv, num_splits, k_page_rows, v_page_rows, k_rows, v_rows, cache_len,
     qk_scale, softcap_log2, window_left, window_right,
@@ -144,7 +92,6 @@ def _decode_kernel(
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr,
     PER_SEQUENCE_LENGTHS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    MERGE_IN_KERNEL: tl.constexpr,
 ):
     # Token blocks and (sequence, kv head) share grid dimension 0, whose cap (2**31 - 1) no batch reaches.
     token_blocks = tl.cdiv(seqlen_q, BLOCK_T)
@@ -160,8 +107,10 @@ def _decode_kernel(
         seqlen_k = cache_len
 
     t0 = pid_t * BLOCK_T
-    tokens, heads, row_ok, out_row, lse_row = _rows(tl.arange(0, BLOCK_T * GROUP_PAD), batch, t0, kv_head, seqlen_q,
-                                                    heads_q, GROUP, GROUP_PAD)
+    r = tl.arange(0, BLOCK_T * GROUP_PAD)
+    tokens = t0 + r // GROUP_PAD
+    heads = kv_head * GROUP + r % GROUP_PAD
+    row_ok = (tokens < seqlen_q) & (r % GROUP_PAD < GROUP)
     dims = tl.arange(0, HEAD_DIM_PAD)
     tile_ok = row_ok[:, None] & (dims[None, :] < HEAD_DIM)
     q = tl.load(Q + batch * stride_qb + tokens[:, None] * stride_qs + heads[:, None] * stride_qh + dims[None, :],
@@ -200,22 +149,15 @@ def _decode_kernel(
     empty = row_sum == 0.0
     acc = acc / tl.where(empty, 1.0, row_sum)[:, None]
     lse = tl.where(empty, float("-inf"), (row_max + tl.log2(row_sum)) * LN2)
+    # out and the partials are contiguous (batch, seqlen_q, heads_q[, splits], head_dim): one flat row index.
+    out_row = (batch * seqlen_q + tokens) * heads_q + heads
     if SPLIT:
         part_row = out_row * num_splits + split
         tl.store(O_PART + part_row[:, None] * HEAD_DIM + dims[None, :], acc, mask=tile_ok)
         tl.store(LSE_PART + part_row, lse, mask=row_ok)
-        if MERGE_IN_KERNEL:
-            # Every thread's partial stores precede the release of the arrival below (bar.sync), and the
-            # acquire makes all splits' partials visible to the last one, which merges them and resets
-            # the counter for the next launch (or CUDA-graph replay).
-            tl.debug_barrier()
-            arrived = tl.atomic_add(ARRIVALS + tl.program_id(0), 1, sem="acq_rel")
-            if arrived == num_splits - 1:
-                _merge_splits(O_PART, LSE_PART, O, LSE, batch, t0, kv_head, seqlen_q, heads_q, num_splits,
-                              BLOCK_T * GROUP_PAD, GROUP, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD)
-                tl.store(ARRIVALS + tl.program_id(0), 0)
     else:
-        _store_rows(O, LSE, acc, lse, out_row, lse_row, row_ok, dims, HEAD_DIM)
+        tl.store(O + out_row[:, None] * HEAD_DIM + dims[None, :], narrow(acc, O.dtype.element_ty), mask=tile_ok)
+        tl.store(LSE + (batch * heads_q + heads) * seqlen_q + tokens, lse, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "heads_q", "num_splits"])  # CompiledLaunch; pointers: fresh buffers
@@ -320,9 +262,6 @@ class _Plan(NamedTuple):
     combine_meta: dict
 
 
-# Experiment switch (session 9): "combine" merges the splits in a second kernel, as before.
-MERGE_IN_KERNEL = os.environ.get("FLASHFORMER_DECODE_MERGE", "kernel") != "combine"
-
 _PLANS = {}
 MAX_PLANS = 256  # a model decodes with a handful; a long-lived server must not grow without bound
 
@@ -368,8 +307,7 @@ def _build_plan(q, k_cache, v_cache, block_table, per_sequence, max_seqlen_k, so
                   HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, LEFT_BOUNDED=window_left >= 0,
                   RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0, SPLIT=split,
                   PER_SEQUENCE_LENGTHS=per_sequence, DOT_PRECISION=dot_precision(q.dtype),
-                  UPCAST_DOT=upcast_dot(q.dtype), MERGE_IN_KERNEL=split and MERGE_IN_KERNEL,
-                  num_warps=num_warps, num_stages=num_stages),
+                  UPCAST_DOT=upcast_dot(q.dtype), num_warps=num_warps, num_stages=num_stages),
         partial_shapes=((batch, seqlen_q, heads_q, num_splits, head_dim), (batch, seqlen_q, heads_q, num_splits))
         if split else (),
         combine_grid=(batch * seqlen_q * heads_q,),
@@ -377,22 +315,6 @@ def _build_plan(q, k_cache, v_cache, block_table, per_sequence, max_seqlen_k, so
         combine_meta=dict(SPLITS_PAD=max(2, next_power_of_2(num_splits)), HEAD_DIM=head_dim,
                           HEAD_DIM_PAD=head_dim_pad, num_warps=4),
     )
-
-
-_ARRIVALS = {}
-
-
-def _arrival_counters(device, count):
-    """int32 zeros, one per row block of the decode grid. The last split of each block resets its counter,
-    so the counters are zero again after every launch: one zeroed buffer per stream serves all calls.
-    During CUDA-graph capture a fresh zeroed buffer, which the graph owns (its zeroing is captured too)."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.zeros(count, dtype=torch.int32, device=device)
-    key = (device.type, device.index, torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0)
-    counters = _ARRIVALS.get(key)
-    if counters is None or counters.numel() < count:
-        counters = _ARRIVALS[key] = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
-    return counters
 
 
 def _readable(q, k_cache, v_cache, block_table):
@@ -443,20 +365,19 @@ def decode_attention(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, 
             if len(_PLANS) >= MAX_PLANS:
                 _PLANS.clear()
             plan = _PLANS[key] = _build_plan(q, k_cache, v_cache, block_table, *options)
-    out_part = lse_part = arrivals = None
+    out_part = lse_part = None
     if plan.partial_shapes:  # reused on CUDA: two allocations are a tenth of a batch-1 step's host time
         out_part, lse_part = (reused_buffers(q.device.index, "decode partials", torch.float32, plan.partial_shapes)
                               if q.device.type == "cuda"
                               else [new_output(q, shape, torch.float32) for shape in plan.partial_shapes])
-        arrivals = _arrival_counters(q.device, plan.grid[0])
     ensure_allocator(q.device)
     # The plan's key fixes every argument type (the caches' dtype is q's, checked by the API; a lengths
     # tensor and a block table are int32; a cache length fits int32) and every constexpr.
     _decode_launch.launch_keyed(
-        ("decode", key), plan.grid, q, k_cache, v_cache, out, lse, out_part, lse_part, arrivals,
+        ("decode", key), plan.grid, q, k_cache, v_cache, out, lse, out_part, lse_part,
         seqlens_k if per_sequence else None, block_table, *plan.ints, 0 if per_sequence else seqlens_k,
         *plan.scalars, **plan.meta)
-    if plan.partial_shapes and not MERGE_IN_KERNEL:
+    if plan.partial_shapes:
         _combine_launch.launch_keyed(("combine", key), plan.combine_grid, out_part, lse_part, out, lse,
                                      *plan.combine_ints, **plan.combine_meta)
     return out, lse if return_lse else None

@@ -20,7 +20,7 @@ from flashformer.kernels import cross_entropy, decode, flash_bwd, flash_fwd
 
 FP32_POINTERS = {"LSE", "DELTA", "LSE_LOG2", "DLSE", "LSE_PART", "O_PART", "DQ_ACC", "LOSSES", "TOKEN_SCALE"}
 INT64_POINTERS = {"TARGETS"}
-INT32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K", "BLOCK_TABLE", "ARRIVALS"}
+INT32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K", "BLOCK_TABLE"}
 FLOAT_SCALARS = {"qk_scale", "softcap_log2", "softmax_scale", "softcap"}
 
 
@@ -97,7 +97,7 @@ CASES = {
                                dict(GROUP=4, GROUP_PAD=4, BLOCK_T=16, BLOCK_N=64, PAGE_SIZE=256, HEAD_DIM=128,
                                     HEAD_DIM_PAD=128, LEFT_BOUNDED=False, RIGHT_BOUNDED=True, HAS_SOFTCAP=False,
                                     SPLIT=True, PER_SEQUENCE_LENGTHS=True, DOT_PRECISION="tf32",
-                                    UPCAST_DOT=False, MERGE_IN_KERNEL=True), 4, 3),
+                                    UPCAST_DOT=False), 4, 3),
     "cross_entropy_fwd": (cross_entropy._ce_forward_kernel, dict(BLOCK_V=4096, HAS_BIAS=True, HAS_SOFTCAP=True), 8, 3),
     "cross_entropy_bwd": (cross_entropy._ce_backward_kernel, dict(BLOCK_V=4096, HAS_BIAS=True, HAS_SOFTCAP=True), 8, 3),
 }

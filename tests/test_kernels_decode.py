@@ -13,7 +13,7 @@ import torch
 import triton
 from attention_checks import assert_within_2x
 
-from flashformer.kernels import attention_materialized, decode
+from flashformer.kernels import attention_materialized
 from flashformer.kernels.decode import DEFAULT_SMS, RESIDENT_PER_SM, TARGET_KEYS_PER_SPLIT, choose_num_splits
 from flashformer.kernels.kvcache import flash_attn_with_kvcache
 
@@ -190,17 +190,13 @@ def test_paged_equals_contiguous(page_size, device, triton_path):
 
 
 def test_splits_equal_one_split(device, triton_path):
-    """Forced splits, including more splits than a sequence has tiles (empty splits), merge exactly; the
-    last split of each row block merges in the kernel and sets its arrival counter back to 0, so the
-    counters shared by every call stay zero between calls."""
+    """Forced splits, including more splits than a sequence has tiles (empty splits), merge exactly."""
     case = Case((150, 3, 64), 3, 0, (8, 2), 64, torch.float16, None, device)
     out_1, lse_1 = case.run(num_splits=1)
     for num_splits in (2, 5, 9):
         out_s, lse_s = case.run(num_splits=num_splits)
         torch.testing.assert_close(out_s, out_1, atol=2e-3, rtol=0)
         torch.testing.assert_close(lse_s, lse_1, atol=1e-5, rtol=0)
-        if decode.MERGE_IN_KERNEL:
-            assert decode._ARRIVALS and all(not counters.any() for counters in decode._ARRIVALS.values())
 
 
 def test_split_heuristic():
@@ -255,7 +251,7 @@ def test_repeat_launches_reuse_the_compiled_kernel(num_splits, device, triton_pa
     Triton's C launcher directly) and, with splits, the partial buffers: other lengths, strides and
     buffers must still be read and written where they are. A launch hook (a profiler's) must still
     see every launch."""
-    from flashformer.kernels import launch
+    from flashformer.kernels import decode, launch
 
     decode._decode_launch.compiled.clear()
     hook_calls = []
@@ -281,7 +277,7 @@ def test_repeat_launches_reuse_the_compiled_kernel(num_splits, device, triton_pa
     assert len({id(direct.compiled) for direct in decode._decode_launch.compiled.values()}) == 1
     assert all(direct.c_launch is not None for direct in decode._decode_launch.compiled.values())
     if hasattr(enter_hook, "add"):
-        assert len(hook_calls) == (2 if num_splits > 1 and not decode.MERGE_IN_KERNEL else 1)  # decode (+ combine)
+        assert len(hook_calls) == (2 if num_splits > 1 else 1)  # decode (+ combine) of the hooked call
     if num_splits > 1:
         assert any(key[-1] == "decode partials" for key in launch._REUSED)
 
