@@ -2,8 +2,8 @@
 
 One program computes BLOCK_M query rows of one (batch, head): it streams key/value tiles through
 shared memory, keeps a running max and sum per row, and writes the output and the row's
-log-sum-exp. Scores are kept in the log2 domain (scale * log2(e) folded into one multiply) so the
-inner loop uses exp2. Key tiles come in three runs: a masked run at the window's left edge, an
+log-sum-exp. The softmax runs in the log2 domain: scale * log2(e) multiplies the raw q.k inside exp2's
+argument (one fused multiply-add per logit) and the row maxima, so the inner loop uses exp2. Key tiles come in three runs: a masked run at the window's left edge, an
 unmasked middle and a masked run at the right edge (the causal diagonal, the end of the keys), so
 only edge tiles pay for the mask.
 
