@@ -94,7 +94,7 @@ def cross_entropy_rows(logits, targets, ignore_index, bias=None, softcap=0.0):
         logits: (rows, vocab), unit stride along the vocabulary, any float dtype (math in fp32).
         targets: (rows,) int64; bias: optional (vocab,); softcap: final cap, 0 disables it.
     """
-    if kernel_impl(logits.device) == "triton":
+    if kernel_impl(logits.device) != "torch":
         rows, vocab = logits.shape
         lse = new_output(logits, (rows,), torch.float32)
         losses = new_output(logits, (rows,), torch.float32)
@@ -114,7 +114,7 @@ def cross_entropy_rows_grad_(logits, targets, lse, token_scale, bias=None, softc
     """Overwrite ``logits`` with d loss / d logits = (softmax - one_hot(target)) * token_scale per row
     (through bias and softcap); returns it. ``targets``: valid class ids (ignored rows have
     token_scale 0 and any id in range); ``token_scale``: fp32 (rows,)."""
-    if kernel_impl(logits.device) == "triton":
+    if kernel_impl(logits.device) != "torch":
         if logits.shape[0]:
             _ce_backward_kernel[(logits.shape[0],)](logits, bias, targets, lse, token_scale, logits.stride(0),
                                                     logits.shape[1], float(softcap), HAS_BIAS=bias is not None,

@@ -119,7 +119,7 @@ def log2_scales(softmax_scale: float, softcap: float) -> tuple[float, float]:
 
 
 def attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap,
-                      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+                      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, gluon=False):
     """Launch the forward kernel on validated inputs.
 
     Args:
@@ -127,6 +127,7 @@ def attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap
         k, v: (batch, seqlen_k, heads_kv, head_dim), or (total_k, heads_kv, head_dim).
         window_left, window_right: -1 = unbounded; causal is window_right = 0.
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) offsets for varlen inputs, with max_seqlen_q/_k.
+        gluon: run the Hopper Gluon kernel (flash_fwd_hopper.py) where it covers the inputs.
     Returns:
         out like q; lse fp32 (batch, heads_q, seqlen_q), or (heads_q, total_q) for varlen.
     """
@@ -152,6 +153,14 @@ def attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap
     qk_scale, softcap_log2 = log2_scales(softmax_scale, softcap)
     head_dim_pad = max(16, next_power_of_2(head_dim))
     ensure_allocator(q.device)
+    if gluon:
+        from . import flash_fwd_hopper
+
+        if flash_fwd_hopper.supports(q, cu_seqlens_q, head_dim_pad):
+            flash_fwd_hopper.launch_forward(q, k, v, out, lse, qk_scale, softcap_log2, window_left, window_right,
+                                            softcap, head_dim_pad,
+                                            [s for t in (q, k, v, out) for s in seq_strides(t, False)], strides_lse)
+            return out, lse
     seqlen_q_bucket = next_power_of_2(max(seqlen_q, 1))
     kernel, config = pick_kernel(q.device, "fwd", _attn_fwd_kernel, _attn_fwd_tuned, head_dim_pad,
                                  table_mask(window_left, window_right, softcap), seqlen_q_bucket)

@@ -2,11 +2,14 @@
 
 The one place that decides which implementation runs is ``kernel_impl``:
 
-* ``"triton"``: our Triton kernels (flash_fwd.py / flash_bwd.py). Chosen on CUDA, and on CPU when
-  ``TRITON_INTERPRET=1`` is set (that is how CI executes the kernels).
+* ``"gluon"``: the Triton path with the Hopper kernels written in Gluon (flash_fwd_hopper.py) for the
+  inputs they cover, the ``tl`` kernels for the rest. Chosen on sm_90 devices with a Triton version
+  the Gluon kernels were tested on (GLUON_TRITON_VERSIONS).
+* ``"triton"``: our portable Triton kernels (flash_fwd.py / flash_bwd.py). Chosen on other CUDA
+  devices, and on CPU when ``TRITON_INTERPRET=1`` is set (that is how CI executes the kernels).
 * ``"torch"``: the tiled PyTorch path of reference.py, O(seqlen) memory. Chosen on CPU otherwise.
 
-Force one with ``FLASHFORMER_KERNEL=triton|torch`` (process-wide) or ``with force_kernel_impl(...)``
+Force one with ``FLASHFORMER_KERNEL=gluon|triton|torch`` (process-wide) or ``with force_kernel_impl(...)``
 (process-wide; takes precedence).
 """
 
@@ -24,7 +27,10 @@ from .reference import attention_tiled
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
-KERNEL_IMPLS = ("triton", "torch")
+KERNEL_IMPLS = ("gluon", "triton", "torch")
+# Triton releases whose Gluon API and code generation the Hopper kernels were checked on (the H200 runs
+# the kernel suite over them); Gluon is experimental and changes between releases.
+GLUON_TRITON_VERSIONS = ("3.6.",)
 
 
 # A plain module global rather than a ContextVar: torch.compile traces global reads (and guards on
@@ -34,7 +40,7 @@ _forced_impl = None
 
 @contextlib.contextmanager
 def force_kernel_impl(impl: str):
-    """Run the attention calls inside the block on ``impl`` ("triton" or "torch"); process-wide."""
+    """Run the attention calls inside the block on ``impl`` (one of KERNEL_IMPLS); process-wide."""
     global _forced_impl
     if impl not in KERNEL_IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {KERNEL_IMPLS}")
@@ -45,14 +51,45 @@ def force_kernel_impl(impl: str):
         _forced_impl = previous
 
 
+# CUDA device index -> whether the Gluon kernels run there (a plain dict: torch.compile traces its reads).
+_GLUON_DEVICES: dict[int, bool] = {}
+
+
+def hopper_gluon_available(device_index: int) -> bool:
+    """Whether CUDA device ``device_index`` is an sm_90 GPU and this Triton is one the Gluon kernels
+    were tested on."""
+    available = _GLUON_DEVICES.get(device_index)
+    if available is None:
+        import triton
+
+        try:
+            capability = torch.cuda.get_device_capability(device_index)
+        except (RuntimeError, AssertionError):  # no CUDA driver or device
+            capability = None
+        available = _GLUON_DEVICES[device_index] = (capability == (9, 0)
+                                                     and triton.__version__.startswith(GLUON_TRITON_VERSIONS))
+    return available
+
+
 def kernel_impl(device: torch.device) -> str:
-    """Which implementation runs for tensors on ``device``: "triton" or "torch"."""
+    """Which implementation runs for tensors on ``device``: "gluon", "triton" or "torch"."""
     forced = _forced_impl or os.environ.get("FLASHFORMER_KERNEL", "auto")
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if forced in KERNEL_IMPLS:
+        if forced == "gluon" and device.type != "cuda":
+            raise ValueError(f"FLASHFORMER_KERNEL=gluon: the Gluon kernels need an sm_90 CUDA device, tensors are "
+                             f"on {device}")
+        if forced == "triton" and device.type != "cuda" and not interpreted:
+            raise ValueError(f"FLASHFORMER_KERNEL=triton with tensors on {device}: the Triton kernels run on CUDA "
+                             "devices, or on CPU in Triton's interpreter (set TRITON_INTERPRET=1 before the first "
+                             "import of triton)")
         return forced
     if forced != "auto":
-        raise ValueError(f"FLASHFORMER_KERNEL={forced!r}: expected one of 'auto', 'triton', 'torch'")
-    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        raise ValueError(f"FLASHFORMER_KERNEL={forced!r}: expected one of 'auto', 'gluon', 'triton', 'torch'")
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return "gluon" if hopper_gluon_available(index) else "triton"
+    if interpreted:
         return "triton"
     return "torch"
 
@@ -127,7 +164,8 @@ def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
     from .flash_fwd import attention_forward
 
     return attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap,
-                             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             gluon=kernel_impl(q.device) == "gluon")
 
 
 def _backward_impl(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
@@ -201,7 +239,7 @@ def _triton_attention(*inputs):
 
 def attention_with_lse(q, k, v, softmax_scale, window_left, window_right, softcap, deterministic=True):
     """Dispatch validated dense inputs to the chosen path; returns (out, lse), both differentiable."""
-    if kernel_impl(q.device) == "triton":
+    if kernel_impl(q.device) != "torch":
         return _triton_attention(q, k, v, None, None, 0, 0, softmax_scale, window_left, window_right, softcap,
                                  deterministic)
     return attention_tiled(q, k, v, softmax_scale, window_left, window_right, softcap)
@@ -299,7 +337,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     max_seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k, longest_k)
     q, k, v = autocast_inputs(q, k, v)
     window_left, window_right = normalize_window(causal, window_size)
-    if kernel_impl(q.device) == "triton":
+    if kernel_impl(q.device) != "torch":
         out, lse = _triton_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                    window_left, window_right, float(softcap), deterministic)
     else:

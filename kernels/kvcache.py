@@ -208,7 +208,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     seqlen_new = 0 if k is None else k.shape[1]
     if not isinstance(check_lengths, bool):
         raise ValueError(f"check_lengths must be a bool, got {check_lengths!r}")
-    triton_path = kernel_impl(q.device) == "triton"
+    triton_path = kernel_impl(q.device) != "torch"
     if check_lengths or not isinstance(cache_seqlens, torch.Tensor):
         lengths = _check_lengths(k_cache, cache_seqlens, seqlen_new, block_table)
         max_seqlen_k = max(lengths, default=0)

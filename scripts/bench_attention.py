@@ -38,7 +38,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
 from flashformer.kernels import (cu_seqlens_from_lengths, document_ids_from_cu_seqlens, flash_attn_func,
-                                 flash_attn_varlen_func)
+                                 flash_attn_varlen_func, force_kernel_impl)
 from flashformer.profiling import capture_cuda_graph, kernel_times
 
 SDPA_BACKENDS = {
@@ -60,6 +60,12 @@ def _ours(q, k, v, causal):
 
 def _ours_nondeterministic(q, k, v, causal):
     return flash_attn_func(q, k, v, causal=causal, deterministic=False)
+
+
+def _ours_tl(q, k, v, causal):
+    """The portable tl kernels alone, where "ours" takes the Hopper Gluon kernels on an H200."""
+    with force_kernel_impl("triton"):
+        return flash_attn_func(q, k, v, causal=causal)
 
 
 def _sdpa(backend):
@@ -273,7 +279,7 @@ def warm_up_gpu(seconds=2.0):
 
 def run_grid(args, causals):
     """(rows of the dense grid, implementation names in column order)."""
-    impls = {"ours": _ours, "ours-nondet": _ours_nondeterministic,
+    impls = {"ours": _ours, "ours-nondet": _ours_nondeterministic, "ours-tl": _ours_tl,
              **{name: _sdpa(b) for name, b in SDPA_BACKENDS.items()}}
     if "flex" in args.impls:
         impls["flex"] = _flex()

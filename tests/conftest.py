@@ -15,9 +15,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("FLASHFORMER_KERNEL", "torch")
 
-from flashformer.kernels import launch  # noqa: E402  (after TRITON_INTERPRET is set)
+from flashformer.kernels import interface, launch  # noqa: E402  (after TRITON_INTERPRET is set)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The Triton implementations every kernel test runs over: the portable tl kernels everywhere, and on an
+# sm_90 GPU with a tested Triton also the Gluon path (Hopper kernels where written, tl for the rest).
+KERNEL_PATHS = ["triton"] + (["gluon"] if DEVICE == "cuda" and interface.hopper_gluon_available(0) else [])
 
 
 @pytest.fixture
@@ -25,11 +28,13 @@ def device():
     return DEVICE
 
 
-@pytest.fixture
-def triton_path(monkeypatch):
-    """Route flash_attn_* through the Triton kernels, with outputs NaN-poisoned before launch."""
-    monkeypatch.setenv("FLASHFORMER_KERNEL", "triton")
+@pytest.fixture(params=KERNEL_PATHS)
+def triton_path(request, monkeypatch):
+    """Route flash_attn_* through the Triton kernels (each of KERNEL_PATHS), with outputs NaN-poisoned
+    before launch."""
+    monkeypatch.setenv("FLASHFORMER_KERNEL", request.param)
     monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
+    return request.param
 
 
 @pytest.fixture(autouse=True)

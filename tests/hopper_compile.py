@@ -12,11 +12,14 @@ import subprocess
 import sys
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from flashformer.kernels import cross_entropy, decode, flash_bwd, flash_fwd
+from triton.experimental.gluon._runtime import GluonASTSource
+
+from flashformer.kernels import cross_entropy, decode, flash_bwd, flash_fwd, flash_fwd_hopper
 
 FP32_POINTERS = {"LSE", "DELTA", "LSE_LOG2", "DLSE", "LSE_PART", "O_PART", "DQ_ACC", "LOSSES", "TOKEN_SCALE"}
 INT64_POINTERS = {"TARGETS"}
@@ -25,7 +28,8 @@ FLOAT_SCALARS = {"qk_scale", "softcap_log2", "softmax_scale", "softcap"}
 
 
 def compile_for_hopper(kernel, constexprs, num_warps, num_stages, maxnreg=None, dtype="bf16"):
-    """Compile ``kernel`` for sm_90 with the given constexprs; pointers named in CAPS, other args i32."""
+    """Compile ``kernel`` (a tl or a Gluon kernel) for sm_90 with the given constexprs; pointers named
+    in CAPS, other args i32."""
     names = kernel.arg_names
     signature, constants = {}, {}
     for index, name in enumerate(names):
@@ -37,7 +41,8 @@ def compile_for_hopper(kernel, constexprs, num_warps, num_stages, maxnreg=None, 
                                else "*i64" if name in INT64_POINTERS else f"*{dtype}")
         else:
             signature[name] = "fp32" if name in FLOAT_SCALARS else "i32"
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    source_type = GluonASTSource if kernel.is_gluon() else ASTSource
+    source = source_type(fn=kernel, signature=signature, constexprs=constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages, "maxnreg": maxnreg})
 
@@ -64,7 +69,23 @@ def attention_constexprs(head_dim, block_m, block_n, causal=True, window=False, 
                 ONE_LOOP=not accumulate_dq and triton.next_power_of_2(head_dim) >= flash_bwd.ONE_LOOP_DKDV_HEAD_DIM)
 
 
+def gluon_forward_constexprs(head_dim, causal=True, window=False, softcap=False, group=1):
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    block_n, num_stages = flash_fwd_hopper.CONFIGS[head_dim_pad]
+    q_smem, kv_smem = flash_fwd_hopper.shared_layouts(block_n, head_dim_pad, torch.bfloat16)
+    return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=flash_fwd_hopper.BLOCK_M,
+                BLOCK_N=block_n, NUM_STAGES=num_stages, LEFT_BOUNDED=window, RIGHT_BOUNDED=causal or window,
+                HAS_SOFTCAP=softcap, Q_SMEM=q_smem, KV_SMEM=kv_smem)
+
+
+GLUON_FORWARD = flash_fwd_hopper._attn_fwd_hopper_kernel
 CASES = {
+    "gluon-fwd-d128-causal": (GLUON_FORWARD, gluon_forward_constexprs(128), flash_fwd_hopper.NUM_WARPS, 1),
+    "gluon-fwd-d128-full": (GLUON_FORWARD, gluon_forward_constexprs(128, causal=False), flash_fwd_hopper.NUM_WARPS, 1),
+    "gluon-fwd-d64-window-softcap-gqa": (GLUON_FORWARD, gluon_forward_constexprs(64, window=True, softcap=True, group=4),
+                                         flash_fwd_hopper.NUM_WARPS, 1),
+    "gluon-fwd-d80": (GLUON_FORWARD, gluon_forward_constexprs(80), flash_fwd_hopper.NUM_WARPS, 1),
+    "gluon-fwd-d256": (GLUON_FORWARD, gluon_forward_constexprs(256, causal=False), flash_fwd_hopper.NUM_WARPS, 1),
     "fwd-d128-causal": (flash_fwd._attn_fwd_kernel, attention_constexprs(128, 128, 64), 8, 3),
     "fwd-d64-window-softcap-gqa": (flash_fwd._attn_fwd_kernel,
                                    attention_constexprs(64, 128, 64, window=True, softcap=True, group=4), 4, 3),
@@ -116,6 +137,8 @@ def main(selected):
         registers, spill_bytes = resource_usage(compiled)
         report[name] = {"wgmma": "wgmma.mma_async" in ptx, "tma": "cp.async.bulk.tensor" in ptx,
                         "tma_reduce": "cp.reduce.async.bulk.tensor" in ptx,
+                        # wgmma.wait_group N with N >= 1: a product left in flight while the program goes on
+                        "async_wgmma_wait": bool(re.search(r"wgmma\.wait_group\.sync\.aligned [1-9]", ptx)),
                         "shared_bytes": compiled.metadata.shared, "registers": registers, "spill_bytes": spill_bytes}
     print(json.dumps(report))
 

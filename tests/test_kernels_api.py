@@ -7,7 +7,7 @@ import pytest
 import torch
 from attention_checks import assert_matches_reference
 
-from flashformer.kernels import flash_attn_func, kernel_impl
+from flashformer.kernels import flash_attn_func, interface, kernel_impl
 from flashformer.kernels import reference
 
 
@@ -52,10 +52,20 @@ def test_path_choice_is_one_switch(monkeypatch):
     monkeypatch.setenv("FLASHFORMER_KERNEL", "torch")
     assert kernel_impl(cpu) == "torch"
     monkeypatch.setenv("FLASHFORMER_KERNEL", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert kernel_impl(cpu) == "triton"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        kernel_impl(cpu)
+    monkeypatch.setenv("FLASHFORMER_KERNEL", "gluon")
+    with pytest.raises(ValueError, match="sm_90"):
+        kernel_impl(cpu)
     monkeypatch.setenv("FLASHFORMER_KERNEL", "auto")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert kernel_impl(cpu) == "torch" and kernel_impl(torch.device("cuda")) == "triton"
+    assert kernel_impl(cpu) == "torch"
+    # CUDA: the Gluon path exactly where its kernels were tested (an sm_90 GPU, a listed Triton).
+    cuda = torch.device("cuda", 0)
+    expected = "gluon" if interface.hopper_gluon_available(0) else "triton"
+    assert kernel_impl(cuda) == expected
     monkeypatch.setenv("FLASHFORMER_KERNEL", "cuda")
     with pytest.raises(ValueError, match="FLASHFORMER_KERNEL"):
         kernel_impl(cpu)

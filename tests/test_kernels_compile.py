@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-HOPPER_MATRIX_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_fused", "decode-")
+HOPPER_MATRIX_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_fused", "decode-", "gluon-")
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +58,13 @@ def test_nondeterministic_backward_reduces_dq_through_tma(report):
     element-wise atomics; the deterministic kernels issue none."""
     for name, case in report.items():
         assert case.get("tma_reduce", False) == name.startswith("bwd_fused"), (name, case)
+
+
+def test_gluon_kernels_overlap_softmax_with_the_tensor_cores(report):
+    """The Hopper Gluon forward leaves P V in flight while the next tile's softmax runs (a wgmma wait
+    with a group outstanding), keeps every accumulator in registers and fits the shared memory; the
+    tl kernels, as Triton 3.6 compiles them, wait on every product."""
+    gluon = {name: case for name, case in report.items() if name.startswith("gluon-")}
+    assert gluon
+    for name, case in gluon.items():
+        assert case["async_wgmma_wait"] and case["spill_bytes"] == 0, (name, case)

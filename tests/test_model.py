@@ -62,21 +62,24 @@ def test_softcap_backends_agree():
 
 
 @pytest.mark.parametrize("backend", ["flash", "flash-nondeterministic"])
-def test_flash_backend_matches_reference(backend, triton_path):
-    model = tiny_model(n_layer=1, **LLAMA_LIKE)
-    input_ids = torch.randint(0, 101, (1, 20))
+def test_flash_backend_matches_reference(backend, device, triton_path):
+    model = tiny_model(n_layer=1, **LLAMA_LIKE).to(device)
+    input_ids = torch.randint(0, 101, (1, 20), device=device)
     reference = logits_and_grads(model, input_ids, "reference")
     assert_close_all(reference, logits_and_grads(model, input_ids, backend), atol=1e-4)
 
 
 @pytest.mark.parametrize("family", [GPT2_LIKE, LLAMA_LIKE], ids=["gpt2", "mistral"])
 @pytest.mark.parametrize("backend", ["reference", "sdpa", "flash"])
-def test_kv_cache_equals_full_recompute(family, backend, monkeypatch):
+def test_kv_cache_equals_full_recompute(family, backend, device, monkeypatch):
     """Prefill in chunks, then one token at a time; "flash" runs the Triton decode kernel."""
-    monkeypatch.setenv("FLASHFORMER_KERNEL", "triton" if backend == "flash" else "torch")
-    model = tiny_model(**family)
+    if backend == "flash":
+        monkeypatch.setenv("FLASHFORMER_KERNEL", "triton")
+    else:
+        device = "cpu"
+    model = tiny_model(**family).to(device)
     model.attn_backend = backend
-    input_ids = torch.randint(0, 101, (2, 30))
+    input_ids = torch.randint(0, 101, (2, 30), device=device)
     with torch.no_grad():
         full = model(input_ids)
         cache = model.new_kv_cache(batch_size=2, max_len=30)
@@ -90,13 +93,16 @@ def test_kv_cache_equals_full_recompute(family, backend, monkeypatch):
 
 @pytest.mark.parametrize("family", [GPT2_LIKE, LLAMA_LIKE], ids=["gpt2", "mistral"])
 @pytest.mark.parametrize("backend", ["reference", "sdpa", "flash"])
-def test_packed_documents_equal_separate_runs(family, backend, monkeypatch):
-    monkeypatch.setenv("FLASHFORMER_KERNEL", "triton" if backend == "flash" else "torch")
-    model = tiny_model(**family)
+def test_packed_documents_equal_separate_runs(family, backend, device, monkeypatch):
+    if backend == "flash":
+        monkeypatch.setenv("FLASHFORMER_KERNEL", "triton")
+    else:
+        device = "cpu"
+    model = tiny_model(**family).to(device)
     model.attn_backend = backend
     lengths = [9, 1, 14, 6]
-    docs = [torch.randint(0, 101, (1, n)) for n in lengths]
-    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    docs = [torch.randint(0, 101, (1, n), device=device) for n in lengths]
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     packed = torch.cat(docs, dim=1).view(2, 15)  # batch * seqlen tokens, documents cross the row boundary
     with torch.no_grad():
         logits = model(packed, cu_seqlens=cu_seqlens, max_seqlen=max(lengths)).view(1, 30, -1)

@@ -1,0 +1,109 @@
+"""The Hopper Gluon forward's tile shapes side by side with the tl forward and SDPA cuDNN (one H200 run).
+
+For every head_dim / causal / seqlen cell (flash-attention's grid: batch * seqlen = --tokens,
+heads * head_dim = 2048, 8 heads at head_dim 256) each (BLOCK_N, NUM_STAGES) candidate of
+flash_fwd_hopper is first checked against fp32 math on the same inputs (max abs error beside SDPA's
+in bf16), then timed with do_bench; the table gives forward TFLOP/s and the ratio of the best
+candidate to cuDNN. Writes the cells as JSON to --out.
+
+    python scripts/bench_gluon_forward.py --head-dims 64 128 256 --seqlens 1024 4096 16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flashformer.kernels import flash_attn_func, force_kernel_impl
+from flashformer.kernels import flash_fwd_hopper
+from flashformer.kernels.flash_fwd import log2_scales
+from flashformer.kernels.launch import new_output, seq_strides
+
+CANDIDATES = {64: [(64, 3), (128, 2), (128, 3)], 128: [(64, 2), (64, 3), (128, 2)], 256: [(64, 2), (32, 2)]}
+
+
+def gluon_forward(q, k, v, causal, block_n, num_stages):
+    head_dim_pad = max(16, triton.next_power_of_2(q.shape[-1]))
+    out = new_output(q)
+    lse = new_output(q, (q.shape[0], q.shape[2], q.shape[1]), torch.float32)
+    qk_scale, softcap_log2 = log2_scales(q.shape[-1] ** -0.5, 0.0)
+    flash_fwd_hopper.launch_forward(q, k, v, out, lse, qk_scale, softcap_log2, -1, 0 if causal else -1, 0.0,
+                                    head_dim_pad, [s for t in (q, k, v, out) for s in seq_strides(t, False)],
+                                    lse.stride()[:2], block_n=block_n, num_stages=num_stages)
+    return out
+
+
+def sdpa(backend, q, k, v, causal):
+    with sdpa_kernel(backend):
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              is_causal=causal).transpose(1, 2)
+
+
+def tl_forward(q, k, v, causal):
+    with force_kernel_impl("triton"):
+        return flash_attn_func(q, k, v, causal=causal)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--out", default="bench_gluon_forward.json")
+    args = parser.parse_args(argv)
+    causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    cells = []
+    for head_dim in args.head_dims:
+        heads = 8 if head_dim == 256 else 2048 // head_dim
+        for causal in causals:
+            for seqlen in args.seqlens:
+                batch = max(1, args.tokens // seqlen)
+                q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+                           for _ in range(3))
+                flops = 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+                reference = sdpa(SDPBackend.MATH, q.float(), k.float(), v.float(), causal)
+                cudnn = sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, causal)
+                cell = {"head_dim": head_dim, "causal": causal, "seqlen": seqlen, "batch": batch,
+                        "sdpa_bf16_error": (cudnn.float() - reference).abs().max().item(), "gluon": {}}
+                timings = {"tl": lambda: tl_forward(q, k, v, causal),
+                           "cudnn": lambda: sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, causal)}
+                cell["tl_error"] = (tl_forward(q, k, v, causal).float() - reference).abs().max().item()
+                for block_n, num_stages in CANDIDATES[head_dim]:
+                    name = f"n{block_n}-s{num_stages}"
+                    try:
+                        out = gluon_forward(q, k, v, causal, block_n, num_stages)
+                    except Exception as error:  # a candidate that does not compile or fit is reported, not fatal
+                        cell["gluon"][name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+                        continue
+                    cell["gluon"][name] = {"error_max": (out.float() - reference).abs().max().item(),
+                                           "finite": bool(torch.isfinite(out).all())}
+                    timings[name] = (lambda bn=block_n, st=num_stages: gluon_forward(q, k, v, causal, bn, st))
+                for name, fn in timings.items():
+                    ms = triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
+                    target = cell["gluon"][name] if name in cell["gluon"] else cell
+                    target[f"{name}_tflops" if target is cell else "tflops"] = flops / ms / 1e9
+                cells.append(cell)
+                del q, k, v, reference, cudnn
+                torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(cells, f, indent=1)
+    print("| head_dim | causal | seqlen | cuDNN | tl | gluon candidates (TFLOP/s, max err vs sdpa bf16 err) | best/cuDNN |")
+    print("|---|---|---|---|---|---|---|")
+    for cell in cells:
+        cands = {n: c for n, c in cell["gluon"].items() if "tflops" in c}
+        best = max((c["tflops"] for c in cands.values()), default=0.0)
+        text = ", ".join(f"{n} {c['tflops']:.0f} ({c['error_max']:.1e})" for n, c in cands.items())
+        errors = [n for n, c in cell["gluon"].items() if "error" in c]
+        print(f"| {cell['head_dim']} | {'yes' if cell['causal'] else 'no'} | {cell['seqlen']} | "
+              f"{cell['cudnn_tflops']:.0f} | {cell['tl_tflops']:.0f} | {text}{' failed: ' + ','.join(errors) if errors else ''}"
+              f" [sdpa {cell['sdpa_bf16_error']:.1e}] | {best / cell['cudnn_tflops']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
