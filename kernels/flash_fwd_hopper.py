@@ -152,6 +152,9 @@ def _attn_fwd_hopper_kernel(
         mbarrier.wait(k_bars.index(0), 0)
         s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s])
+        gl.thread_barrier()  # every warp is done with K_0: its slot takes K_NUM_STAGES
+        if NUM_STAGES < num_tiles:
+            _load_tile(k_desc, start + NUM_STAGES * BLOCK_N, k_bars.index(0), k_smem.index(0))
         s = _logits(s, start, rows, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
                     (start < un_lo) | (start >= un_hi), S_LAYOUT, BLOCK_N, HAS_SOFTCAP, LEFT_BOUNDED, RIGHT_BOUNDED)
         p, alpha, row_max, row_sum = _softmax_step(s, row_max, row_sum, scale)
@@ -171,11 +174,12 @@ def _attn_fwd_hopper_kernel(
                         (n0 < un_lo) | (n0 >= un_hi), S_LAYOUT, BLOCK_N, HAS_SOFTCAP, LEFT_BOUNDED, RIGHT_BOUNDED)
             p, alpha_next, row_max, row_sum = _softmax_step(s, row_max, row_sum, scale)
             acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
-            # Every warp is done with slot ``prev`` (its K by the wait for S_{j-1}, its V just now)
-            # before the TMA refills it.
+            # Every warp is done with K_j and V_{j-1}: their slots take K_{j+NUM_STAGES} and
+            # V_{j-1+NUM_STAGES}, a whole step before the next K is needed.
             gl.thread_barrier()
+            if j + NUM_STAGES < num_tiles:
+                _load_tile(k_desc, n0 + NUM_STAGES * BLOCK_N, k_bars.index(stage), k_smem.index(stage))
             if j - 1 + NUM_STAGES < num_tiles:
-                _load_tile(k_desc, n0 + (NUM_STAGES - 1) * BLOCK_N, k_bars.index(prev), k_smem.index(prev))
                 _load_tile(v_desc, n0 + (NUM_STAGES - 1) * BLOCK_N, v_bars.index(prev), v_smem.index(prev))
             acc = acc * gl.expand_dims(gl.convert_layout(alpha_next, ROW_O), 1)
             p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)

@@ -24,7 +24,7 @@ from flashformer.kernels import flash_fwd_hopper
 from flashformer.kernels.flash_fwd import log2_scales
 from flashformer.kernels.launch import new_output, seq_strides
 
-CANDIDATES = {64: [(64, 3), (128, 2), (128, 3)], 128: [(64, 2), (64, 3), (128, 2)], 256: [(64, 2), (32, 2)]}
+CANDIDATES = {64: [(64, 3), (64, 4), (128, 2)], 128: [(64, 3), (64, 4), (128, 2)], 256: [(64, 2), (32, 3)]}
 
 
 def gluon_forward(q, k, v, causal, block_n, num_stages):
