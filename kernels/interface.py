@@ -3,10 +3,11 @@
 The one place that decides which implementation runs is ``kernel_impl``:
 
 * ``"gluon"``: the Triton path with the Hopper kernels written in Gluon (flash_fwd_hopper.py) for the
-  inputs they cover, the ``tl`` kernels for the rest. Chosen on sm_90 devices with a Triton version
-  the Gluon kernels were tested on (GLUON_TRITON_VERSIONS).
-* ``"triton"``: our portable Triton kernels (flash_fwd.py / flash_bwd.py). Chosen on other CUDA
-  devices, and on CPU when ``TRITON_INTERPRET=1`` is set (that is how CI executes the kernels).
+  inputs they cover, the ``tl`` kernels for the rest. Runs on sm_90 devices with a Triton version the
+  Gluon kernels were tested on (GLUON_TRITON_VERSIONS); chosen there by default once GLUON_BY_DEFAULT
+  says it is faster than the tl kernels (docs/perf-notes.md has the measurements).
+* ``"triton"``: our portable Triton kernels (flash_fwd.py / flash_bwd.py). Chosen on CUDA devices,
+  and on CPU when ``TRITON_INTERPRET=1`` is set (that is how CI executes the kernels).
 * ``"torch"``: the tiled PyTorch path of reference.py, O(seqlen) memory. Chosen on CPU otherwise.
 
 Force one with ``FLASHFORMER_KERNEL=gluon|triton|torch`` (process-wide) or ``with force_kernel_impl(...)``
@@ -31,6 +32,9 @@ KERNEL_IMPLS = ("gluon", "triton", "torch")
 # Triton releases whose Gluon API and code generation the Hopper kernels were checked on (the H200 runs
 # the kernel suite over them); Gluon is experimental and changes between releases.
 GLUON_TRITON_VERSIONS = ("3.6.",)
+# The Gluon forward is exact on the H200 but still 0.7-0.9x the tl forward over flash-attn's grid
+# (faster only at head_dim 256 below 4k tokens), so the default stays on the tl kernels until it wins.
+GLUON_BY_DEFAULT = False
 
 
 # A plain module global rather than a ContextVar: torch.compile traces global reads (and guards on
@@ -76,9 +80,10 @@ def kernel_impl(device: torch.device) -> str:
     forced = _forced_impl or os.environ.get("FLASHFORMER_KERNEL", "auto")
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if forced in KERNEL_IMPLS:
-        if forced == "gluon" and device.type != "cuda":
-            raise ValueError(f"FLASHFORMER_KERNEL=gluon: the Gluon kernels need an sm_90 CUDA device, tensors are "
-                             f"on {device}")
+        if forced == "gluon" and not (device.type == "cuda" and hopper_gluon_available(
+                device.index if device.index is not None else torch.cuda.current_device())):
+            raise ValueError(f"FLASHFORMER_KERNEL=gluon: the Gluon kernels need an sm_90 CUDA device and Triton "
+                             f"{' or '.join(v + 'x' for v in GLUON_TRITON_VERSIONS)}; tensors are on {device}")
         if forced == "triton" and device.type != "cuda" and not interpreted:
             raise ValueError(f"FLASHFORMER_KERNEL=triton with tensors on {device}: the Triton kernels run on CUDA "
                              "devices, or on CPU in Triton's interpreter (set TRITON_INTERPRET=1 before the first "
@@ -88,7 +93,7 @@ def kernel_impl(device: torch.device) -> str:
         raise ValueError(f"FLASHFORMER_KERNEL={forced!r}: expected one of 'auto', 'gluon', 'triton', 'torch'")
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return "gluon" if hopper_gluon_available(index) else "triton"
+        return "gluon" if GLUON_BY_DEFAULT and hopper_gluon_available(index) else "triton"
     if interpreted:
         return "triton"
     return "torch"
