@@ -206,6 +206,158 @@ def _attn_fwd_hopper_kernel(
     tma.store_wait(0)
 
 
+# --- Warp-specialised form: a one-warp TMA producer and two consumer warpgroups, each its own
+# partition over 64 of the tile's 128 query rows. A consumer frees a K/V slot by one arrival on the
+# slot's "empty" barrier (count 2: both consumers) as soon as its own wgmma no longer reads it, so the
+# two warpgroups never wait for each other and drift apart: one's matrix products fill the tensor
+# cores while the other runs its softmax.
+CONSUMER_WARPS = gl.constexpr(4)
+CONSUMER_ROWS = gl.constexpr(64)
+
+
+@gluon.jit
+def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
+               m0, start, num_tiles, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    for c in gl.static_range(2):
+        _load_tile(q_desc, m0 + c * CONSUMER_ROWS, q_bars.index(c), q_smem.index(c))
+    for j in range(num_tiles):
+        stage = j % NUM_STAGES
+        # The slot's previous use (tile j - NUM_STAGES) must be released by both consumers first.
+        free_phase = ((j // NUM_STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(stage), free_phase, pred=j >= NUM_STAGES)
+        _load_tile(k_desc, start + j * BLOCK_N, k_ready.index(stage), k_smem.index(stage))
+        mbarrier.wait(v_empty.index(stage), free_phase, pred=j >= NUM_STAGES)
+        _load_tile(v_desc, start + j * BLOCK_N, v_ready.index(stage), v_smem.index(stage))
+
+
+@gluon.jit
+def _ws_consumer(CONSUMER: gl.constexpr, o_desc, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty,
+                 v_empty, lse_base, m0, start, un_lo, un_hi, num_tiles, seqlen_q, seqlen_k, qk_scale, softcap_log2,
+                 window_left, window_right, HEAD_DIM_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
+                 NUM_STAGES: gl.constexpr, LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr,
+                 HAS_SOFTCAP: gl.constexpr):
+    S_LAYOUT: gl.constexpr = _mma_layout(BLOCK_N, CONSUMER_WARPS)
+    O_LAYOUT: gl.constexpr = _mma_layout(HEAD_DIM_PAD, CONSUMER_WARPS)
+    P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
+    ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+    ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+    dtype: gl.constexpr = q_smem.dtype
+    q_tile = q_smem.index(CONSUMER)
+    row0 = m0 + CONSUMER * CONSUMER_ROWS
+    rows = row0 + gl.arange(0, CONSUMER_ROWS, layout=ROW_S)
+    scale = qk_scale
+    if HAS_SOFTCAP:
+        scale = 1.0
+    row_max = gl.full([CONSUMER_ROWS], float("-inf"), gl.float32, ROW_S)
+    row_sum = gl.zeros([CONSUMER_ROWS], gl.float32, ROW_S)
+    acc = gl.zeros([CONSUMER_ROWS, HEAD_DIM_PAD], gl.float32, O_LAYOUT)
+    s_zero = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, S_LAYOUT)
+
+    mbarrier.wait(q_bars.index(CONSUMER), 0)
+    if num_tiles > 0:
+        mbarrier.wait(k_ready.index(0), 0)
+        s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        mbarrier.arrive(k_empty.index(0), count=1)
+        s = _logits(s, start, rows, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
+                    (start < un_lo) | (start >= un_hi), S_LAYOUT, BLOCK_N, HAS_SOFTCAP, LEFT_BOUNDED, RIGHT_BOUNDED)
+        p, alpha, row_max, row_sum = _softmax_step(s, row_max, row_sum, scale)
+        p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)
+        for j in range(1, num_tiles):
+            n0 = start + j * BLOCK_N
+            stage = j % NUM_STAGES
+            prev = (j - 1) % NUM_STAGES
+            mbarrier.wait(k_ready.index(stage), (j // NUM_STAGES) & 1)
+            s = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
+            acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s])
+            mbarrier.arrive(k_empty.index(stage), count=1)
+            s = _logits(s, n0, rows, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
+                        (n0 < un_lo) | (n0 >= un_hi), S_LAYOUT, BLOCK_N, HAS_SOFTCAP, LEFT_BOUNDED, RIGHT_BOUNDED)
+            p, alpha_next, row_max, row_sum = _softmax_step(s, row_max, row_sum, scale)
+            acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha_next, ROW_O), 1)
+            p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)
+        last = (num_tiles - 1) % NUM_STAGES
+        mbarrier.wait(v_ready.index(last), ((num_tiles - 1) // NUM_STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(v_empty.index(last), count=1)
+
+    empty = row_sum == 0.0
+    inv = gl.convert_layout(1.0 / gl.where(empty, 1.0, row_sum), ROW_O)
+    q_tile.store((acc * gl.expand_dims(inv, 1)).to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [row0, 0], q_tile)
+    lse = gl.where(empty, float("-inf"), (row_max + gl.log2(row_sum)) * 0.6931471805599453)
+    gl.store(LSE + lse_base + rows, lse, mask=rows < seqlen_q)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _attn_fwd_hopper_ws_kernel(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    stride_lse_b, stride_lse_h,
+    seqlen_q, seqlen_k,
+    qk_scale, softcap_log2, window_left, window_right,
+    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+    Q_SMEM: gl.constexpr, KV_SMEM: gl.constexpr,
+):
+    dtype: gl.constexpr = Q.dtype.element_ty
+    pid_m = gl.program_id(0)
+    if RIGHT_BOUNDED:
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    head = gl.program_id(1).to(gl.int64)
+    batch = gl.program_id(2).to(gl.int64)
+    kv_head = head // GROUP
+    m0 = pid_m * BLOCK_M
+    q_desc = tma.make_tensor_descriptor(Q + batch * stride_qb + head * stride_qh, [seqlen_q, HEAD_DIM],
+                                        [stride_qs, 1], [CONSUMER_ROWS, HEAD_DIM_PAD], Q_SMEM)
+    k_desc = tma.make_tensor_descriptor(K + batch * stride_kb + kv_head * stride_kh, [seqlen_k, HEAD_DIM],
+                                        [stride_ks, 1], [BLOCK_N, HEAD_DIM_PAD], KV_SMEM)
+    v_desc = tma.make_tensor_descriptor(V + batch * stride_vb + kv_head * stride_vh, [seqlen_k, HEAD_DIM],
+                                        [stride_vs, 1], [BLOCK_N, HEAD_DIM_PAD], KV_SMEM)
+    o_desc = tma.make_tensor_descriptor(O + batch * stride_ob + head * stride_oh, [seqlen_q, HEAD_DIM],
+                                        [stride_os, 1], [CONSUMER_ROWS, HEAD_DIM_PAD], Q_SMEM)
+    q_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, HEAD_DIM_PAD], Q_SMEM)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM_PAD], KV_SMEM)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM_PAD], KV_SMEM)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(2):
+        mbarrier.init(q_bars.index(c), count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    start, un_lo, un_hi, end = key_range(m0, seqlen_q, seqlen_k, window_left, window_right,
+                                         BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
+    num_tiles = (end - start) // BLOCK_N
+    lse_base = batch * stride_lse_b + head * stride_lse_h
+    gl.warp_specialize([
+        (_ws_consumer, (0, o_desc, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, lse_base, m0,
+                         start, un_lo, un_hi, num_tiles, seqlen_q, seqlen_k, qk_scale, softcap_log2, window_left,
+                         window_right, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP)),
+        (_ws_consumer, (1, o_desc, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, lse_base, m0,
+                         start, un_lo, un_hi, num_tiles, seqlen_q, seqlen_k, qk_scale, softcap_log2, window_left,
+                         window_right, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP)),
+        (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
+                      m0, start, num_tiles, BLOCK_N, NUM_STAGES)),
+    ], [CONSUMER_WARPS, 1], [232, 40])
+
+
 # (BLOCK_N, NUM_STAGES) per padded head_dim: staged K and V tiles plus the Q tile within Hopper's
 # 227 KB of shared memory.
 CONFIGS = {64: (128, 3), 128: (128, 2), 256: (64, 2)}
@@ -217,27 +369,29 @@ def supports(q, cu_seqlens_q, head_dim_pad):
     return cu_seqlens_q is None and q.dtype in (torch.float16, torch.bfloat16) and head_dim_pad in CONFIGS
 
 
-def shared_layouts(block_n, head_dim_pad, dtype):
-    """NVMMA (swizzled) shared-memory layouts of the Q/O tile and of a K/V tile."""
+def shared_layouts(block_n, head_dim_pad, dtype, q_rows=BLOCK_M):
+    """NVMMA (swizzled) shared-memory layouts of a Q/O tile of ``q_rows`` rows and of a K/V tile."""
     gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    return (gl.NVMMASharedLayout.get_default_for([BLOCK_M, head_dim_pad], gl_dtype),
+    return (gl.NVMMASharedLayout.get_default_for([q_rows, head_dim_pad], gl_dtype),
             gl.NVMMASharedLayout.get_default_for([block_n, head_dim_pad], gl_dtype))
 
 
 def launch_forward(q, k, v, out, lse, qk_scale, softcap_log2, window_left, window_right, softcap, head_dim_pad,
-                   strides, strides_lse, block_n=None, num_stages=None):
+                   strides, strides_lse, block_n=None, num_stages=None, warp_specialized=False):
     """Launch the kernel on dense (batch, seqlen, heads, head_dim) inputs the caller has validated."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     default_n, default_stages = CONFIGS[head_dim_pad]
     block_n, num_stages = block_n or default_n, num_stages or default_stages
-    q_smem, kv_smem = shared_layouts(block_n, head_dim_pad, q.dtype)
+    kernel, num_warps, q_rows = ((_attn_fwd_hopper_ws_kernel, CONSUMER_WARPS, CONSUMER_ROWS) if warp_specialized
+                                 else (_attn_fwd_hopper_kernel, NUM_WARPS, BLOCK_M))
+    q_smem, kv_smem = shared_layouts(block_n, head_dim_pad, q.dtype, q_rows)
     grid = (triton.cdiv(seqlen_q, BLOCK_M), heads_q, batch)
-    _attn_fwd_hopper_kernel[grid](
+    kernel[grid](
         q, k, v, out, lse, *strides, *strides_lse, seqlen_q, seqlen_k,
         qk_scale, softcap_log2, window_left, window_right,
         GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages,
         LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
-        Q_SMEM=q_smem, KV_SMEM=kv_smem, num_warps=NUM_WARPS,
+        Q_SMEM=q_smem, KV_SMEM=kv_smem, num_warps=num_warps,
     )
