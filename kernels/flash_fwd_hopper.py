@@ -22,6 +22,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
+from .launch import ensure_allocator
 from .tile_ops import key_range, tanh
 
 NUM_WARPS = 8
@@ -386,6 +387,7 @@ def launch_forward(q, k, v, out, lse, qk_scale, softcap_log2, window_left, windo
     kernel, num_warps, q_rows = ((_attn_fwd_hopper_ws_kernel, CONSUMER_WARPS, CONSUMER_ROWS) if warp_specialized
                                  else (_attn_fwd_hopper_kernel, NUM_WARPS, BLOCK_M))
     q_smem, kv_smem = shared_layouts(block_n, head_dim_pad, q.dtype, q_rows)
+    ensure_allocator(q.device)  # the in-kernel TMA descriptors' scratch
     grid = (triton.cdiv(seqlen_q, BLOCK_M), heads_q, batch)
     kernel[grid](
         q, k, v, out, lse, *strides, *strides_lse, seqlen_q, seqlen_k,
