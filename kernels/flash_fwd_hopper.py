@@ -1,16 +1,21 @@
 """FlashAttention forward for Hopper (sm_90) in Gluon: the algorithm of flash_fwd.py, scheduled by hand.
 
-Triton's own pipeliner waits on every tensor-core product of the attention loop before the next
-instruction, so the softmax of one key tile never overlaps a matrix product. Here the schedule is
-written out (FlashAttention-3's intra-warpgroup overlap): for key tile j the program issues
-S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back as asynchronous wgmma, waits for S_j alone, and
-runs the softmax of tile j while P_{j-1} V_{j-1} is still on the tensor cores. Only then does it
-wait for O and rescale it. Key and value tiles stream through a ring of NUM_STAGES shared-memory
-slots filled by TMA, each slot's arrival signalled on its own mbarrier.
+Triton's own pipeliner waits on every tensor-core product of the tl attention loop before the next
+instruction, so a program's softmax never overlaps its matrix products. Here the schedule is written
+out, as FlashAttention-3 does it:
 
-BLOCK_M = 128 rows over 8 warps: each warpgroup of 4 owns 64 rows and issues its own wgmma. The
-semantics are flash_fwd.py's (bottom-right causal, windows, softcap, GQA, lse in natural log, rows
-that see no key give 0 and lse -inf); flash_fwd.py stays the portable statement of the algorithm.
+* warp specialisation: a producer warp streams K and V tiles by TMA into a ring of NUM_STAGES
+  shared-memory slots (a "ready" and an "empty" mbarrier per slot and tensor); two consumer
+  warpgroups of 64 query rows each compute, with ~232 registers each (setmaxnreg);
+* within a consumer, for key tile j: S_j = Q K_j^T and O += P_{j-1} V_{j-1} are issued back to back
+  as asynchronous wgmma, the consumer waits for S_j alone and runs the softmax of tile j while
+  P_{j-1} V_{j-1} is still on the tensor cores, then waits for O and rescales it;
+* across consumers: each releases a slot on its own, so the two drift apart and one's products
+  overlap the other's softmax.
+
+The semantics are flash_fwd.py's (bottom-right causal, windows, softcap, GQA, lse in natural log, rows
+that see no key give 0 and lse -inf); flash_fwd.py stays the portable, interpreter-tested statement of
+the algorithm. P stays in registers as the A operand of P V.
 """
 
 from __future__ import annotations
@@ -25,14 +30,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .launch import ensure_allocator
 from .tile_ops import key_range, tanh
 
-NUM_WARPS = 8
 BLOCK_M = 128
 
 
 @gluon.constexpr_function
 def _mma_layout(n, num_warps):
-    """Accumulator layout of a (rows, n) wgmma product: one 16-row slab per warp, rows split over
-    the warps (so each warpgroup of 4 owns 64 consecutive rows)."""
+    """Accumulator layout of a (rows, n) wgmma product: one 16-row slab per warp of the warpgroup."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
 
 
@@ -75,149 +78,17 @@ def _softmax_step(s, row_max, row_sum, scale):
     return p, alpha, new_max, row_sum
 
 
-@gluon.jit
-def _attn_fwd_hopper_kernel(
-    Q, K, V, O, LSE,
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_ob, stride_os, stride_oh,
-    stride_lse_b, stride_lse_h,
-    seqlen_q, seqlen_k,
-    qk_scale, softcap_log2, window_left, window_right,
-    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-    LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-    Q_SMEM: gl.constexpr, KV_SMEM: gl.constexpr,
-):
-    NUM_WARPS: gl.constexpr = gl.num_warps()
-    S_LAYOUT: gl.constexpr = _mma_layout(BLOCK_N, NUM_WARPS)
-    O_LAYOUT: gl.constexpr = _mma_layout(HEAD_DIM_PAD, NUM_WARPS)
-    P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
-    ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
-    ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
-    dtype: gl.constexpr = Q.dtype.element_ty
-
-    pid_m = gl.program_id(0)
-    if RIGHT_BOUNDED:  # a causal query tile's work grows with its index: the longest start first
-        pid_m = gl.num_programs(0) - 1 - pid_m
-    head = gl.program_id(1).to(gl.int64)
-    batch = gl.program_id(2).to(gl.int64)
-    kv_head = head // GROUP
-    m0 = pid_m * BLOCK_M
-
-    # Per-head views whose shape ends at the sequence and at HEAD_DIM: TMA reads zeros past either end
-    # (any seqlen, head_dim below its power of two) and clips the stores.
-    q_desc = tma.make_tensor_descriptor(Q + batch * stride_qb + head * stride_qh, [seqlen_q, HEAD_DIM],
-                                        [stride_qs, 1], [BLOCK_M, HEAD_DIM_PAD], Q_SMEM)
-    k_desc = tma.make_tensor_descriptor(K + batch * stride_kb + kv_head * stride_kh, [seqlen_k, HEAD_DIM],
-                                        [stride_ks, 1], [BLOCK_N, HEAD_DIM_PAD], KV_SMEM)
-    v_desc = tma.make_tensor_descriptor(V + batch * stride_vb + kv_head * stride_vh, [seqlen_k, HEAD_DIM],
-                                        [stride_vs, 1], [BLOCK_N, HEAD_DIM_PAD], KV_SMEM)
-    o_desc = tma.make_tensor_descriptor(O + batch * stride_ob + head * stride_oh, [seqlen_q, HEAD_DIM],
-                                        [stride_os, 1], [BLOCK_M, HEAD_DIM_PAD], Q_SMEM)
-
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM_PAD], Q_SMEM)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM_PAD], KV_SMEM)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM_PAD], KV_SMEM)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(k_bars.index(i), count=1)
-        mbarrier.init(v_bars.index(i), count=1)
-
-    start, un_lo, un_hi, end = key_range(m0, seqlen_q, seqlen_k, window_left, window_right,
-                                         BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
-    num_tiles = (end - start) // BLOCK_N
-
-    _load_tile(q_desc, m0, q_bar, q_smem)
-    for i in gl.static_range(NUM_STAGES):
-        if i < num_tiles:
-            _load_tile(k_desc, start + i * BLOCK_N, k_bars.index(i), k_smem.index(i))
-            _load_tile(v_desc, start + i * BLOCK_N, v_bars.index(i), v_smem.index(i))
-
-    rows = m0 + gl.arange(0, BLOCK_M, layout=ROW_S)
-    scale = qk_scale
-    if HAS_SOFTCAP:
-        scale = 1.0
-    row_max = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
-    row_sum = gl.zeros([BLOCK_M], gl.float32, ROW_S)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM_PAD], gl.float32, O_LAYOUT)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)
-
-    mbarrier.wait(q_bar, 0)
-    if num_tiles > 0:
-        # Tile 0: its logits and probabilities; its values are multiplied in by the next step.
-        mbarrier.wait(k_bars.index(0), 0)
-        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=[s])
-        gl.thread_barrier()  # every warp is done with K_0: its slot takes K_NUM_STAGES
-        if NUM_STAGES < num_tiles:
-            _load_tile(k_desc, start + NUM_STAGES * BLOCK_N, k_bars.index(0), k_smem.index(0))
-        s = _logits(s, start, rows, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-                    (start < un_lo) | (start >= un_hi), S_LAYOUT, BLOCK_N, HAS_SOFTCAP, LEFT_BOUNDED, RIGHT_BOUNDED)
-        p, alpha, row_max, row_sum = _softmax_step(s, row_max, row_sum, scale)
-        p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)
-
-        for j in range(1, num_tiles):
-            n0 = start + j * BLOCK_N
-            stage = j % NUM_STAGES
-            prev = (j - 1) % NUM_STAGES
-            mbarrier.wait(k_bars.index(stage), (j // NUM_STAGES) & 1)
-            s = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(v_bars.index(prev), ((j - 1) // NUM_STAGES) & 1)
-            acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-            # S_j is the older of the two groups in flight: wait for it alone, P_{j-1} V_{j-1} runs on.
-            s = warpgroup_mma_wait(1, deps=[s])
-            s = _logits(s, n0, rows, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-                        (n0 < un_lo) | (n0 >= un_hi), S_LAYOUT, BLOCK_N, HAS_SOFTCAP, LEFT_BOUNDED, RIGHT_BOUNDED)
-            p, alpha_next, row_max, row_sum = _softmax_step(s, row_max, row_sum, scale)
-            acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
-            # Every warp is done with K_j and V_{j-1}: their slots take K_{j+NUM_STAGES} and
-            # V_{j-1+NUM_STAGES}, a whole step before the next K is needed.
-            gl.thread_barrier()
-            if j + NUM_STAGES < num_tiles:
-                _load_tile(k_desc, n0 + NUM_STAGES * BLOCK_N, k_bars.index(stage), k_smem.index(stage))
-            if j - 1 + NUM_STAGES < num_tiles:
-                _load_tile(v_desc, n0 + (NUM_STAGES - 1) * BLOCK_N, v_bars.index(prev), v_smem.index(prev))
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha_next, ROW_O), 1)
-            p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)
-
-        last = (num_tiles - 1) % NUM_STAGES
-        mbarrier.wait(v_bars.index(last), ((num_tiles - 1) // NUM_STAGES) & 1)
-        acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[acc])
-
-    mbarrier.invalidate(q_bar)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.invalidate(k_bars.index(i))
-        mbarrier.invalidate(v_bars.index(i))
-
-    # A row that saw no key: output 0 and lse = -inf (log of an empty sum).
-    empty = row_sum == 0.0
-    inv = gl.convert_layout(1.0 / gl.where(empty, 1.0, row_sum), ROW_O)
-    out = (acc * gl.expand_dims(inv, 1)).to(dtype)
-    q_smem.store(out)  # Q is no longer read: its slot stages the output for the TMA store
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [m0, 0], q_smem)
-    lse = gl.where(empty, float("-inf"), (row_max + gl.log2(row_sum)) * 0.6931471805599453)
-    gl.store(LSE + batch * stride_lse_b + head * stride_lse_h + rows, lse, mask=rows < seqlen_q)
-    tma.store_wait(0)
-
-
-# --- Warp-specialised form: a one-warp TMA producer and two consumer warpgroups, each its own
-# partition over 64 of the tile's 128 query rows. A consumer frees a K/V slot by one arrival on the
-# slot's "empty" barrier (count 2: both consumers) as soon as its own wgmma no longer reads it, so the
-# two warpgroups never wait for each other and drift apart: one's matrix products fill the tensor
+# A program is three partitions (gl.warp_specialize): one TMA producer warp and two consumer
+# warpgroups, each over 64 of the tile's 128 query rows. A consumer frees a K/V slot by one arrival on
+# the slot's "empty" barrier (count 2: both consumers) as soon as its own wgmma no longer reads it, so
+# the two warpgroups never wait for each other and drift apart: one's matrix products fill the tensor
 # cores while the other runs its softmax.
 CONSUMER_WARPS = gl.constexpr(4)
 CONSUMER_ROWS = gl.constexpr(64)
 
 
 @gluon.jit
-def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
+def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
                m0, start, num_tiles, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
     for c in gl.static_range(2):
         _load_tile(q_desc, m0 + c * CONSUMER_ROWS, q_bars.index(c), q_smem.index(c))
@@ -232,7 +103,7 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, 
 
 
 @gluon.jit
-def _ws_consumer(CONSUMER: gl.constexpr, o_desc, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty,
+def _consume_partition(CONSUMER: gl.constexpr, o_desc, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty,
                  v_empty, lse_base, m0, start, un_lo, un_hi, num_tiles, seqlen_q, seqlen_k, qk_scale, softcap_log2,
                  window_left, window_right, HEAD_DIM_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
                  NUM_STAGES: gl.constexpr, LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr,
@@ -298,7 +169,7 @@ def _ws_consumer(CONSUMER: gl.constexpr, o_desc, LSE, q_smem, k_smem, v_smem, q_
 
 
 @gluon.jit
-def _attn_fwd_hopper_ws_kernel(
+def _attn_fwd_hopper_kernel(
     Q, K, V, O, LSE,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -348,52 +219,54 @@ def _attn_fwd_hopper_ws_kernel(
     num_tiles = (end - start) // BLOCK_N
     lse_base = batch * stride_lse_b + head * stride_lse_h
     gl.warp_specialize([
-        (_ws_consumer, (0, o_desc, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, lse_base, m0,
+        (_consume_partition, (0, o_desc, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, lse_base, m0,
                          start, un_lo, un_hi, num_tiles, seqlen_q, seqlen_k, qk_scale, softcap_log2, window_left,
                          window_right, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP)),
-        (_ws_consumer, (1, o_desc, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, lse_base, m0,
+        (_consume_partition, (1, o_desc, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, lse_base, m0,
                          start, un_lo, un_hi, num_tiles, seqlen_q, seqlen_k, qk_scale, softcap_log2, window_left,
                          window_right, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP)),
-        (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
+        (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
                       m0, start, num_tiles, BLOCK_N, NUM_STAGES)),
     ], [CONSUMER_WARPS, 1], [232, 40])
 
 
-# (BLOCK_N, NUM_STAGES) per padded head_dim: staged K and V tiles plus the Q tile within Hopper's
-# 227 KB of shared memory.
-CONFIGS = {64: (128, 3), 128: (128, 2), 256: (64, 2)}
+# (BLOCK_N, NUM_STAGES) per padded head_dim: two stages of K and V tiles plus the two 64-row Q tiles
+# within Hopper's 227 KB of shared memory (scripts/bench_gluon_forward.py measured the alternatives).
+CONFIGS = {64: (128, 2), 128: (128, 2), 256: (64, 2)}
+# At head_dim 64 the tl kernel stays faster below this many keys (1.2-1.3x at 1k, the Gluon one
+# 1.07-1.19x faster from 4k on).
+MIN_KEYS_HEAD_DIM_64 = 4096
 
 
-def supports(q, cu_seqlens_q, head_dim_pad):
-    """Whether this kernel covers these inputs (the caller has chosen the Gluon path for the device):
-    dense, 16-bit, a padded head_dim it has a tile shape for."""
-    return cu_seqlens_q is None and q.dtype in (torch.float16, torch.bfloat16) and head_dim_pad in CONFIGS
+def supports(q, k, cu_seqlens_q, head_dim_pad):
+    """Whether this kernel takes these inputs (the caller has chosen the Gluon path for the device):
+    dense, 16-bit, a padded head_dim it has a tile shape for and is the faster kernel at."""
+    return (cu_seqlens_q is None and q.dtype in (torch.float16, torch.bfloat16) and head_dim_pad in CONFIGS
+            and (head_dim_pad != 64 or k.shape[1] >= MIN_KEYS_HEAD_DIM_64))
 
 
-def shared_layouts(block_n, head_dim_pad, dtype, q_rows=BLOCK_M):
-    """NVMMA (swizzled) shared-memory layouts of a Q/O tile of ``q_rows`` rows and of a K/V tile."""
+def shared_layouts(block_n, head_dim_pad, dtype):
+    """NVMMA (swizzled) shared-memory layouts of a consumer's Q/O tile and of a K/V tile."""
     gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    return (gl.NVMMASharedLayout.get_default_for([q_rows, head_dim_pad], gl_dtype),
+    return (gl.NVMMASharedLayout.get_default_for([CONSUMER_ROWS.value, head_dim_pad], gl_dtype),
             gl.NVMMASharedLayout.get_default_for([block_n, head_dim_pad], gl_dtype))
 
 
 def launch_forward(q, k, v, out, lse, qk_scale, softcap_log2, window_left, window_right, softcap, head_dim_pad,
-                   strides, strides_lse, block_n=None, num_stages=None, warp_specialized=False):
+                   strides, strides_lse, block_n=None, num_stages=None):
     """Launch the kernel on dense (batch, seqlen, heads, head_dim) inputs the caller has validated."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     default_n, default_stages = CONFIGS[head_dim_pad]
     block_n, num_stages = block_n or default_n, num_stages or default_stages
-    kernel, num_warps, q_rows = ((_attn_fwd_hopper_ws_kernel, CONSUMER_WARPS, CONSUMER_ROWS) if warp_specialized
-                                 else (_attn_fwd_hopper_kernel, NUM_WARPS, BLOCK_M))
-    q_smem, kv_smem = shared_layouts(block_n, head_dim_pad, q.dtype, q_rows)
+    q_smem, kv_smem = shared_layouts(block_n, head_dim_pad, q.dtype)
     ensure_allocator(q.device)  # the in-kernel TMA descriptors' scratch
     grid = (triton.cdiv(seqlen_q, BLOCK_M), heads_q, batch)
-    kernel[grid](
+    _attn_fwd_hopper_kernel[grid](
         q, k, v, out, lse, *strides, *strides_lse, seqlen_q, seqlen_k,
         qk_scale, softcap_log2, window_left, window_right,
         GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages,
         LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
-        Q_SMEM=q_smem, KV_SMEM=kv_smem, num_warps=num_warps,
+        Q_SMEM=q_smem, KV_SMEM=kv_smem, num_warps=CONSUMER_WARPS.value,
     )

@@ -32,9 +32,9 @@ KERNEL_IMPLS = ("gluon", "triton", "torch")
 # Triton releases whose Gluon API and code generation the Hopper kernels were checked on (the H200 runs
 # the kernel suite over them); Gluon is experimental and changes between releases.
 GLUON_TRITON_VERSIONS = ("3.6.",)
-# The Gluon forward is exact on the H200 but still 0.7-0.9x the tl forward over flash-attn's grid
-# (faster only at head_dim 256 below 4k tokens), so the default stays on the tl kernels until it wins.
-GLUON_BY_DEFAULT = False
+# Measured on the H200 (BENCHMARKS.md): the Gluon forward is 1.1-1.3x the tl forward at head_dim 128 and
+# 256 and from 4k keys at 64 (flash_fwd_hopper.supports keeps the shorter head_dim-64 calls on tl).
+GLUON_BY_DEFAULT = True
 
 
 # A plain module global rather than a ContextVar: torch.compile traces global reads (and guards on

@@ -80,12 +80,12 @@ def gluon_forward_constexprs(head_dim, causal=True, window=False, softcap=False,
 
 GLUON_FORWARD = flash_fwd_hopper._attn_fwd_hopper_kernel
 CASES = {
-    "gluon-fwd-d128-causal": (GLUON_FORWARD, gluon_forward_constexprs(128), flash_fwd_hopper.NUM_WARPS, 1),
-    "gluon-fwd-d128-full": (GLUON_FORWARD, gluon_forward_constexprs(128, causal=False), flash_fwd_hopper.NUM_WARPS, 1),
+    "gluon-fwd-d128-causal": (GLUON_FORWARD, gluon_forward_constexprs(128), flash_fwd_hopper.CONSUMER_WARPS.value, 1),
+    "gluon-fwd-d128-full": (GLUON_FORWARD, gluon_forward_constexprs(128, causal=False), flash_fwd_hopper.CONSUMER_WARPS.value, 1),
     "gluon-fwd-d64-window-softcap-gqa": (GLUON_FORWARD, gluon_forward_constexprs(64, window=True, softcap=True, group=4),
-                                         flash_fwd_hopper.NUM_WARPS, 1),
-    "gluon-fwd-d80": (GLUON_FORWARD, gluon_forward_constexprs(80), flash_fwd_hopper.NUM_WARPS, 1),
-    "gluon-fwd-d256": (GLUON_FORWARD, gluon_forward_constexprs(256, causal=False), flash_fwd_hopper.NUM_WARPS, 1),
+                                         flash_fwd_hopper.CONSUMER_WARPS.value, 1),
+    "gluon-fwd-d80": (GLUON_FORWARD, gluon_forward_constexprs(80), flash_fwd_hopper.CONSUMER_WARPS.value, 1),
+    "gluon-fwd-d256": (GLUON_FORWARD, gluon_forward_constexprs(256, causal=False), flash_fwd_hopper.CONSUMER_WARPS.value, 1),
     "fwd-d128-causal": (flash_fwd._attn_fwd_kernel, attention_constexprs(128, 128, 64), 8, 3),
     "fwd-d64-window-softcap-gqa": (flash_fwd._attn_fwd_kernel,
                                    attention_constexprs(64, 128, 64, window=True, softcap=True, group=4), 4, 3),
@@ -139,6 +139,7 @@ def main(selected):
                         "tma_reduce": "cp.reduce.async.bulk.tensor" in ptx,
                         # wgmma.wait_group N with N >= 1: a product left in flight while the program goes on
                         "async_wgmma_wait": bool(re.search(r"wgmma\.wait_group\.sync\.aligned [1-9]", ptx)),
+                        "setmaxnreg": "setmaxnreg" in ptx,
                         "shared_bytes": compiled.metadata.shared, "registers": registers, "spill_bytes": spill_bytes}
     print(json.dumps(report))
 
