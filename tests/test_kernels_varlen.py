@@ -1,10 +1,11 @@
 """Varlen (packed) attention: equal to running each sequence through the dense math, by the 2x rule."""
 
+import functools
 import random
 
 import pytest
 import torch
-from attention_checks import assert_within_2x
+from attention_checks import assert_within_2x, attention_grads
 
 from flashformer.kernels import (attention_materialized, cu_seqlens_from_document_ids, cu_seqlens_from_lengths,
                                  document_ids_from_cu_seqlens, flash_attn_varlen_func,
@@ -123,10 +124,46 @@ def test_varlen_bad_offsets_name_the_argument(mutate, match, device):
         flash_attn_varlen_func(*mutate(*_packed(device)))
 
 
-def test_varlen_max_seqlen_too_small(device):
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_varlen_max_seqlen_too_small(impl, device, monkeypatch):
+    monkeypatch.setenv("FLASHFORMER_KERNEL", impl)
     q, k, v, cu = _packed(device)
     with pytest.raises(ValueError, match="max_seqlen_q=4"):
-        flash_attn_varlen_func(q, k, v, cu, cu, 4, 5)
+        flash_attn_varlen_func(q, k, v, cu, cu, 4, 5, check_lengths=True)
+    if impl == "torch":  # it reads the offsets anyway, so it checks them unasked
+        with pytest.raises(ValueError, match="max_seqlen_k=4"):
+            flash_attn_varlen_func(q, k, v, cu, cu, 5, 4)
+    else:  # unread offsets: a max_seqlen is still the caller's value, checked on the host
+        with pytest.raises(ValueError, match="max_seqlen_k must be an int"):
+            flash_attn_varlen_func(q, k, v, cu, cu, 5, 5.0)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["nondeterministic", "deterministic"])
+def test_varlen_offsets_unread_when_max_seqlen_given(deterministic, device, triton_path):
+    """With both max_seqlen given the Triton path reads no offset (no host sync): the values go
+    unchecked, and a max_seqlen below the longest (here 4 and 0 for sequences of 5) changes nothing,
+    since the kernels take it as a tuning hint and find each sequence's length in the offsets."""
+    q, k, v, cu = _packed(device)
+    grad_out = torch.randn_like(q)
+    call = functools.partial(flash_attn_varlen_func, cu_seqlens_q=cu, cu_seqlens_k=cu, deterministic=deterministic)
+    exact = attention_grads(call, q, k, v, grad_out, max_seqlen_q=5, max_seqlen_k=5)
+    hinted = attention_grads(call, q, k, v, grad_out, max_seqlen_q=4, max_seqlen_k=0)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), hinted, exact):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=0, msg=name)
+    with pytest.raises(ValueError, match="max_seqlen_q=4"):
+        call(q, k, v, max_seqlen_q=4, max_seqlen_k=5, check_lengths=True)
+
+
+def test_varlen_check_lengths_option(device, monkeypatch):
+    q, k, v, cu = _packed(device)
+    with pytest.raises(ValueError, match="check_lengths must be a bool or None"):
+        flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, check_lengths="no")
+    monkeypatch.setenv("FLASHFORMER_KERNEL", "triton")
+    with pytest.raises(ValueError, match="check_lengths=False needs max_seqlen_q and max_seqlen_k"):
+        flash_attn_varlen_func(q, k, v, cu, cu, None, 5, check_lengths=False)
+    monkeypatch.setenv("FLASHFORMER_KERNEL", "torch")
+    with pytest.raises(ValueError, match="and the Triton path"):
+        flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, check_lengths=False)
 
 
 def test_varlen_offsets_changed_in_place_are_checked_again(device):
