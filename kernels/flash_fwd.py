@@ -148,7 +148,9 @@ def attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap
         strides_lse = lse.stride()[:2]
     if out.numel() == 0:
         return out, lse
-    if seqlen_k == 0:  # nothing to attend to: every row is empty
+    # Nothing to attend to: every row is empty. Varlen asks the key count, not max_seqlen_k, which the
+    # kernels otherwise take as a tuning hint only (unchecked unless the offsets are read).
+    if (k.shape[0] if is_varlen else seqlen_k) == 0:
         return out.zero_(), lse.fill_(-math.inf)
     qk_scale, softcap_log2 = log2_scales(softmax_scale, softcap)
     head_dim_pad = max(16, next_power_of_2(head_dim))

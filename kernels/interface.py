@@ -268,12 +268,13 @@ def _varlen_tiled(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_lef
 _CHECKED_CU_SEQLENS: dict[int, tuple[int, int, int]] = {}
 
 
-def check_cu_seqlens(name, cu_seqlens, total, device):
-    """Validate int32 (batch + 1,) sequence offsets over ``total`` packed tokens.
+def check_cu_seqlens(name, cu_seqlens, total, device, read_values=True):
+    """Validate int32 (batch + 1,) sequence offsets over ``total`` packed tokens: always their type,
+    shape and device; their values (one device read for all) when ``read_values``.
 
     Returns:
-        The longest sequence's length (one device read for all value checks), or None under
-        torch.compile, where a traced graph trusts its caller.
+        The longest sequence's length, or None when the values were not read (``read_values`` False,
+        or under torch.compile, where a traced graph trusts its caller).
     """
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32:
         raise ValueError(f"{name} must be a 1-d int32 tensor, got "
@@ -282,7 +283,7 @@ def check_cu_seqlens(name, cu_seqlens, total, device):
         raise ValueError(f"{name} is on {cu_seqlens.device}, q on {device}")
     if cu_seqlens.numel() < 2:
         raise ValueError(f"{name} needs at least 2 entries (batch + 1), got {cu_seqlens.numel()}")
-    if torch.compiler.is_compiling():
+    if not read_values or torch.compiler.is_compiling():
         return None
     key = id(cu_seqlens)
     # Inference tensors keep no version counter (in-place changes go unseen): they are checked every call.
@@ -305,7 +306,10 @@ def check_cu_seqlens(name, cu_seqlens, total, device):
 
 def _max_seqlen(name, given, longest):
     """``given`` (validated against ``longest``, the actual longest length when known), or ``longest``."""
-    if longest is None:  # under torch.compile
+    if longest is None:  # offsets unread (or under torch.compile): the caller's figure
+        if not torch.compiler.is_compiling() and (not isinstance(given, int) or isinstance(given, bool)
+                                                   or given < 0):
+            raise ValueError(f"{name} must be an int >= 0, got {given!r}")
         return int(given)
     if given is None:
         return longest
@@ -316,7 +320,7 @@ def _max_seqlen(name, given, longest):
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, causal=False,
                            softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False,
-                           deterministic=True):
+                           deterministic=True, check_lengths=None):
     """Exact attention over sequences packed along the token dim, flash-attn's varlen API.
 
     No attention crosses a sequence boundary; every option of flash_attn_func applies per sequence
@@ -326,15 +330,30 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
         q: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim).
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) offsets: sequence b is rows
             [cu[b], cu[b + 1]). Same batch for q and k.
-        max_seqlen_q, max_seqlen_k: longest sequence lengths (computed when None).
+        max_seqlen_q, max_seqlen_k: longest sequence lengths; None reads them from the offsets (a
+            host sync on CUDA). The Triton kernels take them for tuning only.
         causal, softmax_scale, window_size, softcap, return_lse, deterministic: as flash_attn_func.
+        check_lengths: whether the offsets' values are checked (start 0, end at the token count,
+            non-decreasing, max_seqlen_q/_k at least the longest); their type, shape and device
+            always are. None (the default): when they are read anyway (a max_seqlen left None, or
+            the PyTorch path); with both max_seqlen given the Triton path reads no device value (no
+            host sync) and trusts the offsets, as flash-attn does. True: always (one device read per
+            offsets tensor and version). False: never; needs both max_seqlen and the Triton path.
     Returns:
         out (total_q, heads_q, head_dim), or (out, lse) with lse (heads_q, total_q) fp32.
     """
     softmax_scale, window_size = check_attention_args(q, k, v, 0, softmax_scale, window_size, softcap)
     deterministic = _check_deterministic(deterministic)
-    longest_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
-    longest_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+    if check_lengths is not None and not isinstance(check_lengths, bool):
+        raise ValueError(f"check_lengths must be a bool or None, got {check_lengths!r}")
+    triton_path = kernel_impl(q.device) != "torch"
+    if check_lengths is False and (max_seqlen_q is None or max_seqlen_k is None or not triton_path):
+        raise ValueError("check_lengths=False needs max_seqlen_q and max_seqlen_k and the Triton path (otherwise "
+                         "the offsets are read on the host)")
+    longest_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device,
+                                 _read_offsets(check_lengths, max_seqlen_q, triton_path))
+    longest_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device,
+                                 _read_offsets(check_lengths, max_seqlen_k, triton_path))
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k describe {cu_seqlens_q.numel() - 1} and "
                          f"{cu_seqlens_k.numel() - 1} sequences")
@@ -342,13 +361,20 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     max_seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k, longest_k)
     q, k, v = autocast_inputs(q, k, v)
     window_left, window_right = normalize_window(causal, window_size)
-    if kernel_impl(q.device) != "torch":
+    if triton_path:
         out, lse = _triton_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                    window_left, window_right, float(softcap), deterministic)
     else:
         out, lse = _varlen_tiled(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right,
                                  float(softcap))
     return (out, lse) if return_lse else out
+
+
+def _read_offsets(check_lengths, max_seqlen, triton_path):
+    """Whether flash_attn_varlen_func reads (and so checks) one cu_seqlens tensor's values."""
+    if check_lengths is not None:
+        return check_lengths
+    return max_seqlen is None or not triton_path
 
 
 def _check_deterministic(deterministic):

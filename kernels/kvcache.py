@@ -79,8 +79,9 @@ def _append(k_cache, v_cache, k, v, cache_seqlens, block_table):
 
 
 def _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits):
-    """Validate everything but the cache contents; return cache_seqlens as int32 (batch,) on q's device,
-    or as the given int for a contiguous cache."""
+    """Validate everything that needs no device values; return (cache_seqlens as the kernels and the
+    append take it: an int for a contiguous cache, else int32 (batch,) on q's device; the length shared
+    by every sequence when the host knows it, else None)."""
     batch = q.shape[0]
     if block_table is None:
         if k_cache.shape[0] != batch:
@@ -102,37 +103,50 @@ def _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, n
     if cache_seqlens is None:  # as flash-attn: the whole cache is valid
         cache_seqlens = _capacity(k_cache, block_table)
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        if block_table is None:  # kept on the host: no sync to validate it (see _check_lengths)
-            return cache_seqlens
-        return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+        if block_table is None:  # kept on the host: the kernel takes it as an int, the append slices
+            return cache_seqlens, cache_seqlens
+        return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device), cache_seqlens
     if (not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype != torch.int32
             or cache_seqlens.shape != (batch,) or cache_seqlens.device != q.device):
         raise ValueError(f"cache_seqlens must be an int or an int32 tensor of shape (batch={batch},) on {q.device}, "
                          f"got {_describe(cache_seqlens)}")
-    return cache_seqlens
+    return cache_seqlens, None
 
 
-def _check_lengths(k_cache, cache_seqlens, seqlen_new, block_table):
-    """Validate what depends on the values; return the valid entries per sequence after the append,
-    as host ints. One host sync, except for an int cache_seqlens with a contiguous cache (the model's
-    decoding loop), whose lengths the host already knows."""
-    if isinstance(cache_seqlens, int):
-        lengths = [cache_seqlens + seqlen_new] * k_cache.shape[0]
+def _check_lengths(k_cache, cache_seqlens, shared_length, seqlen_new, block_table, batch, read_device):
+    """Validate the lengths and, with read_device, a paged cache's pages in use; return the valid entries
+    per sequence after the append as host ints, or None for lengths only the device holds when
+    read_device is False. Only read_device reads the device (one host sync for everything)."""
+    if shared_length is not None:  # the host knows every length: no read for them
+        lengths = [shared_length + seqlen_new] * batch
         _check_length_values(k_cache, lengths, seqlen_new, block_table)
+        if read_device and block_table is not None:
+            _raise_for_bad_pages(_bad_pages(k_cache, block_table, cache_seqlens + seqlen_new).item(), k_cache)
         return lengths
+    if not read_device:
+        return None
     lengths_t = cache_seqlens + seqlen_new
     bad_pages = torch.zeros((), dtype=torch.int32, device=cache_seqlens.device)
     if block_table is not None:
-        # Only the pages in use must be valid: the rest of a row may hold anything (as in flash-attn).
-        pages_used = (lengths_t.clamp(min=0)[:, None] + k_cache.shape[1] - 1) // k_cache.shape[1]
-        in_use = torch.arange(block_table.shape[1], device=block_table.device) < pages_used
-        bad_pages = (((block_table < 0) | (block_table >= k_cache.shape[0])) & in_use).sum()
+        bad_pages = _bad_pages(k_cache, block_table, lengths_t)
     bad, *lengths = torch.cat([bad_pages.view(1).int(), lengths_t]).tolist()
     _check_length_values(k_cache, lengths, seqlen_new, block_table)
+    _raise_for_bad_pages(bad, k_cache)
+    return lengths
+
+
+def _bad_pages(k_cache, block_table, lengths_t):
+    """How many block_table entries among the pages in use lie outside the pool (a 0-d device tensor).
+    Only the pages in use must be valid: the rest of a row may hold anything (as in flash-attn)."""
+    pages_used = (lengths_t.clamp(min=0)[:, None] + k_cache.shape[1] - 1) // k_cache.shape[1]
+    in_use = torch.arange(block_table.shape[1], device=block_table.device) < pages_used
+    return (((block_table < 0) | (block_table >= k_cache.shape[0])) & in_use).sum()
+
+
+def _raise_for_bad_pages(bad, k_cache):
     if bad:
         raise ValueError(f"block_table has {bad} entries outside [0, num_blocks={k_cache.shape[0]}) among the pages "
                          "in use")
-    return lengths
 
 
 def _check_length_values(k_cache, lengths, seqlen_new, block_table):
@@ -158,7 +172,7 @@ def _describe(x):
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, causal=True,
                             softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False, num_splits=0,
-                            check_lengths=True):
+                            check_lengths=None):
     """Attention of new query tokens over a KV cache, appending new keys/values first (flash-attn's API).
 
     Inference only: raises if an input requires grad while grad mode is on.
@@ -176,9 +190,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             where total_len = cache_seqlens[b] + seqlen_new.
         softmax_scale, window_size, softcap, return_lse: as flash_attn_func.
         num_splits: chunks of the cache per (sequence, kv head) on the Triton path; 0 = automatic.
-        check_lengths: False trusts a tensor cache_seqlens (the values must lie in [0, capacity -
-            seqlen_new], and a paged cache's pages in use in range): no host sync reads them, as CUDA-graph
-            capture needs, and the automatic splits are sized for the whole cache. The Triton path only.
+        check_lengths: which values are checked against the cache (lengths in [0, capacity - seqlen_new],
+            a paged cache's pages in use inside the pool). Shapes, dtypes and devices always are.
+            None (the default): on the Triton path only what the host holds (an int or None
+            cache_seqlens); a tensor cache_seqlens and block_table's entries are trusted, unread: no
+            host sync, as a decoding loop (and CUDA-graph capture) wants, and automatic splits sized
+            for the whole cache. The PyTorch path, which reads the lengths anyway, checks them all.
+            True: everything, at one host sync per call. False: as None, and an error on the PyTorch
+            path rather than a read of device values.
     Returns:
         out (batch, seqlen_q, heads_q, head_dim), or (out, lse) with lse (batch, heads_q, seqlen_q)
         fp32, -inf for a row that sees no cache entry (its output is 0).
@@ -204,18 +223,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     # cache's first dim is not the batch, and a slice costs no copy.
     softmax_scale, window_size = check_attention_args(q[:1], k_cache[:1], v_cache[:1], 1, softmax_scale,
                                                       window_size, softcap)
-    cache_seqlens = _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits)
+    cache_seqlens, shared_length = _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                                       num_splits)
     seqlen_new = 0 if k is None else k.shape[1]
-    if not isinstance(check_lengths, bool):
-        raise ValueError(f"check_lengths must be a bool, got {check_lengths!r}")
+    if check_lengths is not None and not isinstance(check_lengths, bool):
+        raise ValueError(f"check_lengths must be a bool or None, got {check_lengths!r}")
     triton_path = kernel_impl(q.device) != "torch"
-    if check_lengths or not isinstance(cache_seqlens, torch.Tensor):
-        lengths = _check_lengths(k_cache, cache_seqlens, seqlen_new, block_table)
-        max_seqlen_k = max(lengths, default=0)
-    elif triton_path:
-        max_seqlen_k = _capacity(k_cache, block_table)
-    else:
+    if not triton_path and shared_length is None and check_lengths is False:
         raise ValueError("check_lengths=False needs the Triton path (the PyTorch path reads the lengths on the host)")
+    lengths = _check_lengths(k_cache, cache_seqlens, shared_length, seqlen_new, block_table, q.shape[0],
+                             read_device=check_lengths or (check_lengths is None and not triton_path))
+    max_seqlen_k = _capacity(k_cache, block_table) if lengths is None else max(lengths, default=0)
     if seqlen_new:
         _append(k_cache, v_cache, k, v, cache_seqlens, block_table)
     window_left, window_right = normalize_window(causal, window_size)

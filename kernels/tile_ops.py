@@ -73,7 +73,10 @@ def query_range(n0, seqlen_q, seqlen_k, window_left, window_right,
                 LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr):
     """Query tiles that see keys [n0, n0 + BLOCK_N): start, unmasked start, unmasked end, end.
 
-    The transpose of key_range, for the dK/dV pass that walks queries for a fixed key tile.
+    The transpose of key_range, for the dK/dV pass that walks queries for a fixed key tile. A key
+    tile that runs past seqlen_k has no unmasked query tile: its padded keys (zero rows) have logit 0,
+    so unmasked they would get p = exp2(-lse), which overflows dS where lse is very negative, and
+    inf * 0 (the zero keys) puts NaN into dQ.
     """
     diag = seqlen_k - seqlen_q
     last = tl.minimum(n0 + BLOCK_N, seqlen_k) - 1
@@ -91,7 +94,7 @@ def query_range(n0, seqlen_q, seqlen_k, window_left, window_right,
     end = tl.cdiv(hi, BLOCK_M) * BLOCK_M
     un_lo = tl.maximum(tl.cdiv(full_lo, BLOCK_M) * BLOCK_M, start)
     un_hi = tl.minimum((full_hi // BLOCK_M) * BLOCK_M, (hi // BLOCK_M) * BLOCK_M)
-    if un_hi <= un_lo:
+    if (un_hi <= un_lo) | (n0 + BLOCK_N > seqlen_k):
         un_lo = end
         un_hi = end
     return start, un_lo, un_hi, end

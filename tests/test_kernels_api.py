@@ -1,5 +1,6 @@
 """The public API around the kernels: argument checks, path choice, and the PyTorch (CPU) path."""
 
+import functools
 import subprocess
 import sys
 
@@ -100,3 +101,58 @@ def test_torch_path_memory_is_linear():
     scores_mib = 16384 * 16384 * 4 // 2**20
     assert grown_mib < scores_mib // 8, f"peak RSS grew {grown_mib} MiB (scores would be {scores_mib} MiB)"
     assert reference.TILE_Q * reference.TILE_K * 4 < scores_mib * 2**20 // 64
+
+
+def _entry_point_calls(device):
+    """One call of every public entry point, with its inputs made up front (making them may copy from
+    the host): dense and varlen forward + backward in both deterministic modes, decoding against
+    contiguous and paged caches with tensor and int lengths, appending new tokens."""
+    from flashformer.kernels import cu_seqlens_from_lengths, flash_attn_varlen_func, flash_attn_with_kvcache
+
+    dtype = torch.bfloat16
+    q, k, v = (torch.randn(2, 80, heads, 64, device=device, dtype=dtype) for heads in (4, 2, 2))
+    lengths = [37, 0, 90, 33]
+    packed_q, packed_k, packed_v = (t.flatten(0, 1)[:sum(lengths)] for t in (q, k, v))
+    cu = cu_seqlens_from_lengths(lengths).to(device)
+    cache_k, cache_v = (torch.randn(2, 128, 2, 64, device=device, dtype=dtype) for _ in range(2))
+    pool_k, pool_v = (torch.randn(10, 16, 2, 64, device=device, dtype=dtype) for _ in range(2))
+    table = torch.randperm(10, device=device)[:8].view(2, 4).int()
+    cache_seqlens = torch.tensor([5, 40], dtype=torch.int32, device=device)
+    step_q, step_k, step_v = (torch.randn(2, 1, heads, 64, device=device, dtype=dtype) for heads in (4, 2, 2))
+
+    def grads(fn, *tensors, **kwargs):
+        leaves = [t.detach().requires_grad_() for t in tensors]
+        out = fn(*leaves, **kwargs)
+        return torch.autograd.grad(out, leaves, torch.ones_like(out))
+
+    calls = []
+    for deterministic in (True, False):
+        calls.append(functools.partial(grads, flash_attn_func, q, k, v, causal=True, deterministic=deterministic))
+        calls.append(functools.partial(grads, flash_attn_varlen_func, packed_q, packed_k, packed_v,
+                                       cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
+                                       max_seqlen_k=max(lengths), deterministic=deterministic))
+    for caches, block_table in (((cache_k, cache_v), None), ((pool_k, pool_v), table)):
+        for lengths_given in (cache_seqlens, 20):
+            calls.append(functools.partial(flash_attn_with_kvcache, step_q, *caches, k=step_k, v=step_v,
+                                           cache_seqlens=lengths_given, block_table=block_table))
+    return calls
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are a CUDA matter")
+def test_entry_points_do_not_sync_the_host(triton_path):
+    """No flash_attn_* call reads a device value on the host: under the sync debug mode any such read
+    (.item(), .tolist(), a device-to-host copy, nonzero) raises. A first round of the same calls on
+    other tensors compiles and autotunes (the autotuner synchronises) and fills the plan caches; the
+    checked round's offsets are new tensors, so no per-tensor check cache can hide a read."""
+    for call in _entry_point_calls("cuda"):
+        call()
+    calls = _entry_point_calls("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for call in calls:
+            call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

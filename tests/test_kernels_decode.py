@@ -284,9 +284,9 @@ def test_repeat_launches_reuse_the_compiled_kernel(num_splits, device, triton_pa
 
 @pytest.mark.parametrize("paged", [False, True])
 def test_unchecked_lengths_equal_checked(paged, device, triton_path):
-    """check_lengths=False (no host sync, as CUDA-graph capture needs) computes what the checked call
-    does: the same appends, and splits sized for the whole cache (4 for 2048 entries, against 1 for
-    the 701 in use) that merge to the same result."""
+    """Unread lengths (the default and check_lengths=False: no host sync, as CUDA-graph capture needs)
+    compute what the checked call does: the same appends, and splits sized for the whole cache (4 for
+    2048 entries, against 1 for the 701 in use) that merge to the same result."""
     args, paged_args = _bad_inputs(device)
     if paged:
         args.update(paged_args)
@@ -296,14 +296,15 @@ def test_unchecked_lengths_equal_checked(paged, device, triton_path):
                     cache_seqlens=torch.tensor([3, 700], dtype=torch.int32, device=device))
         assert choose_num_splits(4, 2048, torch.device("cpu")) > choose_num_splits(4, 701, torch.device("cpu"))
     runs = []
-    for check in (True, False):
+    for check in (True, None, False):
         caches = {name: args[name].clone() for name in ("k_cache", "v_cache")}
         runs.append((flash_attn_with_kvcache(**{**args, **caches}, check_lengths=check, return_lse=True), caches))
-    ((out_c, lse_c), caches_c), ((out_u, lse_u), caches_u) = runs
-    torch.testing.assert_close(out_u, out_c, atol=2e-3, rtol=0)
-    torch.testing.assert_close(lse_u, lse_c, atol=1e-5, rtol=0)
-    for name in ("k_cache", "v_cache"):
-        assert torch.equal(caches_u[name], caches_c[name])
+    ((out_c, lse_c), caches_c), *unchecked = runs
+    for (out_u, lse_u), caches_u in unchecked:
+        torch.testing.assert_close(out_u, out_c, atol=2e-3, rtol=0)
+        torch.testing.assert_close(lse_u, lse_c, atol=1e-5, rtol=0)
+        for name in ("k_cache", "v_cache"):
+            assert torch.equal(caches_u[name], caches_c[name])
 
 
 def test_unchecked_lengths_need_the_triton_path(device, monkeypatch):
@@ -311,8 +312,9 @@ def test_unchecked_lengths_need_the_triton_path(device, monkeypatch):
     args, _ = _bad_inputs(device)
     with pytest.raises(ValueError, match="check_lengths=False"):
         flash_attn_with_kvcache(**args, check_lengths=False)
-    with pytest.raises(ValueError, match="check_lengths must be a bool"):
+    with pytest.raises(ValueError, match="check_lengths must be a bool or None"):
         flash_attn_with_kvcache(**args, check_lengths="no")
+    flash_attn_with_kvcache(**{**args, "cache_seqlens": 3}, check_lengths=False)  # host lengths: nothing to read
 
 
 def _bad_inputs(device):
@@ -330,16 +332,67 @@ def _i32(a, *values):
     return torch.tensor(values, dtype=torch.int32, device=a["q"].device)
 
 
-@pytest.mark.parametrize("paged,change,match", [
+# Values a tensor cache_seqlens or block_table holds: checked when asked (check_lengths=True), and by the
+# PyTorch path, which reads them anyway; the Triton path's default reads none (no host sync).
+VALUE_CHECKS = [
     (False, lambda a: dict(cache_seqlens=_i32(a, 3, 40)), "too small: sequence 1 needs 41"),
     (True, lambda a: dict(cache_seqlens=_i32(a, 3, 32)), "too small: sequence 1 needs 33"),
     (True, lambda a: dict(block_table=_i32(a, [0, 1], [6, 3])), "block_table has 1 entries outside"),
     (True, lambda a: dict(block_table=_i32(a, [-1, 1], [2, 3])), "block_table has 1 entries outside"),
+    (True, lambda a: dict(cache_seqlens=20, block_table=_i32(a, [0, 6], [2, 3])), "block_table has 1 entries outside"),
+    (False, lambda a: dict(cache_seqlens=_i32(a, -1, 3)), "cache_seqlens\\[0\\] = -1 is negative"),
+]
+
+
+@pytest.mark.parametrize("paged,change,match", VALUE_CHECKS)
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_bad_values_are_caught_when_checked(impl, paged, change, match, device, monkeypatch):
+    monkeypatch.setenv("FLASHFORMER_KERNEL", impl)
+    args, paged_args = _bad_inputs(device)
+    if paged:
+        args.update(paged_args)
+    args.update(change(args))
+    caches = [args["k_cache"].clone(), args["v_cache"].clone()]
+    for check in (True, None) if impl == "torch" else (True,):
+        with pytest.raises(ValueError, match=match):
+            flash_attn_with_kvcache(**args, check_lengths=check)
+    assert torch.equal(args["k_cache"], caches[0]) and torch.equal(args["v_cache"], caches[1]), "cache modified"
+
+
+# Bad values that leave the kernels inside the caches when unread (no new tokens to append): a length
+# past a contiguous cache's end reads the descriptors' zero fill, as does a page past the pool's end; a
+# negative length reads nothing.
+UNREAD_VALUES = [
+    (False, lambda a: dict(cache_seqlens=_i32(a, 3, 41))),
+    (True, lambda a: dict(block_table=_i32(a, [0, 1], [6, 3]))),
+    (True, lambda a: dict(cache_seqlens=20, block_table=_i32(a, [0, 6], [2, 3]))),
+    (False, lambda a: dict(cache_seqlens=_i32(a, -1, 3))),
+]
+
+
+@pytest.mark.parametrize("paged,change", UNREAD_VALUES)
+def test_device_values_are_unread_by_default(paged, change, device, triton_path):
+    """The Triton path's default (and check_lengths=False) reads no device value, so no host sync:
+    values that check_lengths=True rejects pass unseen."""
+    args, paged_args = _bad_inputs(device)
+    if paged:
+        args.update(paged_args)
+    args.update(change(args), k=None, v=None)
+    with pytest.raises(ValueError, match="too small|outside|negative"):
+        flash_attn_with_kvcache(**args, check_lengths=True)
+    for check in (None, False):
+        assert flash_attn_with_kvcache(**args, check_lengths=check).shape == args["q"].shape
+
+
+@pytest.mark.parametrize("paged,change,match", [
     (True, lambda a: dict(block_table=a["block_table"].long()), "block_table must be an int32"),
     (True, lambda a: dict(block_table=a["block_table"][:1]), "block_table must be \\(batch=2"),
     (False, lambda a: dict(cache_seqlens=a["cache_seqlens"][:1]), "cache_seqlens must be"),
     (False, lambda a: dict(cache_seqlens=a["cache_seqlens"].long()), "cache_seqlens must be"),
-    (False, lambda a: dict(cache_seqlens=_i32(a, -1, 3)), "cache_seqlens\\[0\\] = -1 is negative"),
+    (False, lambda a: dict(cache_seqlens=a["cache_seqlens"].cpu() if a["q"].is_cuda else a["cache_seqlens"][None]),
+     "cache_seqlens must be"),
+    (True, lambda a: dict(cache_seqlens=40), "too small: sequence 0 needs 41"),
+    (False, lambda a: dict(cache_seqlens=-1), "cache_seqlens\\[0\\] = -1 is negative"),
     (False, lambda a: dict(v=None), "k and v must be given together"),
     (False, lambda a: dict(k=a["k"][:, :, :1], v=a["v"][:, :, :1]), "k has \\(heads_kv, head_dim\\)"),
     (False, lambda a: dict(v=torch.cat([a["v"], a["v"]], 1)), "k and v must have the same shape"),

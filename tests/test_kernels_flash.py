@@ -6,6 +6,7 @@ adds the full product of shapes, head dims, GQA ratios, masks and dtypes.
 
 import functools
 import itertools
+import random
 import subprocess
 import sys
 
@@ -241,3 +242,55 @@ def test_offsets_past_2_to_the_31_elements(packed):
     grads_t = torch.autograd.grad(out_t, (q_t, k_t, v_t), grad_out[tail])
     for name, ours, alone in zip(("out", "dq", "dk", "dv"), (out, *grads), (out_t, *grads_t)):
         torch.testing.assert_close(ours[tail], alone, atol=1e-2, rtol=1e-2, msg=name)
+
+
+# A key tile that runs past seqlen_k holds zero rows of K and V (the descriptors' fill). Their logits are
+# 0, so any query tile the dK/dV pass left unmasked would give them p = exp2(-lse): with very negative
+# scores (lse << 0) dS overflows there and inf x 0 (the zero keys) turns dQ into NaN.
+@pytest.mark.parametrize("deterministic", [False, True], ids=["nondeterministic", "deterministic"])
+def test_one_key_with_a_very_negative_score(deterministic, device, triton_path):
+    """Every row's only score is -32 (lse = -32): the exact dq is 0."""
+    q = torch.full((1, 64, 1, 64), 2.0, device=device, dtype=torch.float16)
+    k = torch.full((1, 1, 1, 64), -2.0, device=device, dtype=torch.float16)
+    v = torch.randn(1, 1, 1, 64, device=device, dtype=torch.float16)
+    assert_matches_reference(functools.partial(flash_attn_func, deterministic=deterministic), q, k, v,
+                             torch.ones_like(q))
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["nondeterministic", "deterministic"])
+def test_softcap_one_key_head_dim_256(deterministic, device, triton_path):
+    """softcap 15 bounds the logits to [-15, 15]; scores near -15 still overflow unmasked padded keys."""
+    q = 3 * torch.randn(1, 96, 4, 256, device=device, dtype=torch.float16)
+    k = 3 * torch.randn(1, 1, 2, 256, device=device, dtype=torch.float16)
+    v = 3 * torch.randn(1, 1, 2, 256, device=device, dtype=torch.float16)
+    assert_matches_reference(functools.partial(flash_attn_func, deterministic=deterministic), q, k, v,
+                             torch.randn_like(q), softcap=15.0)
+
+
+# seqlen_k drawn once (fixed seed: every run sweeps the same) from lengths that no power-of-two key tile
+# of 16 or more divides; seqlen_q >= 64 leaves whole query tiles (the unmasked kind) at every tile size
+# the interpreter uses. Full attention and a left-only window leave query tiles unmasked for the last key
+# tile, causal does not; head_dim 128 takes the deterministic dK/dV pass's one-loop form.
+_SWEEP_RNG = random.Random(20261201)
+_PARTIAL_KEY_TILE_MASKS = [("full", (False, (-1, -1))), ("left48", (False, (48, -1))), ("causal", (True, (-1, -1)))]
+PARTIAL_KEY_TILE_CASES = [
+    pytest.param(seqlens, head_dim, *mask, id=f"s{seqlens[0]}x{seqlens[1]}-d{head_dim}-{name}")
+    for seqlens, head_dim, (name, mask) in [
+        ((_SWEEP_RNG.randint(64, 200), _SWEEP_RNG.choice([n for n in range(1, 300) if n % 16])), (64, 128)[i % 2],
+         _PARTIAL_KEY_TILE_MASKS[i % 3]) for i in range(6)]
+]
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["nondeterministic", "deterministic"])
+@pytest.mark.parametrize("seqlens,head_dim,causal,window_size", PARTIAL_KEY_TILE_CASES)
+def test_partial_key_tile_with_negative_scores(seqlens, head_dim, causal, window_size, deterministic, device,
+                                               triton_path):
+    """q and k point in opposite directions, so every score is very negative (about -30)."""
+    seqlen_q, seqlen_k = seqlens
+    offset = 30**0.5 / head_dim**0.25  # q.k * scale is about -offset**2 * sqrt(head_dim) = -30
+    dtype = torch.float16
+    q = (torch.randn(2, seqlen_q, 4, head_dim, device=device) + offset).to(dtype)
+    k = (torch.randn(2, seqlen_k, 2, head_dim, device=device) - offset).to(dtype)
+    v = torch.randn(2, seqlen_k, 2, head_dim, device=device, dtype=dtype)
+    assert_matches_reference(functools.partial(flash_attn_func, deterministic=deterministic), q, k, v,
+                             torch.randn_like(q), causal=causal, window_size=window_size)

@@ -1,8 +1,11 @@
 """Varlen (packed) attention: equal to running each sequence through the dense math, by the 2x rule."""
 
+import functools
+import random
+
 import pytest
 import torch
-from attention_checks import assert_within_2x
+from attention_checks import assert_within_2x, attention_grads
 
 from flashformer.kernels import (attention_materialized, cu_seqlens_from_document_ids, cu_seqlens_from_lengths,
                                  document_ids_from_cu_seqlens, flash_attn_varlen_func,
@@ -40,12 +43,18 @@ def test_varlen_matches_per_sequence(lengths_q, lengths_k, heads, head_dim, caus
     monkeypatch.setenv("FLASHFORMER_KERNEL", impl)
     monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
     lengths_k = lengths_k or lengths_q
-    cu_q, cu_k = (cu_seqlens_from_lengths(n).to(device) for n in (lengths_q, lengths_k))
     q = torch.randn(sum(lengths_q), heads[0], head_dim, device=device, dtype=dtype)
     k = torch.randn(sum(lengths_k), heads[1], head_dim, device=device, dtype=dtype)
     v = torch.randn_like(k)
+    _assert_varlen_matches(q, k, v, lengths_q, lengths_k, deterministic, causal=causal, window_size=window,
+                           softcap=softcap)
+
+
+def _assert_varlen_matches(q, k, v, lengths_q, lengths_k, deterministic, **opts):
+    """out, lse, dq, dk, dv of flash_attn_varlen_func on packed q (total_q, heads_q, head_dim), k, v
+    against the per-sequence math, by the 2x rule."""
+    cu_q, cu_k = (cu_seqlens_from_lengths(n).to(q.device) for n in (lengths_q, lengths_k))
     grad_out = torch.randn_like(q)
-    opts = dict(causal=causal, window_size=window, softcap=softcap)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     out, lse = flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lengths_q), max(lengths_k), return_lse=True,
                                       deterministic=deterministic, **opts)
@@ -54,10 +63,44 @@ def test_varlen_matches_per_sequence(lengths_q, lengths_k, heads, head_dim, caus
     lowp = _per_sequence(q, k, v, cu_q, cu_k, grad_out, False, **opts)
     for name, a, r, l in zip(("out", "dq", "dk", "dv"), ours, ref[:1] + ref[2:], lowp[:1] + lowp[2:]):
         assert_within_2x(name, a, r, l)
-    assert lse.shape == (heads[0], sum(lengths_q))
+    assert lse.shape == (q.shape[1], sum(lengths_q))
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref[1]))
     finite = torch.isfinite(ref[1])
     torch.testing.assert_close(lse[finite], ref[1][finite].float(), atol=1e-2, rtol=0)
+
+
+# Key tiles past a sequence's end (see test_kernels_flash.test_partial_key_tile_with_negative_scores):
+# one key per sequence, where scores of inputs x3 reach lse of -20 and below.
+@pytest.mark.parametrize("deterministic", [False, True], ids=["nondeterministic", "deterministic"])
+def test_varlen_one_key_per_sequence(deterministic, device, triton_path):
+    lengths_q, lengths_k = [76, 34, 146], [1, 1, 1]
+    q = 3 * torch.randn(sum(lengths_q), 4, 64, device=device, dtype=torch.float16)
+    k = 3 * torch.randn(sum(lengths_k), 2, 64, device=device, dtype=torch.float16)
+    v = 3 * torch.randn_like(k)
+    _assert_varlen_matches(q, k, v, lengths_q, lengths_k, deterministic)
+
+
+# Key lengths drawn once (fixed seed) that no power-of-two key tile of 16 or more divides, query lengths of
+# at least one whole query tile; q and k point in opposite directions, so every score is about -30.
+# Full attention and a left-only window: the masks that leave query tiles unmasked for a key tile.
+_SWEEP_RNG = random.Random(20261202)
+PARTIAL_KEY_TILE_CASES = [
+    pytest.param([_SWEEP_RNG.randint(64, 150) for _ in range(3)],
+                 [_SWEEP_RNG.choice([n for n in range(1, 200) if n % 16]) for _ in range(3)], window, id=name)
+    for window, name in (((-1, -1), "full"), ((48, -1), "left48"))
+]
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["nondeterministic", "deterministic"])
+@pytest.mark.parametrize("lengths_q,lengths_k,window", PARTIAL_KEY_TILE_CASES)
+def test_varlen_partial_key_tiles_with_negative_scores(lengths_q, lengths_k, window, deterministic, device,
+                                                       triton_path):
+    head_dim = 64
+    offset = 30**0.5 / head_dim**0.25
+    q = (torch.randn(sum(lengths_q), 4, head_dim, device=device) + offset).half()
+    k = (torch.randn(sum(lengths_k), 2, head_dim, device=device) - offset).half()
+    v = torch.randn_like(k)
+    _assert_varlen_matches(q, k, v, lengths_q, lengths_k, deterministic, window_size=window)
 
 
 def _packed(device):
@@ -81,10 +124,46 @@ def test_varlen_bad_offsets_name_the_argument(mutate, match, device):
         flash_attn_varlen_func(*mutate(*_packed(device)))
 
 
-def test_varlen_max_seqlen_too_small(device):
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_varlen_max_seqlen_too_small(impl, device, monkeypatch):
+    monkeypatch.setenv("FLASHFORMER_KERNEL", impl)
     q, k, v, cu = _packed(device)
     with pytest.raises(ValueError, match="max_seqlen_q=4"):
-        flash_attn_varlen_func(q, k, v, cu, cu, 4, 5)
+        flash_attn_varlen_func(q, k, v, cu, cu, 4, 5, check_lengths=True)
+    if impl == "torch":  # it reads the offsets anyway, so it checks them unasked
+        with pytest.raises(ValueError, match="max_seqlen_k=4"):
+            flash_attn_varlen_func(q, k, v, cu, cu, 5, 4)
+    else:  # unread offsets: a max_seqlen is still the caller's value, checked on the host
+        with pytest.raises(ValueError, match="max_seqlen_k must be an int"):
+            flash_attn_varlen_func(q, k, v, cu, cu, 5, 5.0)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["nondeterministic", "deterministic"])
+def test_varlen_offsets_unread_when_max_seqlen_given(deterministic, device, triton_path):
+    """With both max_seqlen given the Triton path reads no offset (no host sync): the values go
+    unchecked, and a max_seqlen below the longest (here 4 and 0 for sequences of 5) changes nothing,
+    since the kernels take it as a tuning hint and find each sequence's length in the offsets."""
+    q, k, v, cu = _packed(device)
+    grad_out = torch.randn_like(q)
+    call = functools.partial(flash_attn_varlen_func, cu_seqlens_q=cu, cu_seqlens_k=cu, deterministic=deterministic)
+    exact = attention_grads(call, q, k, v, grad_out, max_seqlen_q=5, max_seqlen_k=5)
+    hinted = attention_grads(call, q, k, v, grad_out, max_seqlen_q=4, max_seqlen_k=0)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), hinted, exact):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=0, msg=name)
+    with pytest.raises(ValueError, match="max_seqlen_q=4"):
+        call(q, k, v, max_seqlen_q=4, max_seqlen_k=5, check_lengths=True)
+
+
+def test_varlen_check_lengths_option(device, monkeypatch):
+    q, k, v, cu = _packed(device)
+    with pytest.raises(ValueError, match="check_lengths must be a bool or None"):
+        flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, check_lengths="no")
+    monkeypatch.setenv("FLASHFORMER_KERNEL", "triton")
+    with pytest.raises(ValueError, match="check_lengths=False needs max_seqlen_q and max_seqlen_k"):
+        flash_attn_varlen_func(q, k, v, cu, cu, None, 5, check_lengths=False)
+    monkeypatch.setenv("FLASHFORMER_KERNEL", "torch")
+    with pytest.raises(ValueError, match="and the Triton path"):
+        flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, check_lengths=False)
 
 
 def test_varlen_offsets_changed_in_place_are_checked_again(device):
