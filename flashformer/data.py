@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .checkpoint import atomic_directory
+from .fileio import atomic_directory
 
 # Bump when the cache layout or the tokenization rules change: old caches are then ignored.
 DATA_CACHE_VERSION = 1

@@ -1,4 +1,4 @@
-"""Checkpoint format: round trips, sharding, precise errors, atomic writes."""
+"""Checkpoint format (weights.py, checkpoint.py): round trips, sharding, precise errors, atomic writes (fileio.py)."""
 
 import json
 import os
@@ -8,9 +8,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import flashformer
-from flashformer.checkpoint import CheckpointError, atomic_directory, atomic_write_file, save_pretrained
+from flashformer.fileio import atomic_directory, atomic_write_file
 from flashformer.model import ModelConfig, Transformer
 from flashformer.tokenizer import HFTokenizer, train_bpe
+from flashformer.weights import CheckpointError, save_pretrained
 
 CONFIG = ModelConfig(family="llama", vocab_size=300, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=96,
                      max_seq_len=64, attn_backend="reference")
