@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from .interface import kernel_impl
-from .launch import new_output, next_power_of_2
+from .launch import new_output
+from .sizes import next_power_of_2
 from .tile_ops import narrow, tanh
 
 FLOAT_MIN = tl.constexpr(-3.4028234663852886e38)  # a finite floor for running maxima: max(floor, -inf) - floor = 0, never nan

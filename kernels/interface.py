@@ -21,9 +21,9 @@ import torch
 
 from .masking import normalize_window
 from .reference import attention_tiled
+from .sizes import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, MIN_HEAD_DIM
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 KERNEL_IMPLS = ("triton", "torch")
 
 
@@ -87,8 +87,9 @@ def check_attention_args(q, k, v, seq_dim, softmax_scale, window_size, softcap):
     head_dim = q.shape[-1]
     if k.shape[-1] != head_dim:
         raise ValueError(f"head_dim of q ({head_dim}) and k ({k.shape[-1]}) differ")
-    if head_dim % 8 or not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim={head_dim}: must be a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")
+    if head_dim % HEAD_DIM_MULTIPLE or not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim={head_dim}: must be a multiple of {HEAD_DIM_MULTIPLE} in "
+                         f"[{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")
     heads_q, heads_kv = q.shape[-2], k.shape[-2]
     if heads_kv == 0 or heads_q % heads_kv:
         raise ValueError(f"heads of q ({heads_q}) must be a multiple of heads of k/v ({heads_kv})")

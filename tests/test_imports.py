@@ -36,10 +36,10 @@ LAYERS = [
     ("kernels: argument checks, path choice, autograd", ["flashformer.kernels.interface"]),
     ("kernels: backward, decoding", ["flashformer.kernels.flash_bwd", "flashformer.kernels.decode"]),
     ("kernels: forward", ["flashformer.kernels.flash_fwd"]),
-    ("kernels: launch mechanics", ["flashformer.kernels.launch"]),
+    ("kernels: tile-shape policy, launch mechanics", ["flashformer.kernels.tuning", "flashformer.kernels.launch"]),
     ("kernels: tile helpers, PyTorch reference, packing",
      ["flashformer.kernels.tile_ops", "flashformer.kernels.reference", "flashformer.kernels.packing"]),
-    ("kernels: masks", ["flashformer.kernels.masking"]),
+    ("kernels: masks, head sizes", ["flashformer.kernels.masking", "flashformer.kernels.sizes"]),
 ]
 LAYER_OF = {module: index for index, (_, modules) in enumerate(LAYERS) for module in modules}
 
