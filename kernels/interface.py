@@ -115,8 +115,8 @@ def autocast_inputs(*tensors):
 
 
 # --- The Triton path. Eagerly it is a plain autograd.Function over the launchers: no dispatcher
-# round trip per call (less overhead, and it sidesteps intermittent crashes seen inside torch 2.13's
-# custom-op dispatch on CPU, see docs/perf-notes.md). Under torch.compile it is the torch.library ops
+# round trip per call (less overhead, and it sidesteps intermittent crashes inside torch 2.13's
+# custom-op dispatch on CPU, whose cause lies in torch). Under torch.compile it is the torch.library ops
 # below, which the compiler sees as opaque nodes with fakes. Dense and varlen share everything:
 # cu_seqlens_q/_k None means dense (batch, seqlen, heads, head_dim).
 

