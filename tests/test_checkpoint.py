@@ -152,17 +152,22 @@ def test_atomic_write_file_keeps_old_content_on_failure(tmp_path):
     assert path.read_bytes() == b"new"
 
 
+def _write_text(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+
 def test_atomic_directory_replaces_or_keeps(tmp_path):
     final = tmp_path / "ckpt"
     with atomic_directory(final) as tmp:
-        open(os.path.join(tmp, "a"), "w").write("1")
+        _write_text(os.path.join(tmp, "a"), "1")
     with pytest.raises(RuntimeError):
         with atomic_directory(final) as tmp:
-            open(os.path.join(tmp, "b"), "w").write("2")
+            _write_text(os.path.join(tmp, "b"), "2")
             raise RuntimeError("crash while writing")
     assert os.listdir(final) == ["a"] and os.listdir(tmp_path) == ["ckpt"]
     with atomic_directory(final) as tmp:
-        open(os.path.join(tmp, "b"), "w").write("2")
+        _write_text(os.path.join(tmp, "b"), "2")
     assert os.listdir(final) == ["b"] and os.listdir(tmp_path) == ["ckpt"]
 
 
