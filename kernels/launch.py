@@ -17,6 +17,7 @@ from .sizes import cdiv, next_power_of_2
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
+
 def _torch_allocator(size, alignment, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
