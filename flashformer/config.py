@@ -56,7 +56,7 @@ def config_to_dict(cfg) -> dict:
 
 def save_config(cfg, path) -> None:
     """Write ``cfg`` as YAML to ``path`` atomically."""
-    from .checkpoint import atomic_write_file
+    from .fileio import atomic_write_file
 
     text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
     atomic_write_file(path, lambda f: f.write(text.encode("utf-8")))

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .checkpoint import atomic_directory
+from .fileio import atomic_directory
 
 # Bump when the cache layout or the tokenization rules change: old caches are then ignored.
 DATA_CACHE_VERSION = 1
@@ -334,21 +334,26 @@ def _build_cache(cfg: DataConfig, sources: _Sources, tokenizer, cache_dir: str) 
 
     with atomic_directory(cache_dir) as tmp:
         writers = {split: _SplitWriter(tmp, split, dtype) for split in ("train", "eval")}
-        if split_tail:
-            stream = np.concatenate([encode(t) for t in _texts(train_docs, cfg.text_field) if t.strip()])
-            n_eval = max(1, int(len(stream) * cfg.eval_fraction))
-            writers["train"].add(stream[:-n_eval])
-            writers["eval"].add(stream[-n_eval:])
-        else:
-            splits = [(train_docs, None)] + ([(eval_docs, "eval")] if eval_docs is not None else [])
-            for dataset, fixed_split in splits:
-                texts = tqdm(_texts(dataset, cfg.text_field), total=len(dataset), unit="doc",
-                             desc=f"tokenizing {fixed_split or 'corpus'}")
-                for index, text in enumerate(texts):
-                    if not text.strip():
-                        continue
-                    split = fixed_split or ("eval" if index % eval_every == eval_every - 1 else "train")
-                    writers[split].add(encode(text))
+        try:
+            if split_tail:
+                stream = np.concatenate([encode(t) for t in _texts(train_docs, cfg.text_field) if t.strip()])
+                n_eval = max(1, int(len(stream) * cfg.eval_fraction))
+                writers["train"].add(stream[:-n_eval])
+                writers["eval"].add(stream[-n_eval:])
+            else:
+                splits = [(train_docs, None)] + ([(eval_docs, "eval")] if eval_docs is not None else [])
+                for dataset, fixed_split in splits:
+                    texts = tqdm(_texts(dataset, cfg.text_field), total=len(dataset), unit="doc",
+                                 desc=f"tokenizing {fixed_split or 'corpus'}")
+                    for index, text in enumerate(texts):
+                        if not text.strip():
+                            continue
+                        split = fixed_split or ("eval" if index % eval_every == eval_every - 1 else "train")
+                        writers[split].add(encode(text))
+        except BaseException:
+            for writer in writers.values():  # atomic_directory discards the files: close them first
+                writer.file.close()
+            raise
         counts = {split: writer.close() for split, writer in writers.items()}
         if counts["train"] == 0 or counts["eval"] == 0:
             raise DataError(f"the corpus yields {counts['train']} training and {counts['eval']} eval documents; "

@@ -345,7 +345,7 @@ class Transformer(nn.Module):
         return 6 * self.num_params(exclude_embeddings=True) + 12 * self.config.n_layer * width * seqlen
 
     def save_pretrained(self, out_dir, format: str = "flashformer", **kwargs) -> None:
-        """Write safetensors + config.json (see checkpoint.save_pretrained for kwargs)."""
-        from .checkpoint import save_pretrained
+        """Write safetensors + config.json (see weights.save_pretrained for kwargs)."""
+        from .weights import save_pretrained
 
         save_pretrained(self, out_dir, format=format, **kwargs)

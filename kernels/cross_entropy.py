@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from .interface import kernel_impl
-from .launch import new_output, next_power_of_2
+from .launch import new_output
+from .sizes import next_power_of_2
 from .tile_ops import narrow, tanh
 
 FLOAT_MIN = tl.constexpr(-3.4028234663852886e38)  # a finite floor for running maxima: max(floor, -inf) - floor = 0, never nan
@@ -77,7 +78,9 @@ def _ce_backward_kernel(LOGITS, BIAS, TARGETS, LSE, TOKEN_SCALE, stride_row, voc
         x = _row_logits(row_logits, BIAS, cols, vocab, softcap, HAS_BIAS, HAS_SOFTCAP)
         grad = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * scale
         if HAS_SOFTCAP:  # x = softcap * tanh(raw / softcap): d x / d raw = 1 - (x / softcap)^2
-            grad *= 1.0 - (x / softcap) * (x / softcap)
+            # Past the vocabulary x is -inf and grad 0: their product would be nan (never stored, but the
+            # interpreter's numpy warns about it), so those lanes take a zero derivative instead.
+            grad *= tl.where(cols < vocab, 1.0 - (x / softcap) * (x / softcap), 0.0)
         tl.store(row_logits + cols, narrow(grad, LOGITS.dtype.element_ty), mask=cols < vocab)
 
 

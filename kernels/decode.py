@@ -28,8 +28,9 @@ import triton
 import triton.language as tl
 
 from .flash_fwd import log2_scales
-from .launch import (CompiledLaunch, as_descriptor_compatible, cdiv, dot_precision, ensure_allocator, new_output,
-                     next_power_of_2, reused_buffers, upcast_dot)
+from .launch import (CompiledLaunch, as_descriptor_compatible, dot_precision, ensure_allocator, new_output,
+                     reused_buffers, upcast_dot)
+from .sizes import cdiv, next_power_of_2
 from .tile_ops import attention_logits, key_range, logit_scale, narrow, online_softmax_step
 
 LN2 = tl.constexpr(math.log(2.0))

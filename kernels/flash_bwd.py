@@ -30,10 +30,11 @@ import triton.language as tl
 
 from .flash_fwd import log2_scales
 from .launch import (INTERPRETED, as_descriptor_compatible, dot_precision, ensure_allocator, new_output,
-                     next_power_of_2, pick_kernel, seq_strides, seqs_pad, table_mask, tile_grid, tuned,
-                     upcast_dot)
+                     seq_strides, seqs_pad, tile_grid, upcast_dot)
+from .sizes import next_power_of_2
 from .tile_ops import (key_range, mma, narrow, program_tile, query_range, rows_descriptor, sequence_bounds, tanh,
                        visible)
+from .tuning import pick_kernel, table_mask, tuned
 
 PREPROCESS_BLOCK = 64
 # The dK/dV kernel walks its query tiles in one loop (edge tiles masked under a branch) from this padded

@@ -19,10 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import (as_descriptor_compatible, dot_precision, ensure_allocator, new_output, next_power_of_2,
-                     pick_kernel, seq_strides, seqs_pad, table_mask, tile_grid, tuned, upcast_dot)
+from .launch import (as_descriptor_compatible, dot_precision, ensure_allocator, new_output, seq_strides, seqs_pad,
+                     tile_grid, upcast_dot)
+from .sizes import next_power_of_2, pad_head_dim
 from .tile_ops import (attention_logits, key_range, logit_scale, narrow, online_softmax_step, program_tile,
                        rows_descriptor, sequence_bounds)
+from .tuning import pick_kernel, table_mask, tuned
 
 LOG2E = 1.4426950408889634
 
@@ -153,7 +155,7 @@ def attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap
     if (k.shape[0] if is_varlen else seqlen_k) == 0:
         return out.zero_(), lse.fill_(-math.inf)
     qk_scale, softcap_log2 = log2_scales(softmax_scale, softcap)
-    head_dim_pad = max(16, next_power_of_2(head_dim))
+    head_dim_pad = pad_head_dim(head_dim)
     ensure_allocator(q.device)
     if gluon:
         from . import flash_fwd_hopper

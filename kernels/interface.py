@@ -25,9 +25,9 @@ import torch
 
 from .masking import normalize_window
 from .reference import attention_tiled
+from .sizes import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, MIN_HEAD_DIM
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 KERNEL_IMPLS = ("gluon", "triton", "torch")
 # Triton releases whose Gluon API and code generation the Hopper kernels were checked on (the H200 runs
 # the kernel suite over them); Gluon is experimental and changes between releases.
@@ -129,8 +129,9 @@ def check_attention_args(q, k, v, seq_dim, softmax_scale, window_size, softcap):
     head_dim = q.shape[-1]
     if k.shape[-1] != head_dim:
         raise ValueError(f"head_dim of q ({head_dim}) and k ({k.shape[-1]}) differ")
-    if head_dim % 8 or not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim={head_dim}: must be a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")
+    if head_dim % HEAD_DIM_MULTIPLE or not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim={head_dim}: must be a multiple of {HEAD_DIM_MULTIPLE} in "
+                         f"[{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")
     heads_q, heads_kv = q.shape[-2], k.shape[-2]
     if heads_kv == 0 or heads_q % heads_kv:
         raise ValueError(f"heads of q ({heads_q}) must be a multiple of heads of k/v ({heads_kv})")
@@ -156,8 +157,8 @@ def autocast_inputs(*tensors):
 
 
 # --- The Triton path. Eagerly it is a plain autograd.Function over the launchers: no dispatcher
-# round trip per call (less overhead, and it sidesteps intermittent crashes seen inside torch 2.13's
-# custom-op dispatch on CPU, see docs/perf-notes.md). Under torch.compile it is the torch.library ops
+# round trip per call (less overhead, and it sidesteps intermittent crashes inside torch 2.13's
+# custom-op dispatch on CPU, whose cause lies in torch). Under torch.compile it is the torch.library ops
 # below, which the compiler sees as opaque nodes with fakes. Dense and varlen share everything:
 # cu_seqlens_q/_k None means dense (batch, seqlen, heads, head_dim).
 

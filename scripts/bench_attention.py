@@ -268,8 +268,8 @@ def main(argv=None):
 
 
 def warm_up_gpu(seconds=2.0):
-    """Matmuls until the clocks have ramped up: on 2026-11-29 the first cell timed alone at about half
-    speed (ours d64 forward at 512: 140 TFLOP/s, the same kernel as ours-nondet's 262 right after)."""
+    """Matmuls until the clocks have ramped up: on a cold H200 the first cell times at about half speed
+    (the d64 forward at 512 read 140 TFLOP/s where the same kernel reads 262 right after)."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
@@ -356,7 +356,8 @@ def run_varlen(args, causals):
 
 
 def autotuned_configs():
-    """The config each of our autotuned kernels picked, per autotune key (for docs/perf-notes.md)."""
+    """The config each of our autotuned kernels picked, per autotune key (recorded with the results, so
+    that a run's numbers can be traced to its tiles)."""
     from flashformer.kernels import flash_bwd, flash_fwd
 
     tuners = {"fwd": flash_fwd._attn_fwd_tuned, "bwd_dkdv": flash_bwd._bwd_dkdv_tuned, "bwd_dq": flash_bwd._bwd_dq_tuned}

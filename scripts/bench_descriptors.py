@@ -1,6 +1,6 @@
 """What a TMA descriptor built inside a kernel costs per program, against one built on the host
-and against plain pointer loads (docs/perf-notes.md: the fixed cost per program suspected behind
-short-sequence attention and batch-1 decoding).
+and against plain pointer loads: the fixed cost per program that would weigh most in short-sequence
+attention and batch-1 decoding, where programs run few tiles.
 
 Each program streams TILES tiles of (BLOCK, HEAD_DIM) bf16 and reduces them, as attention programs
 stream K/V. With TILES = 1 the per-program cost dominates; with many tiles only bandwidth counts.

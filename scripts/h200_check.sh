@@ -38,7 +38,7 @@ for stage in "${stages[@]}"; do
     compile) FLASHFORMER_AUTOTUNE=0 timeout 60 python3 -m pytest tests/test_kernels_flash.py -k compile -q \
               -p no:cacheprovider -W ignore 2>&1 | tail -2 ;;  # also part of quick
     slow)   # SIGINT at the limit: pytest stops and prints its counts. -v names every result as it lands:
-            # an interrupted xdist run skips the failure summary (session 4 lost 25 failures' names that way).
+            # an interrupted xdist run skips the failure summary, which would lose the failures' names.
             FLASHFORMER_AUTOTUNE=0 timeout -s INT -k 30 "${SLOW_TIMEOUT:-540}" python3 -m pytest tests/test_kernels_flash.py -m slow -k "${SLOW_FILTER:-}" -v -n "$workers" \
               -p no:cacheprovider -W ignore --tb=line > "$RES/slow.log" 2>&1
             grep -a "FAILED\|ERROR" "$RES/slow.log" | head -40; grep -ac " PASSED " "$RES/slow.log"; tail -1 "$RES/slow.log" ;;
@@ -66,7 +66,7 @@ for stage in "${stages[@]}"; do
               | tee "$RES/train_chunked.log" | grep "^|" ;;
     memory) timeout 420 python3 scripts/memory_savings.py --device cuda --max 524288 --out "$RES/memory.json" \
               --plot "$RES/memory.png" 2>&1 | tee "$RES/memory.log" | grep -v "it/s\]" | tail -30 ;;
-    pi)     # position interpolation 1k -> 8k (issue #6): ~5.5 min of mostly GPU work, so it runs in the
+    pi)     # position interpolation 1k -> 8k: ~5.5 min of mostly GPU work, so it runs in the
             # background beside the stages after it (the slow sweep's compiles are CPU work); reported at the end
             FLASHFORMER_AUTOTUNE=0 timeout 560 bash scripts/pi_reproduction.sh "$RES/pi" > "$RES/pi.log" 2>&1 &
             pi_pid=$! ;;

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue #8 on a machine with 2+ GPUs (the device tool's nvidia-h200-x2): DDP and FSDP2 training and context
-# parallelism, each against one GPU. Results: one summary line per stage, logs and JSON packed into
+# Multi-GPU training on a machine with 2+ GPUs (the device tool's nvidia-h200-x2): DDP and FSDP2 training and
+# context parallelism, each against one GPU. Results: one summary line per stage, logs and JSON packed into
 # $OUT/results.tgz.
 # Usage on the device machine: bash scripts/multi_gpu_check.sh [stage ...]   (default: ddp fsdp cp-check cp-long)
 #   ddp  ~2 min: gpt2-124m, 150 steps: 1 GPU and 2 GPUs at the same per-GPU batch (tokens/s), and 1 GPU at
@@ -85,8 +85,8 @@ EOF
       # The longest single-GPU length, then twice it over the ranks (CP_SEQLENS instead names the lengths and
       # skips the search). Without activation checkpointing: with it one GPU already reaches ~1.5M tokens, and
       # a step at twice that takes longer than a device call.
-      # Both sides with expandable segments: at 2 x 262144 tokens the default allocator held 6.4 GiB of
-      # fragments when a 0.75 GiB block was refused (2026-11-29).
+      # Both sides with expandable segments: at 2 x 262144 tokens the default allocator holds ~6.4 GiB in
+      # fragments and refuses a 0.75 GiB block.
       alloc=PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
       seqlens=${CP_SEQLENS:-}
       if [ -z "$seqlens" ]; then

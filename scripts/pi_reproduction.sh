@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Issue #6: position interpolation's result (Chen et al. 2023) in ~5.5 minutes on one H200 (measured 2026-11-29). Trains a
+# Position interpolation's result (Chen et al. 2023) in ~5.5 minutes on one H200 (BENCHMARKS.md). Trains a
 # byte-level Llama at 1024 tokens (configs/pi-base-1k.yaml, ~4 min), rescales RoPE linearly to 8192
 # and fine-tunes briefly (~2 min), then reports held-out perplexity and passkey accuracy at 1k-8k for
 # the original, the interpolated and the fine-tuned model, and PASS / FAIL for the claim.
 #   bash scripts/pi_reproduction.sh [OUT_DIR]            (default runs/pi; it must not hold a run yet)
 # Results: OUT_DIR/finetune/long_context_report.{md,json}, perplexity_vs_length.png.
-# Passkey examples (<= 1024 tokens, as the issue allows) make up 5% of the fine-tuning tokens: without them the
-# first H200 run (2026-11-29) scored 0% at every length for all three models, the original at 1k included.
+# Passkey examples (<= 1024 tokens, within the base model's context) make up 5% of the fine-tuning tokens: a
+# 24M byte-level model trained only on code never sees the task otherwise, and scores 0% at every length for
+# all three models, the original at 1k included.
 # Environment: BASE_STEPS, FT_STEPS, FT_LR, TARGET_LEN, EVAL_LENGTHS, EVAL_WINDOWS, PASSKEY_TRIALS,
 # PASSKEY_TRAIN_FRACTION; BASE_ARGS and FT_ARGS are extra key=value overrides (FT_ARGS also finetune-long
 # options). The CPU smoke run (~2 min on 2 cores):

@@ -1,8 +1,8 @@
 """Offline tile-config sweep for the attention kernels on this GPU -> kernels/tuned_configs.json.
 
 The autotuner times each candidate briefly at first use, and for sub-millisecond shapes its pick
-changed from run to run (docs/perf-notes.md). This script times every candidate of each kernel's
-autotune space (kernels/launch.py) with long do_bench runs over bench_attention's grid (bf16,
+changes from run to run (its few timings do not separate the candidates). This script times every candidate of each kernel's
+autotune space (kernels/tuning.py) with long do_bench runs over bench_attention's grid (bf16,
 batch * seqlen = 16384 tokens, heads * head_dim = 2048; 8 heads at head_dim 256), and records the
 fastest per (kernel, head_dim, causal, seqlen). The launchers then use that table for dense and
 varlen calls without window or softcap, and the autotuner for everything else.
@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 os.environ.setdefault("FLASHFORMER_AUTOTUNE", "0")  # every launch here names its configs
 
-from flashformer.kernels import launch
+from flashformer.kernels import tuning
 from flashformer.kernels.flash_bwd import attention_backward
 from flashformer.kernels.flash_fwd import attention_forward
 
@@ -43,8 +43,8 @@ KINDS = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_fused")  # bwd_fused: the determinist
 def candidates(kind, head_dim):
     """The autotune space of ``kind``, pruned for shared memory, as kernel meta-parameter dicts."""
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    configs = launch.prune_configs(kind, launch._gpu_configs(kind), {"HEAD_DIM_PAD": head_dim_pad})
-    return [launch.config_from_shape(launch._shape(c)) for c in configs]
+    configs = tuning.prune_configs(kind, tuning._gpu_configs(kind), {"HEAD_DIM_PAD": head_dim_pad})
+    return [tuning.config_from_shape(tuning._shape(c)) for c in configs]
 
 
 def make_inputs(batch, seqlen, heads, head_dim, seed=0):
@@ -57,8 +57,8 @@ def make_inputs(batch, seqlen, heads, head_dim, seed=0):
 def run_once(kind, inputs, causal, forced, forward=None):
     """One launch of ``kind`` with the kernel configs in ``forced``: the forward's (out, lse), or the
     backward's (dq, dk, dv) on ``forward`` = (out, lse), computed here when not given."""
-    launch.FORCED_CONFIGS.clear()
-    launch.FORCED_CONFIGS.update(forced)
+    tuning.FORCED_CONFIGS.clear()
+    tuning.FORCED_CONFIGS.update(forced)
     q, k, v, grad_out = inputs
     scale, window_right = q.shape[-1] ** -0.5, (0 if causal else -1)
     if kind == "fwd" or forward is None:
@@ -72,7 +72,7 @@ def run_once(kind, inputs, causal, forced, forward=None):
 
 def default_configs(head_dim):
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    return {kind: launch._default_gpu_config(kind, head_dim_pad) for kind in KINDS}
+    return {kind: tuning._default_gpu_config(kind, head_dim_pad) for kind in KINDS}
 
 
 def _compile_jobs(jobs):
@@ -136,7 +136,7 @@ def tune_cell(head_dim, seqlen, heads, causal, tokens, rep_ms):
         default_ms = timings.get(tuple(sorted(defaults[kind].items())), float("nan"))
         best = min(timings, key=timings.get)
         picks[kind] = (dict(best), timings[best], default_ms)
-    launch.FORCED_CONFIGS.clear()
+    tuning.FORCED_CONFIGS.clear()
     return picks, rejected
 
 
@@ -150,7 +150,7 @@ def write_table(path, device_name, results):
     for r in results:
         for kind, (config, _, _) in r["picks"].items():
             key = f"d{max(16, triton.next_power_of_2(r['head_dim']))}-{'causal' if r['causal'] else 'full'}"
-            entries.setdefault(kind, {}).setdefault(key, {})[str(r["seqlen"])] = list(launch.shape_of_config(config))
+            entries.setdefault(kind, {}).setdefault(key, {})[str(r["seqlen"])] = list(tuning.shape_of_config(config))
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".json")
     with os.fdopen(fd, "w") as f:
         text = json.dumps(table, indent=1, sort_keys=True)
@@ -184,7 +184,7 @@ def main(argv=None):
     parser.add_argument("--heads-256", type=int, default=8, help="heads at head_dim 256")
     parser.add_argument("--rep-ms", type=int, default=200, help="do_bench time per candidate")
     parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="compile processes")
-    parser.add_argument("--out", default=launch.TUNED_CONFIGS_PATH)
+    parser.add_argument("--out", default=tuning.TUNED_CONFIGS_PATH)
     parser.add_argument("--json", default=None, help="also write every timing here")
     parser.add_argument("--dry-run", action="store_true", help="print the picks, leave --out alone")
     args = parser.parse_args(argv)

@@ -20,6 +20,7 @@ from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
 from flashformer.kernels import cross_entropy, decode, flash_bwd, flash_fwd, flash_fwd_hopper
+from flashformer.kernels.sizes import pad_head_dim
 
 FP32_POINTERS = {"LSE", "DELTA", "LSE_LOG2", "DLSE", "LSE_PART", "O_PART", "DQ_ACC", "LOSSES", "TOKEN_SCALE"}
 INT64_POINTERS = {"TARGETS"}
@@ -62,15 +63,15 @@ def resource_usage(compiled):
 
 def attention_constexprs(head_dim, block_m, block_n, causal=True, window=False, softcap=False, varlen=False, group=1,
                          accumulate_dq=False, has_dlse=False):
-    return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_M=block_m,
+    return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=pad_head_dim(head_dim), BLOCK_M=block_m,
                 BLOCK_N=block_n, LEFT_BOUNDED=window, RIGHT_BOUNDED=causal or window, HAS_SOFTCAP=softcap,
                 IS_VARLEN=varlen, SEQS_PAD=16 if varlen else 1, ACCUMULATE_DQ=accumulate_dq,
                 DQ_TMA_REDUCE=accumulate_dq, DOT_PRECISION="tf32", UPCAST_DOT=False, HAS_DLSE=has_dlse,
-                ONE_LOOP=not accumulate_dq and triton.next_power_of_2(head_dim) >= flash_bwd.ONE_LOOP_DKDV_HEAD_DIM)
+                ONE_LOOP=not accumulate_dq and pad_head_dim(head_dim) >= flash_bwd.ONE_LOOP_DKDV_HEAD_DIM)
 
 
 def gluon_forward_constexprs(head_dim, causal=True, window=False, softcap=False, group=1):
-    head_dim_pad = triton.next_power_of_2(head_dim)
+    head_dim_pad = pad_head_dim(head_dim)
     block_n, num_stages = flash_fwd_hopper.CONFIGS[head_dim_pad]
     q_smem, kv_smem = flash_fwd_hopper.shared_layouts(block_n, head_dim_pad, torch.bfloat16)
     return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=flash_fwd_hopper.BLOCK_M,
@@ -107,7 +108,7 @@ CASES = {
                                 dict(attention_constexprs(64, 32, 128, causal=False, group=2, accumulate_dq=True),
                                      seqlen_q=1), 8, 2),
     "bwd_dq-d128-causal": (flash_bwd._bwd_dq_kernel, attention_constexprs(128, 128, 64, has_dlse=True), 8, 2),
-    # the register-capped candidates of kernels/launch.py (two programs per SM)
+    # the register-capped candidates of kernels/tuning.py (two programs per SM)
     "fwd-d128-two-per-sm": (flash_fwd._attn_fwd_kernel, attention_constexprs(128, 128, 64), 8, 2, 128),
     "bwd_dq-d128-two-per-sm": (flash_bwd._bwd_dq_kernel, attention_constexprs(128, 128, 32), 8, 2, 128),
     "bwd_dq-d256": (flash_bwd._bwd_dq_kernel, attention_constexprs(256, 64, 32, causal=False), 8, 2),

@@ -1,4 +1,4 @@
-"""Checkpoint format: round trips, sharding, precise errors, atomic writes."""
+"""Checkpoint format (weights.py, checkpoint.py): round trips, sharding, precise errors, atomic writes (fileio.py)."""
 
 import json
 import os
@@ -8,9 +8,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import flashformer
-from flashformer.checkpoint import CheckpointError, atomic_directory, atomic_write_file, save_pretrained
+from flashformer.fileio import atomic_directory, atomic_write_file
 from flashformer.model import ModelConfig, Transformer
 from flashformer.tokenizer import HFTokenizer, train_bpe
+from flashformer.weights import CheckpointError, save_pretrained
 
 CONFIG = ModelConfig(family="llama", vocab_size=300, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=96,
                      max_seq_len=64, attn_backend="reference")
@@ -151,17 +152,22 @@ def test_atomic_write_file_keeps_old_content_on_failure(tmp_path):
     assert path.read_bytes() == b"new"
 
 
+def _write_text(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+
 def test_atomic_directory_replaces_or_keeps(tmp_path):
     final = tmp_path / "ckpt"
     with atomic_directory(final) as tmp:
-        open(os.path.join(tmp, "a"), "w").write("1")
+        _write_text(os.path.join(tmp, "a"), "1")
     with pytest.raises(RuntimeError):
         with atomic_directory(final) as tmp:
-            open(os.path.join(tmp, "b"), "w").write("2")
+            _write_text(os.path.join(tmp, "b"), "2")
             raise RuntimeError("crash while writing")
     assert os.listdir(final) == ["a"] and os.listdir(tmp_path) == ["ckpt"]
     with atomic_directory(final) as tmp:
-        open(os.path.join(tmp, "b"), "w").write("2")
+        _write_text(os.path.join(tmp, "b"), "2")
     assert os.listdir(final) == ["b"] and os.listdir(tmp_path) == ["ckpt"]
 
 

@@ -37,7 +37,7 @@ def test_attention_kernels_use_wgmma_and_tma(report):
 
 
 def test_head_dim_256_backward_fits_the_registers(report):
-    """The default head_dim-256 backward configs (kernels/launch.py) keep their accumulators in
+    """The default head_dim-256 backward configs (kernels/tuning.py) keep their accumulators in
     registers: a few hundred bytes of spill at most (4 warps spilled 7.8 KB per thread; the 8-warp
     dK/dV kernel spills 464 B with 32-bit base offsets, 520 B with the 64-bit ones)."""
     for name in ("bwd_dkdv-d256", "bwd_dq-d256"):
@@ -45,7 +45,7 @@ def test_head_dim_256_backward_fits_the_registers(report):
 
 
 def test_register_capped_candidates_fit_two_programs_per_sm(report):
-    """maxnreg 128 at 8 warps (kernels/launch.py) is there so that two programs share an SM: it must
+    """maxnreg 128 at 8 warps (kernels/tuning.py) is there so that two programs share an SM: it must
     not spill, and each program must leave the other half of the shared memory."""
     for name in ("fwd-d128-two-per-sm", "bwd_dq-d128-two-per-sm"):
         case = report[name]

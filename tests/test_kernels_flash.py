@@ -174,8 +174,8 @@ def test_autocast(device, triton_path):
 
 
 # Run in a fresh interpreter: on CPU, torch 2.13's custom-op dispatch intermittently raises
-# ValueError('vector::reserve') in a process that has already run hundreds of other tests (seen in CI and
-# reproduced with MALLOC_PERTURB_; never alone, never on the H200's torch 2.11; docs/perf-notes.md).
+# ValueError('vector::reserve') in a process that has already run hundreds of other tests (reproducible
+# with MALLOC_PERTURB_; never in a fresh process, never with torch 2.11 on CUDA).
 COMPILE_CHECK = """
 import sys
 import torch

@@ -1,4 +1,5 @@
-"""Config choice for the kernels: the offline-measured table and forced configs (tuning runs)."""
+"""Launch choices for the kernels: tile-shape policy (tuning.py: the offline table, forced configs) and launch
+mechanics (launch.py: grids, direct launches)."""
 
 import json
 
@@ -7,14 +8,14 @@ import torch
 import triton
 from attention_checks import assert_matches_reference
 
-from flashformer.kernels import flash_attn_func, launch
+from flashformer.kernels import flash_attn_func, launch, tuning
 
 
 @pytest.mark.parametrize("window_left,window_right,softcap,expected", [
     (-1, 0, 0.0, "causal"), (-1, -1, 0.0, "full"), (16, 0, 0.0, None), (-1, 4, 0.0, None), (-1, 0, 5.0, None),
 ])
 def test_table_covers_plain_masks_only(window_left, window_right, softcap, expected):
-    assert launch.table_mask(window_left, window_right, softcap) == expected
+    assert tuning.table_mask(window_left, window_right, softcap) == expected
 
 
 def test_measured_config_takes_the_nearest_bucket_within_an_octave(tmp_path, monkeypatch):
@@ -23,25 +24,25 @@ def test_measured_config_takes_the_nearest_bucket_within_an_octave(tmp_path, mon
                           "bwd_dq": {"d64-full": {"1024": [128, 64, 8, 3]}}}}
     path = tmp_path / "tuned.json"
     path.write_text(json.dumps(table))
-    monkeypatch.setattr(launch, "TUNED_CONFIGS_PATH", str(path))
+    monkeypatch.setattr(tuning, "TUNED_CONFIGS_PATH", str(path))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Some GPU")
-    launch._measured_table.cache_clear()
+    tuning._measured_table.cache_clear()
     try:
         gpu = torch.device("cuda", 0)
-        assert launch.measured_config(gpu, "fwd", 128, True, 1024)["BLOCK_M"] == 64  # log2 distance 1 vs 4
-        assert launch.measured_config(gpu, "fwd", 128, True, 8192)["BLOCK_M"] == 128
-        assert launch.measured_config(gpu, "fwd", 128, True, 65536) == {  # past the longest, >= 16k
+        assert tuning.measured_config(gpu, "fwd", 128, True, 1024)["BLOCK_M"] == 64  # log2 distance 1 vs 4
+        assert tuning.measured_config(gpu, "fwd", 128, True, 8192)["BLOCK_M"] == 128
+        assert tuning.measured_config(gpu, "fwd", 128, True, 65536) == {  # past the longest, >= 16k
             "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
-        assert launch.measured_config(gpu, "fwd", 128, True, 2048) is None  # 2 octaves from 512 and 16k
-        assert launch.measured_config(gpu, "fwd", 64, False, 4096) == {  # a pick that caps registers
+        assert tuning.measured_config(gpu, "fwd", 128, True, 2048) is None  # 2 octaves from 512 and 16k
+        assert tuning.measured_config(gpu, "fwd", 64, False, 4096) == {  # a pick that caps registers
             "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "maxnreg": 128}
-        assert launch.measured_config(gpu, "bwd_dq", 64, False, 2048) is not None
-        assert launch.measured_config(gpu, "bwd_dq", 64, False, 4096) is None  # a table cut short at 1k
-        assert launch.measured_config(gpu, "fwd", 128, False, 1024) is None  # not measured: autotune
-        assert launch.measured_config(gpu, "bwd_dq", 128, True, 1024) is None
-        assert launch.measured_config(gpu, "fwd", 64, True, 1024) is None
+        assert tuning.measured_config(gpu, "bwd_dq", 64, False, 2048) is not None
+        assert tuning.measured_config(gpu, "bwd_dq", 64, False, 4096) is None  # a table cut short at 1k
+        assert tuning.measured_config(gpu, "fwd", 128, False, 1024) is None  # not measured: autotune
+        assert tuning.measured_config(gpu, "bwd_dq", 128, True, 1024) is None
+        assert tuning.measured_config(gpu, "fwd", 64, True, 1024) is None
     finally:
-        launch._measured_table.cache_clear()
+        tuning._measured_table.cache_clear()
 
 
 @pytest.mark.parametrize("config", [
@@ -51,22 +52,22 @@ def test_measured_config_takes_the_nearest_bucket_within_an_octave(tmp_path, mon
 ])
 def test_forced_configs_compute_the_same_attention(config, device, triton_path, monkeypatch):
     """Tile shapes other than the interpreter's defaults (as a tuning run forces them) stay exact."""
-    monkeypatch.setattr(launch, "FORCED_CONFIGS", {kind: config for kind in ("fwd", "bwd_dkdv", "bwd_dq")})
+    monkeypatch.setattr(tuning, "FORCED_CONFIGS", {kind: config for kind in ("fwd", "bwd_dkdv", "bwd_dq")})
     q, k, v, grad_out = (torch.randn(1, 77, 2, 32, device=device, dtype=torch.float16) for _ in range(4))
     assert_matches_reference(flash_attn_func, q, k, v, grad_out, causal=True)
 
 
 def test_forced_config_overrides_every_other_choice(monkeypatch):
     forced = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
-    monkeypatch.setattr(launch, "FORCED_CONFIGS", {"bwd_dq": forced})
-    assert launch.pick_kernel(torch.device("cpu"), "bwd_dq", "kernel", "tuned", 64) == ("kernel", forced)
-    assert launch.pick_kernel(torch.device("cpu"), "fwd", "kernel", "tuned", 64) == (
-        "kernel", launch.INTERPRETER_CONFIGS["fwd"])
+    monkeypatch.setattr(tuning, "FORCED_CONFIGS", {"bwd_dq": forced})
+    assert tuning.pick_kernel(torch.device("cpu"), "bwd_dq", "kernel", "tuned", 64) == ("kernel", forced)
+    assert tuning.pick_kernel(torch.device("cpu"), "fwd", "kernel", "tuned", 64) == (
+        "kernel", tuning.INTERPRETER_CONFIGS["fwd"])
 
 
 def test_grid_gives_heads_and_batch_their_own_dimensions():
     """8196 sequences of 8 heads make 65568 (batch, head) programs, past CUDA's 65535 cap on grid
-    dimensions y and z (the H200 failed that launch with "invalid argument")."""
+    dimensions y and z (CUDA rejects such a launch with "invalid argument")."""
     assert launch.tile_grid(128, 128, 0, 8196, 8, is_varlen=False) == (1, 8, 8196)
     assert launch.tile_grid(128, 0, 1000, 8196, 8, is_varlen=True) == (8 + 8196, 8, 1)
 
@@ -81,26 +82,26 @@ def test_a_batch_past_the_grid_cap_names_the_argument(device, triton_path):
 def test_head_dim_256_has_its_own_candidates(kind):
     """head_dim 256 autotunes over its own shapes (of the head_dim <= 128 ones only one forward fit its
     shared memory), and those never leak into the smaller head dims' spaces."""
-    configs = launch._gpu_configs(kind)
-    wide = [launch._shape(c) for c in launch.prune_configs(kind, configs, {"HEAD_DIM_PAD": 256})]
-    assert sorted(wide) == sorted(launch._WIDE_SHAPES[kind])
-    default = launch._default_gpu_config(kind, 256)
+    configs = tuning._gpu_configs(kind)
+    wide = [tuning._shape(c) for c in tuning.prune_configs(kind, configs, {"HEAD_DIM_PAD": 256})]
+    assert sorted(wide) == sorted(tuning._WIDE_SHAPES[kind])
+    default = tuning._default_gpu_config(kind, 256)
     assert (default["BLOCK_M"], default["BLOCK_N"], default["num_warps"], default["num_stages"]) in wide
     for head_dim in (64, 128):
-        narrow = [launch._shape(c) for c in launch.prune_configs(kind, configs, {"HEAD_DIM_PAD": head_dim})]
-        assert narrow and set(narrow) <= set(launch._SHAPES[kind])
+        narrow = [tuning._shape(c) for c in tuning.prune_configs(kind, configs, {"HEAD_DIM_PAD": head_dim})]
+        assert narrow and set(narrow) <= set(tuning._SHAPES[kind])
 
 
 @pytest.mark.parametrize("kind", ["fwd", "bwd_dkdv", "bwd_dq", "bwd_fused"])
 def test_candidates_survive_the_round_trip_to_the_table(kind):
     """A tuning run writes its pick as a table entry and a launch reads it back: the register cap of
     the capped shapes must survive both ways."""
-    for config in launch._gpu_configs(kind):
-        shape = launch._shape(config)
-        meta = launch.config_from_shape(shape)
-        assert launch.shape_of_config(meta) == shape
+    for config in tuning._gpu_configs(kind):
+        shape = tuning._shape(config)
+        meta = tuning.config_from_shape(shape)
+        assert tuning.shape_of_config(meta) == shape
         assert meta.get("maxnreg") == config.maxnreg
-    assert any(config.maxnreg for config in launch._gpu_configs("fwd"))
+    assert any(config.maxnreg for config in tuning._gpu_configs("fwd"))
 
 
 class _LauncherAttributes:

@@ -1,0 +1,164 @@
+"""The house rule on imports: they only point down the layers below, and never close a circle.
+
+Every module of flashformer/ and kernels/ (installed as flashformer.kernels) is parsed with ast, so the
+check also sees imports inside functions (imported lazily, they are still dependencies). Imports under
+``if TYPE_CHECKING:`` are left out: they never run. A module may import only from layers below its own.
+ARCHITECTURE.md lists the same layers; a new module needs a layer here before the test passes.
+"""
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = {"flashformer": os.path.join(ROOT, "flashformer"), "flashformer.kernels": os.path.join(ROOT, "kernels")}
+
+# Top to bottom; "flashformer" and "flashformer.kernels" are the packages' __init__.py. Modules in one
+# layer do not import one another.
+LAYERS = [
+    ("command line", ["flashformer.cli"]),
+    ("long-context recipe", ["flashformer.finetune_long"]),
+    ("training loop", ["flashformer.train"]),
+    ("around the model: parallelism, generation",
+     ["flashformer.parallel", "flashformer.context_parallel", "flashformer.generate"]),
+    ("public loading API, tokenizers", ["flashformer", "flashformer.tokenizer"]),
+    ("loading checkpoints into models", ["flashformer.checkpoint"]),
+    ("Hugging Face translation", ["flashformer.hf"]),
+    ("model", ["flashformer.model"]),
+    ("model parts, checkpoint files, data",
+     ["flashformer.attention", "flashformer.losses", "flashformer.rope", "flashformer.weights", "flashformer.data",
+      "flashformer.profiling"]),
+    ("configs", ["flashformer.config"]),
+    ("crash-safe writes", ["flashformer.fileio"]),
+    ("kernels: public API", ["flashformer.kernels"]),
+    ("kernels: entry points", ["flashformer.kernels.kvcache", "flashformer.kernels.cross_entropy"]),
+    ("kernels: argument checks, path choice, autograd", ["flashformer.kernels.interface"]),
+    ("kernels: backward, decoding", ["flashformer.kernels.flash_bwd", "flashformer.kernels.decode"]),
+    ("kernels: forward", ["flashformer.kernels.flash_fwd"]),
+    ("kernels: tile-shape policy, launch mechanics", ["flashformer.kernels.tuning", "flashformer.kernels.launch"]),
+    ("kernels: tile helpers, PyTorch reference, packing",
+     ["flashformer.kernels.tile_ops", "flashformer.kernels.reference", "flashformer.kernels.packing"]),
+    ("kernels: masks, head sizes", ["flashformer.kernels.masking", "flashformer.kernels.sizes"]),
+]
+LAYER_OF = {module: index for index, (_, modules) in enumerate(LAYERS) for module in modules}
+
+# Upward edges that stay until the module on their far end is split. weights.py writes the "hf" format
+# through hf.py, which needs model.ModelConfig only to build configs from Hugging Face's (config_from_hf);
+# the export half of hf.py (key maps, config_to_hf, state_dict_to_hf) belongs below the model.
+KNOWN_UPWARD = {("flashformer.weights", "flashformer.hf")}
+
+
+def _modules():
+    """{module name: path} for every .py file of the two packages."""
+    modules = {}
+    for package, directory in PACKAGES.items():
+        for filename in sorted(os.listdir(directory)):
+            if filename.endswith(".py"):
+                name = package if filename == "__init__.py" else f"{package}.{filename[:-3]}"
+                modules[name] = os.path.join(directory, filename)
+    return modules
+
+
+def _is_type_checking(node):
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _imports(tree, package, modules):
+    """The modules of ``modules`` that a module of ``package`` imports: ``from X import name`` is an edge
+    to X.name when that is one of our modules (a submodule), else to X."""
+    found = set()
+
+    def visit(node):
+        if _is_type_checking(node):
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            else:
+                base = node.module
+            for alias in node.names:
+                target = f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                if target in modules:
+                    found.add(target)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def import_graph():
+    """{module: set of our modules it imports}, over flashformer/ and kernels/."""
+    modules = _modules()
+    graph = {}
+    for module, path in modules.items():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+        package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+        graph[module] = _imports(tree, package, modules) - {module}
+    return graph
+
+
+def test_every_module_has_a_layer():
+    missing = sorted(set(_modules()) - set(LAYER_OF))
+    stale = sorted(set(LAYER_OF) - set(_modules()))
+    assert not missing, f"modules with no layer in tests/test_imports.py (and ARCHITECTURE.md): {missing}"
+    assert not stale, f"layers name modules that do not exist: {stale}"
+
+
+def test_imports_point_down():
+    upward = sorted((module, target) for module, targets in import_graph().items() for target in targets
+                    if module in LAYER_OF and target in LAYER_OF and LAYER_OF[target] <= LAYER_OF[module]
+                    and (module, target) not in KNOWN_UPWARD)
+    assert not upward, "imports that do not point down the layers:\n" + "\n".join(
+        f"  {module} ({LAYERS[LAYER_OF[module]][0]}) -> {target} ({LAYERS[LAYER_OF[target]][0]})"
+        for module, target in upward)
+
+
+def test_known_upward_edges_still_exist():
+    """An exception that is no longer needed must leave KNOWN_UPWARD, so that it cannot hide a new one."""
+    graph = import_graph()
+    assert all(target in graph.get(module, ()) for module, target in KNOWN_UPWARD)
+
+
+def _cycle(graph):
+    """One import circle of ``graph`` as a list of modules, or None."""
+    state = {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == "open":
+                return path[path.index(target):] + [target]
+            if target not in state:
+                found = visit(target, path + [target])
+                if found:
+                    return found
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node, [node])
+            if found:
+                return found
+    return None
+
+
+def test_no_import_circle():
+    """Without the known upward edges (each closes the circle its comment names), the graph has none."""
+    graph = {module: targets - {t for m, t in KNOWN_UPWARD if m == module} for module, targets in import_graph().items()}
+    cycle = _cycle(graph)
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+@pytest.mark.parametrize("graph, expected", [
+    ({"a": {"b"}, "b": {"c"}, "c": set()}, None),
+    ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, ["a", "b", "c", "a"]),
+])
+def test_cycle_finder(graph, expected):
+    assert _cycle(graph) == expected
