@@ -160,7 +160,7 @@ def attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap
     if gluon:
         from . import flash_fwd_hopper
 
-        if flash_fwd_hopper.supports(q, k, cu_seqlens_q, head_dim_pad):
+        if flash_fwd_hopper.supports(q, cu_seqlens_q, head_dim_pad):
             flash_fwd_hopper.launch_forward(q, k, v, out, lse, qk_scale, softcap_log2, window_left, window_right,
                                             softcap, head_dim_pad,
                                             [s for t in (q, k, v, out) for s in seq_strides(t, False)], strides_lse)

@@ -233,16 +233,15 @@ def _attn_fwd_hopper_kernel(
 # (BLOCK_N, NUM_STAGES) per padded head_dim: two stages of K and V tiles plus the two 64-row Q tiles
 # within Hopper's 227 KB of shared memory (scripts/bench_gluon_forward.py measured the alternatives).
 CONFIGS = {64: (128, 2), 128: (128, 2), 256: (64, 2)}
-# At head_dim 64 the tl kernel stays faster below this many keys (1.2-1.3x at 1k, the Gluon one
-# 1.07-1.19x faster from 4k on).
-MIN_KEYS_HEAD_DIM_64 = 4096
+# Where this kernel is the faster forward on the H200: 1.03-1.17x the tl kernel at head_dim 128 and
+# 1.14-1.38x at 256 over 1k-16k tokens; at 64 it is 0.77-0.99x (BENCHMARKS.md), so 64 stays on tl.
+FASTER_HEAD_DIMS = (128, 256)
 
 
-def supports(q, k, cu_seqlens_q, head_dim_pad):
+def supports(q, cu_seqlens_q, head_dim_pad):
     """Whether this kernel takes these inputs (the caller has chosen the Gluon path for the device):
-    dense, 16-bit, a padded head_dim it has a tile shape for and is the faster kernel at."""
-    return (cu_seqlens_q is None and q.dtype in (torch.float16, torch.bfloat16) and head_dim_pad in CONFIGS
-            and (head_dim_pad != 64 or k.shape[1] >= MIN_KEYS_HEAD_DIM_64))
+    dense, 16-bit, a padded head_dim where it is the faster forward."""
+    return cu_seqlens_q is None and q.dtype in (torch.float16, torch.bfloat16) and head_dim_pad in FASTER_HEAD_DIMS
 
 
 def shared_layouts(block_n, head_dim_pad, dtype):

@@ -32,8 +32,8 @@ KERNEL_IMPLS = ("gluon", "triton", "torch")
 # Triton releases whose Gluon API and code generation the Hopper kernels were checked on (the H200 runs
 # the kernel suite over them); Gluon is experimental and changes between releases.
 GLUON_TRITON_VERSIONS = ("3.6.",)
-# Measured on the H200 (BENCHMARKS.md): the Gluon forward is 1.1-1.3x the tl forward at head_dim 128 and
-# 256 and from 4k keys at 64 (flash_fwd_hopper.supports keeps the shorter head_dim-64 calls on tl).
+# Measured on the H200 (BENCHMARKS.md): the Gluon forward is 1.03-1.38x the tl forward at head_dim 128
+# and 256 (flash_fwd_hopper.supports keeps the other shapes on tl).
 GLUON_BY_DEFAULT = True
 
 
