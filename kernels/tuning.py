@@ -175,7 +175,7 @@ def pick_kernel(device, kind, kernel, tuned_kernel, head_dim_pad, mask=None, seq
         mask: "causal" or "full" for shapes the offline table covers (no window, no softcap), else None.
         seqlen_bucket: the power of two at or above the query length.
     Order: a forced config (tuning runs); the interpreter's fixed config; the offline table; the
-    default config when FLASHFORMER_AUTOTUNE=0; otherwise the autotuner.
+    default config when FLASHFORMER_AUTOTUNE=0 or below AUTOTUNE_MIN_SEQLEN; otherwise the autotuner.
     """
     if kind in FORCED_CONFIGS:
         return kernel, dict(FORCED_CONFIGS[kind])
@@ -185,6 +185,18 @@ def pick_kernel(device, kind, kernel, tuned_kernel, head_dim_pad, mask=None, seq
         config = measured_config(device, kind, head_dim_pad, mask == "causal", seqlen_bucket)
         if config is not None:
             return kernel, config
-    if os.environ.get("FLASHFORMER_AUTOTUNE", "1") == "0":
+    if not autotunes(seqlen_bucket):
         return kernel, _default_gpu_config(kind, head_dim_pad)
     return tuned_kernel, {}
+
+
+# Shorter launches than this (query length's power of two) that the offline table does not cover take
+# the default config: their kernels run in tens of microseconds, while autotuning compiles and times
+# every candidate of up to three kernels, seconds for each new shape, to choose among configs a few
+# percent apart.
+AUTOTUNE_MIN_SEQLEN = 2048
+
+
+def autotunes(seqlen_bucket):
+    """Whether a launch the offline table does not cover goes through the autotuner."""
+    return os.environ.get("FLASHFORMER_AUTOTUNE", "1") != "0" and seqlen_bucket >= AUTOTUNE_MIN_SEQLEN

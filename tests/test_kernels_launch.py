@@ -137,3 +137,12 @@ def test_launch_hooks_count_only_when_something_is_registered():
     assert launch._no_hook(None) and launch._no_hook(chain)
     chain.add(print)
     assert not launch._no_hook(chain) and not launch._no_hook(print)
+
+
+def test_short_untabled_launches_skip_the_autotuner(monkeypatch):
+    """A first call at a short shape must not compile every candidate config (seconds per shape)."""
+    monkeypatch.delenv("FLASHFORMER_AUTOTUNE", raising=False)
+    assert not tuning.autotunes(tuning.AUTOTUNE_MIN_SEQLEN // 2)
+    assert tuning.autotunes(tuning.AUTOTUNE_MIN_SEQLEN)
+    monkeypatch.setenv("FLASHFORMER_AUTOTUNE", "0")
+    assert not tuning.autotunes(16384)
