@@ -25,7 +25,7 @@ RUN_CONFIG_FILE = "config.yaml"
 # train a different run under the old one's name.
 RESUMABLE_KEYS = ("steps", "log_every", "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints",
                   "optim.", "sample.", "parallel.", "device", "precision", "compile", "activation_checkpointing",
-                  "chunked_loss", "peak_flops_per_gpu", "model.attn_backend", "data.cache_dir", "data.num_workers")
+                  "chunked_loss", "peak_flops_per_gpu", "model.attn_backend", "data.cache_dir")
 # Not part of the comparison: where the run lives, and the tokenizer file, which a resumed run always
 # takes from its checkpoint (the recorded path may point into a pruned checkpoint).
 IGNORED_ON_RESUME = ("name", "out_dir", "resume", "data.tokenizer")
