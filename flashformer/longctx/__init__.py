@@ -40,3 +40,11 @@ from .report import (
     plot_perplexity,
 )
 from .run import finetune_long
+
+__all__ = [
+    "CLAIM_DEGRADATION", "DEFAULT_PASSKEY_DEPTHS", "EXTENDED_INIT_DIR", "MARKDOWN_FILE", "MODELS", "PASSKEY_TRAIN_DIR",
+    "PLOT_FILE", "REPORT_FILE", "SCALINGS", "PasskeyPrompt", "build_passkey_prompt", "evaluate_long_context",
+    "extended_model_config", "extension_claim", "finetune_long", "held_out_windows", "long_context_train_config",
+    "markdown_report", "mix_in_passkey_documents", "passkey_accuracy", "passkey_min_length", "passkey_prompts",
+    "perplexity", "plot_perplexity", "resolve_checkpoint", "save_extended_checkpoint", "write_passkey_documents",
+]
