@@ -1,10 +1,16 @@
-"""``flashformer train | generate | tokenizer``: argument parsing only, the work lives in the modules.
+"""``flashformer train | generate | finetune-long | tokenizer``: argument parsing and error reporting
+only, the work lives in the modules.
 
     flashformer train configs/tiny.yaml optim.lr=3e-4 steps=2000
     flashformer train --resume runs/tiny steps=4000
     torchrun --nproc_per_node 8 -m flashformer.cli train configs/gpt2-124m.yaml
     flashformer generate runs/tiny/ckpt-1500 --prompt "def "
+    flashformer finetune-long runs/tiny --target-len 1024 --scaling yarn --steps 60
     flashformer tokenizer train --files data/*.txt --vocab-size 8192 --out tokenizer.json
+
+Exit codes: 0 done; 2 a usage error (a config key, a file, a run directory in use), reported in one
+line (``--debug`` shows the traceback); 3 training diverged (a NaN / inf loss); 128 + N stopped by
+signal N after saving a checkpoint (130 Ctrl-C, 143 SIGTERM).
 """
 
 from __future__ import annotations
@@ -13,58 +19,131 @@ import argparse
 import sys
 
 USAGE_ERROR_EXIT_CODE = 2
+FAILURE_EXIT_CODE = 1
 
 
-def _train(argv: list[str]) -> int:
+def _guarded(prog: str, debug: bool, work) -> int:
+    """Run ``work()`` and turn the errors a user can fix into one line on stderr and an exit code."""
     from .checkpoint import CheckpointError
     from .config import ConfigError
     from .data import DataError
-    from .train import INTERRUPTED_EXIT_CODE, load_train_config, train
+    from .train import INTERRUPTED_EXIT_CODE, NONFINITE_EXIT_CODE, NonFiniteLossError
 
+    if debug:
+        return work()
+    try:
+        return work()
+    except (ConfigError, DataError, CheckpointError, FileNotFoundError) as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return USAGE_ERROR_EXIT_CODE
+    except NonFiniteLossError as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return NONFINITE_EXIT_CODE
+    except OSError as error:
+        print(f"{prog}: error: {error} (--debug shows where)", file=sys.stderr)
+        return FAILURE_EXIT_CODE
+    except KeyboardInterrupt:
+        print(f"{prog}: aborted by a second Ctrl-C: nothing saved after the last checkpoint", file=sys.stderr)
+        return INTERRUPTED_EXIT_CODE
+
+
+def _check_overrides(parser: argparse.ArgumentParser, overrides: list[str]) -> None:
+    if any("=" not in override for override in overrides):
+        parser.error(f"overrides look like key=value, got {[o for o in overrides if '=' not in o]}")
+
+
+def _debug_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+
+
+def _train(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="flashformer train", description="Train a GPT from a YAML recipe.")
     parser.add_argument("config", nargs="?", help="training recipe, e.g. configs/tiny.yaml")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=3e-4")
-    parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
-    args = parser.parse_args(argv)
+    parser.add_argument("--resume", metavar="RUN_DIR",
+                        help="continue the run in RUN_DIR from its latest checkpoint; overrides may change its "
+                             "length, intervals and optimizer, not its model or data")
+    _debug_flag(parser)
+    args = parser.parse_intermixed_args(argv)
     overrides = list(args.overrides)
     if args.resume and args.config:
         overrides.insert(0, args.config)  # with --resume, every positional is an override
     if not args.resume and not args.config:
         parser.error("give a CONFIG.yaml or --resume RUN_DIR")
-    if any("=" not in override for override in overrides):
-        parser.error(f"overrides look like key=value, got {[o for o in overrides if '=' not in o]}")
-    try:
+    _check_overrides(parser, overrides)
+
+    def work() -> int:
+        from .train import load_train_config, train
+
         cfg = load_train_config(None if args.resume else args.config, overrides, resume_dir=args.resume)
-        result = train(cfg)
-    except (ConfigError, DataError, CheckpointError, FileNotFoundError) as error:
-        print(f"flashformer train: error: {error}", file=sys.stderr)
-        return USAGE_ERROR_EXIT_CODE
-    return INTERRUPTED_EXIT_CODE if result.interrupted else 0
+        return train(cfg).exit_code
+
+    return _guarded(parser.prog, args.debug, work)
+
+
+def _finetune_long(argv: list[str]) -> int:
+    from .longctx import DEFAULT_PASSKEY_DEPTHS, REPORT_FILE, SCALINGS
+
+    parser = argparse.ArgumentParser(
+        prog="flashformer finetune-long",
+        description="Extend a checkpoint's context (RoPE scaling + fine-tuning on long packed documents) and "
+                    "report perplexity and passkey retrieval of the original, scaled and fine-tuned models.")
+    parser.add_argument("checkpoint", help="our checkpoint or run directory, or a Hugging Face directory")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="training overrides applied last, e.g. batch_size=4 micro_batch_size=2")
+    parser.add_argument("--target-len", type=int, required=True, help="the new context length")
+    parser.add_argument("--scaling", default="linear", choices=SCALINGS, help="RoPE scaling (default: linear)")
+    parser.add_argument("--steps", type=int, default=200, help="fine-tuning optimizer steps")
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default: a tenth of the recipe's)")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="default: a tenth of --steps")
+    parser.add_argument("--out-dir", default=None, help="run directory (default: runs/<recipe name>-<scaling><target>)")
+    parser.add_argument("--eval-lengths", type=int, nargs="+", default=None,
+                        help="lengths to evaluate (default: L, 2L, 4L and the target, up to the target)")
+    parser.add_argument("--eval-windows", type=int, default=8, help="held-out windows per length")
+    parser.add_argument("--passkey-depths", type=float, nargs="+", default=list(DEFAULT_PASSKEY_DEPTHS))
+    parser.add_argument("--passkey-trials", type=int, default=4, help="passkey prompts per depth and length")
+    parser.add_argument("--passkey-train-fraction", type=float, default=0.0,
+                        help="share of training tokens that are passkey examples (at most the original length)")
+    _debug_flag(parser)
+    args = parser.parse_intermixed_args(argv)  # overrides may follow the options
+    _check_overrides(parser, args.overrides)
+
+    def work() -> int:
+        import os
+
+        from .longctx import finetune_long, markdown_report
+
+        exit_code, report = finetune_long(args)
+        if report is not None:
+            print(f"report: {os.path.join(report['run_dir'], REPORT_FILE)}")
+            print(markdown_report(report))
+        return exit_code
+
+    return _guarded(parser.prog, args.debug, work)
 
 
 def _tokenizer(argv: list[str]) -> int:
-    from .tokenizer import train_bpe
-
     parser = argparse.ArgumentParser(prog="flashformer tokenizer", description="Tokenizer tools.")
     commands = parser.add_subparsers(dest="command", required=True)
     train_parser = commands.add_parser("train", help="train a byte-level BPE tokenizer.json")
     train_parser.add_argument("--files", nargs="+", required=True, help="text files to learn merges from")
     train_parser.add_argument("--vocab-size", type=int, required=True)
     train_parser.add_argument("--out", default="tokenizer.json", help="destination tokenizer.json")
+    _debug_flag(train_parser)
     args = parser.parse_args(argv)
-    tokenizer = train_bpe(args.files, args.vocab_size, args.out)
-    print(f"wrote {args.out} ({tokenizer.vocab_size} tokens)")
-    return 0
+
+    def work() -> int:
+        from .tokenizer import train_bpe
+
+        tokenizer = train_bpe(args.files, args.vocab_size, args.out)
+        print(f"wrote {args.out} ({tokenizer.vocab_size} tokens)")
+        return 0
+
+    return _guarded("flashformer tokenizer train", args.debug, work)
 
 
 def _generate(argv: list[str]) -> int:
     from .generate import main
-
-    return main(argv)
-
-
-def _finetune_long(argv: list[str]) -> int:
-    from .finetune_long import main
 
     return main(argv)
 

@@ -62,6 +62,10 @@ class ModelConfig:
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
         if self.head_dim is None and positive_heads and isinstance(self.d_model, int):
+            if self.d_model % self.n_head:  # floor division would silently drop d_model % n_head dimensions
+                raise ConfigError(f"d_model={self.d_model} is not a multiple of n_head={self.n_head}, so head_dim "
+                                  f"(d_model / n_head by default) is not a whole number: change d_model or n_head, "
+                                  f"or set head_dim explicitly")
             self.head_dim = self.d_model // self.n_head
         if self.d_ff is None and isinstance(self.d_model, int):
             self.d_ff = 4 * self.d_model

@@ -29,6 +29,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
+from .config import ConfigError
+
 
 @dataclass
 class ParallelConfig:
@@ -42,7 +44,7 @@ class ParallelConfig:
 
     def validate(self) -> None:
         if self.timeout_minutes < 1:
-            raise ValueError(f"parallel.timeout_minutes must be >= 1, got {self.timeout_minutes}")
+            raise ConfigError(f"parallel.timeout_minutes must be >= 1, got {self.timeout_minutes}")
 
 
 @dataclass
@@ -70,7 +72,7 @@ def init_distributed(cfg: ParallelConfig, device: torch.device) -> DistributedEn
         cfg: the parallel section of the training config.
         device: the device type to train on; on CUDA each process takes GPU ``LOCAL_RANK``.
     Raises:
-        ValueError: several processes with ``mode: none``.
+        ConfigError: several processes with ``mode: none``.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
@@ -81,7 +83,7 @@ def init_distributed(cfg: ParallelConfig, device: torch.device) -> DistributedEn
     if not env.distributed:
         return env
     if cfg.mode == "none":
-        raise ValueError(f"parallel.mode=none cannot run {world_size} processes; use ddp or fsdp")
+        raise ConfigError(f"parallel.mode=none cannot run {world_size} processes; use ddp or fsdp")
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=cfg.timeout_minutes))

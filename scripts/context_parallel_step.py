@@ -1,5 +1,5 @@
 """Training steps of one long sequence split over every rank (ring attention): sequences longer than
-one GPU holds (issue #8). Run under torchrun; every rank holds the whole model and a zigzag slice of
+one GPU holds. Run under torchrun; every rank holds the whole model and a zigzag slice of
 the sequence, and the gradients are averaged over the ranks.
 
     torchrun --nproc_per_node 2 scripts/context_parallel_step.py configs/models/llama-125m.yaml \\
@@ -7,8 +7,9 @@ the sequence, and the gradients are averaged over the ranks.
     torchrun --nproc_per_node 2 scripts/context_parallel_step.py configs/models/llama-125m.yaml \\
         --seqlen 4096 --check
 
-Steps run like scripts/memory_savings.py's flash columns (bf16 autocast on CUDA, activation checkpointing
-unless --no-checkpointing, chunked LM head + cross-entropy, fused AdamW); the first step warms up, the rest are timed. Printed: per-rank
+Steps are flashformer.train's training step, as in scripts/memory_savings.py's flash columns (bf16 autocast
+on CUDA, activation checkpointing unless --no-checkpointing, chunked LM head + cross-entropy, fused AdamW)
+inside the ring; the first step warms up, the rest are timed. Printed: per-rank
 peak memory (CUDA allocator), tokens/s of the whole sequence, and the loss. ``--check`` instead compares
 one step's loss and gradients against the whole sequence on every rank alone, in fp32: context
 parallelism must be exact within the kernels' tolerance.
@@ -26,10 +27,12 @@ import torch
 import torch.distributed as dist
 
 from flashformer.config import load_config
+from flashformer.data import Batch
 from flashformer.context_parallel import context_parallel, shard_batch
 from flashformer.losses import default_chunk_size
 from flashformer.model import ModelConfig, Transformer
 from flashformer.parallel import apply_activation_checkpointing
+from flashformer.train.step import lm_loss, train_step
 
 
 def build(config_path, overrides, seqlen, device):
@@ -39,11 +42,17 @@ def build(config_path, overrides, seqlen, device):
     return Transformer(config).to(device)
 
 
+def local_batch(input_ids, targets, group) -> Batch:
+    """This rank's zigzag slice of the sequence, with every token's true position."""
+    ids, local_targets, positions = shard_batch(input_ids, targets, group)
+    return Batch(ids, local_targets, position_ids=positions)
+
+
 def cp_loss(model, input_ids, targets, group):
     """This rank's mean loss over its zigzag slice (forward and backward through the ring)."""
-    ids, local_targets, positions = shard_batch(input_ids, targets, group)
     with context_parallel(group):
-        loss = model.loss(ids, local_targets, positions, chunk_size=default_chunk_size(model.config.vocab_size))
+        loss = lm_loss(model, local_batch(input_ids, targets, group),
+                       loss_chunk_size=default_chunk_size(model.config.vocab_size))
         loss.backward()
     return loss.detach()
 
@@ -81,7 +90,8 @@ def run_steps(args, device, group):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     tokens = torch.randint(0, model.config.vocab_size, (1, args.seqlen + 1), device=device,
                            generator=torch.Generator(device).manual_seed(1))
-    input_ids, targets = tokens[:, :-1], tokens[:, 1:]
+    batch = local_batch(tokens[:, :-1], tokens[:, 1:], group)
+    chunk_size = default_chunk_size(model.config.vocab_size)
     seconds, losses = [], []
     for step in range(args.steps):
         if device.type == "cuda":
@@ -89,12 +99,11 @@ def run_steps(args, device, group):
             if step == 1:
                 torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss = cp_loss(model, input_ids, targets, group)
-        grads = [p.grad for p in model.parameters()]
-        average([loss, *grads], group)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        # Without DDP the gradients (and the loss, for the record) are averaged over the ranks by hand.
+        loss, _ = train_step(model, optimizer, [batch], bf16=device.type == "cuda", loss_chunk_size=chunk_size,
+                             context=lambda: context_parallel(group),
+                             reduce_gradients=lambda loss: average([loss, *(p.grad for p in model.parameters())],
+                                                                   group))
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
@@ -135,7 +144,7 @@ def main(argv=None):
     dist.init_process_group("nccl" if on_cuda else "gloo")
     # NCCL allocates its buffers outside torch's allocator at a communicator's first use: use it now, while
     # memory is free. Else the gradient all-reduce after a step that filled the GPU fails with CUDA OOM
-    # (seen on 2 H200s at 2 x 262144 tokens).
+    # (as on 2 H200s at 2 x 262144 tokens).
     dist.all_reduce(torch.zeros(1, device=device))
     try:
         world_size = dist.get_world_size()

@@ -34,14 +34,15 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from flashformer.attention import ATTN_BACKENDS, FLASH_BACKENDS, resolve_backend
 from flashformer.config import config_to_dict, load_config
+from flashformer.data import Batch
 from flashformer.losses import default_chunk_size
 from flashformer.model import ModelConfig, Transformer
 from flashformer.parallel import apply_activation_checkpointing
+from flashformer.train.step import train_step
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIGS = {"cuda": "configs/models/llama-125m.yaml", "cpu": "configs/models/tiny-llama.yaml"}
@@ -96,14 +97,10 @@ def _limit_address_space(extra_mb: int) -> None:
 
 
 def _train_step(model, optimizer, input_ids, targets, chunked_loss: bool, bf16: bool) -> None:
-    with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=bf16):
-        if chunked_loss:
-            loss = model.loss(input_ids, targets, chunk_size=default_chunk_size(model.config.vocab_size))
-        else:  # the full logits and their gradient, as a training loop without a fused loss holds them
-            loss = F.cross_entropy(model(input_ids).float().flatten(0, 1), targets.flatten())
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    """The training step flashformer.train runs; without the chunked loss the full logits and their gradient
+    are held, as a training loop without a fused loss holds them."""
+    chunk_size = default_chunk_size(model.config.vocab_size) if chunked_loss else None
+    train_step(model, optimizer, [Batch(input_ids, targets)], bf16=bf16, loss_chunk_size=chunk_size)
 
 
 def measure_cell(cell: dict) -> dict:

@@ -11,7 +11,7 @@ import time
 import pytest
 import yaml
 
-from flashformer.train import INTERRUPTED_EXIT_CODE, latest_checkpoint, load_train_config, read_metrics, train
+from flashformer.train import latest_checkpoint, load_train_config, read_metrics, train
 from test_train import SUBPROCESS_ENV, data_cache, one_thread, tiny_recipe  # noqa: F401 (fixtures)
 
 TOLERANCE = 1e-5  # fp32: the two runs sum the same numbers in a different order
@@ -99,7 +99,8 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, dat
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-    assert "Traceback" not in stdout and f"exitcode  : {INTERRUPTED_EXIT_CODE}" in stderr, stderr[-3000:]
+    # Both ranks exit as SIGTERM's 143, the one that got it and the one that stopped with it.
+    assert "Traceback" not in stdout and "exitcode  : 143" in stderr, stderr[-3000:]
     assert "stopped at step" in stdout + stderr
     checkpoint = latest_checkpoint(str(run))
     assert checkpoint is not None and checkpoint.endswith(f"ckpt-{read_metrics(run)[-1]['step']}")

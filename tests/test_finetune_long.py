@@ -1,4 +1,4 @@
-"""flashformer.finetune_long: RoPE extension configs, passkey prompts, perplexity, the end-to-end command."""
+"""flashformer.longctx: RoPE extension configs, passkey prompts, perplexity, the end-to-end command."""
 
 import contextlib
 import io
@@ -18,7 +18,7 @@ from flashformer.checkpoint import from_pretrained
 from flashformer.cli import main as cli_main
 from flashformer.config import ConfigError
 from flashformer.data import DataConfig, DataError, TokenCorpus, load_corpus
-from flashformer.finetune_long import (
+from flashformer.longctx import (
     CLAIM_DEGRADATION,
     MARKDOWN_FILE,
     MODELS,

@@ -10,7 +10,6 @@ import pytest
 import torch
 import yaml
 
-from flashformer import train as train_module
 from flashformer.checkpoint import from_pretrained
 from flashformer.cli import main as cli_main
 from flashformer.config import ConfigError
@@ -19,11 +18,11 @@ from flashformer.model import Transformer
 from flashformer.tokenizer import load_tokenizer, train_bpe
 from flashformer.train import (
     TRAINER_STATE_FILE,
-    _abridged,
     OptimConfig,
     Trainer,
     latest_checkpoint,
     load_train_config,
+    abridged,
     lr_factor,
     read_metrics,
     train,
@@ -137,7 +136,8 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_losses_exactly(tmp_pat
     assert losses(killed_dir) == losses(tmp_path / "reference")
 
 
-def test_sigint_saves_a_checkpoint_and_exits_cleanly(tmp_path, data_cache):
+@pytest.mark.parametrize("sig, exit_code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_saves_a_checkpoint_and_exits_with_the_shells_code(tmp_path, data_cache, sig, exit_code):
     run = tmp_path / "run"
     config = write_recipe(tmp_path / "recipe.yaml", tiny_recipe(run, data_cache, steps=100_000, ckpt_every=100_000))
     process = subprocess.Popen(cli_command("train", config), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -146,10 +146,10 @@ def test_sigint_saves_a_checkpoint_and_exits_cleanly(tmp_path, data_cache):
     while not (run / "metrics.jsonl").exists() or os.path.getsize(run / "metrics.jsonl") == 0:
         assert process.poll() is None and time.time() < deadline
         time.sleep(0.01)
-    process.send_signal(signal.SIGINT)
+    process.send_signal(sig)
     stdout, stderr = process.communicate(timeout=60)
-    assert process.returncode == 130, stderr
-    assert "Traceback" not in stderr and "SIGINT" in stderr
+    assert process.returncode == exit_code, stderr
+    assert "Traceback" not in stderr and sig.name in stderr
     checkpoint = latest_checkpoint(str(run))
     assert checkpoint is not None
     last_step = losses(run)[-1][0]
@@ -175,11 +175,11 @@ def test_a_failed_checkpoint_write_leaves_the_previous_one_loadable(tmp_path, da
             f.write(b"half a file")
         raise OSError("disk full")
 
-    monkeypatch.setattr(train_module.torch, "save", crash_midway)
+    monkeypatch.setattr(torch, "save", crash_midway)
     with pytest.raises(OSError, match="disk full"):
         trainer.save_checkpoint()
     monkeypatch.undo()
-    assert sorted(os.listdir(tmp_path)) == ["ckpt-4", "config.yaml", "loss.png", "metrics.jsonl"]
+    assert sorted(os.listdir(tmp_path)) == [".lock", "ckpt-4", "config.yaml", "loss.png", "metrics.jsonl"]
     assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "ckpt-4")
     from_pretrained(tmp_path / "ckpt-4")
     assert torch.load(tmp_path / "ckpt-4" / TRAINER_STATE_FILE, weights_only=True)["step"] == 4
@@ -263,6 +263,7 @@ def test_packed_batches_train(tmp_path, data_cache):
     ("data.seq_len=128", "exceeds model.max_seq_len"),
     ("data.packing=zigzag", "expected one of"),
     ("steps=many", "steps: expected int"),
+    ("model.d_model=130", "d_model=130 is not a multiple of n_head=4"),
 ])
 def test_invalid_configs_name_the_problem(tmp_path, override, message):
     with pytest.raises(ConfigError, match=message):
@@ -281,9 +282,10 @@ def test_bad_input_fails_before_the_first_step(tmp_path, data_cache, monkeypatch
     (tmp_path / "FILE").write_text("a file where a directory should be")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(Trainer, "train_step", lambda self: pytest.fail("a training step ran"))
-    fields.setdefault("out_dir", str(tmp_path / "run"))
+    out_dir = fields.pop("out_dir", str(tmp_path / "run"))
     with pytest.raises(error, match=message):
-        train(load_train_config(tiny_recipe(fields.pop("out_dir"), data_cache, **fields)))
+        train(load_train_config(tiny_recipe(out_dir, data_cache, **fields)))
+    assert not os.path.exists(out_dir), "a run that never started left its directory behind"
 
 
 def test_cli_train_overrides_generate_and_tokenizer(tmp_path, data_cache, capsys):
@@ -313,7 +315,7 @@ def test_recipes_load_and_reference_model_files():
 
 def test_the_console_config_cuts_long_lists_only():
     files = [f"doc-{i}.txt" for i in range(600)]
-    shown = _abridged({"data": {"train_files": files, "eval_files": files[:6]}, "steps": 3})
+    shown = abridged({"data": {"train_files": files, "eval_files": files[:6]}, "steps": 3})
     assert shown["data"]["train_files"][:3] == files[:3] and len(shown["data"]["train_files"]) == 4
     assert "597 more" in shown["data"]["train_files"][3]
     assert shown["data"]["eval_files"] == files[:6] and shown["steps"] == 3

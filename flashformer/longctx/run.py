@@ -1,0 +1,151 @@
+"""``flashformer finetune-long``: extend, evaluate, fine-tune, evaluate again, report.
+
+    flashformer finetune-long runs/tiny --target-len 1024 --scaling linear --steps 200
+    python scripts/finetune_long.py runs/tiny/ckpt-600 --target-len 1024 --scaling yarn batch_size=4
+
+From a checkpoint (ours, a run directory, or a Hugging Face directory) trained at context L:
+
+1. ``extended_model_config``: the model's config with RoPE scaled by ``factor = target / L`` and
+   ``max_seq_len = target``; written as ``<run>/extended-init`` (same weights, new config).
+2. ``long_context_train_config``: a TrainConfig from the checkpoint's run recipe (its config.yaml;
+   defaults otherwise) with ``init_from=extended-init``, ``data.seq_len=target``,
+   ``data.packing=packed`` (attention never crosses documents) and activation checkpointing, then
+   ``flashformer.train.Trainer`` fine-tunes it: the same loop, checkpoints and metrics as ``train``.
+3. Three models on the same held-out windows at each evaluated length: the original (RoPE as
+   trained), the scaled one before fine-tuning (extended-init) and the fine-tuned one; perplexity
+   and passkey retrieval (a 5-digit key hidden at several depths of filler text, scored by greedy
+   decoding). Then the position-interpolation claim (Chen et al. 2023) as PASS / FAIL: the fine-tuned
+   model at the target is no worse than the original at its own context L, while the original read
+   at the target is more than CLAIM_DEGRADATION times worse. ``long_context_report.json``,
+   ``long_context_report.md`` (table + verdict, also printed last) and ``perplexity_vs_length.png``
+   land in the run directory.
+
+Single process only: evaluation runs where the command runs, not under torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+
+from ..checkpoint import from_pretrained
+from ..config import ConfigError
+from ..data import load_corpus
+from ..model import Transformer
+from ..tokenizer import TOKENIZER_FILE, load_tokenizer
+from ..train import LOCK_FILE, RunLock, Trainer, latest_checkpoint
+from .evaluate import evaluate_long_context, held_out_windows
+from .extend import extended_model_config, long_context_train_config, resolve_checkpoint, save_extended_checkpoint
+from .passkey import PASSKEY_TRAIN_DIR, mix_in_passkey_documents, passkey_prompts
+from .report import MARKDOWN_FILE, MODELS, PLOT_FILE, REPORT_FILE, extension_claim, markdown_report, plot_perplexity
+
+
+def _eval_lengths(requested, original_len: int, target_len: int) -> list[int]:
+    """The requested lengths, or L, 2L, 4L and the target (those up to the target)."""
+    if requested:
+        if any(n < 1 for n in requested):
+            raise ConfigError(f"--eval-lengths must be positive, got {requested}")
+        return sorted(set(requested))
+    return sorted({n for n in (original_len, 2 * original_len, 4 * original_len, target_len) if n <= target_len})
+
+
+def finetune_long(args: argparse.Namespace) -> tuple[int, dict | None]:
+    """Extend, evaluate, fine-tune, evaluate again; every input is checked before any training, and the
+    run directory is locked from the first file written into it to the report.
+
+    Args:
+        args: the parsed ``flashformer finetune-long`` arguments (cli.py).
+    Returns:
+        (exit code, the report, also written as JSON and markdown); the report is None when a signal
+        stopped training (exit code 128 + its number).
+    """
+    checkpoint = resolve_checkpoint(args.checkpoint)
+    original = from_pretrained(checkpoint)
+    original_len = original.config.max_seq_len
+    extended_config = extended_model_config(original.config, args.target_len, args.scaling)
+    if args.eval_windows < 1 or args.passkey_trials < 1:
+        raise ConfigError(f"--eval-windows and --passkey-trials must be >= 1, got {args.eval_windows}, "
+                          f"{args.passkey_trials}")
+    if any(not 0.0 <= depth <= 1.0 for depth in args.passkey_depths):
+        raise ConfigError(f"--passkey-depths must be in [0, 1], got {args.passkey_depths}")
+    lengths = _eval_lengths(args.eval_lengths, original_len, args.target_len)
+    cfg = long_context_train_config(args.checkpoint, extended_config, args.scaling, args.out_dir, args.steps,
+                                    args.lr, args.warmup_steps, args.overrides)
+    created = not os.path.exists(cfg.run_dir)
+    try:
+        os.makedirs(cfg.run_dir, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"--out-dir {cfg.run_dir!r} cannot be created: {error.strerror or error}") from None
+    try:
+        with RunLock(cfg.run_dir):
+            return _extend_train_and_report(args, cfg, checkpoint, original, extended_config, lengths)
+    finally:
+        if created and set(os.listdir(cfg.run_dir)) <= {LOCK_FILE}:  # nothing was written: leave no directory
+            shutil.rmtree(cfg.run_dir, ignore_errors=True)
+
+
+def _extend_train_and_report(args, cfg, checkpoint: str, original: Transformer, extended_config, lengths):
+    original_len = original.config.max_seq_len
+    original.attn_backend = cfg.model.attn_backend
+    # Named explicitly (not left to the Trainer) so that the held-out corpus below is cached under
+    # this tokenizer, not under the byte-level default.
+    if cfg.data.tokenizer is None and os.path.isfile(os.path.join(checkpoint, TOKENIZER_FILE)):
+        cfg.data.tokenizer = os.path.join(checkpoint, TOKENIZER_FILE)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    held_out_data = cfg.data
+    if args.passkey_train_fraction:
+        cfg.data = mix_in_passkey_documents(cfg.data, tokenizer, args.passkey_train_fraction, original_len,
+                                            os.path.join(cfg.run_dir, PASSKEY_TRAIN_DIR), cfg.seed)
+    save_extended_checkpoint(original, extended_config, cfg.init_from, tokenizer)
+    trainer = Trainer(cfg)
+
+    def evaluate(model: Transformer, label: str) -> dict[int, dict]:
+        return evaluate_long_context(model.to(trainer.device), tokenizer, windows, prompts, cfg.micro_batch_size,
+                                     trainer.bf16, label)
+
+    def load(path: str) -> Transformer:
+        return from_pretrained(path, device=trainer.device, attn_backend=cfg.model.attn_backend)
+
+    try:
+        windows = held_out_windows(load_corpus(held_out_data, tokenizer)[1], lengths, args.eval_windows)
+        prompts = {n: passkey_prompts(tokenizer, n, args.passkey_depths, args.passkey_trials, cfg.seed)
+                   for n in lengths}
+        results = {"original": evaluate(original, "original")}
+        del original  # its memory is the fine-tuning's
+        results["scaled"] = evaluate(load(cfg.init_from), "scaled")
+        result = trainer.fit()
+    finally:
+        trainer.close()
+    if result.interrupted:
+        return result.exit_code, None
+    finetuned_dir = latest_checkpoint(trainer.run_dir)
+    results["finetuned"] = evaluate(load(finetuned_dir), "finetuned")
+    rows = [{"length": n, **{f"{metric}_{model}": results[model][n][metric]
+                             for metric in ("ppl", "passkey", "passkey_by_depth") for model in MODELS}}
+            for n in lengths]
+    report = {
+        "checkpoint": checkpoint,
+        "run_dir": trainer.run_dir,
+        "finetuned_checkpoint": finetuned_dir,
+        "scaling": args.scaling,
+        "rope_scaling": extended_config.rope_scaling,
+        "rope_theta": extended_config.rope_theta,
+        "original_length": original_len,
+        "target_length": args.target_len,
+        "steps": result.step,
+        "train_loss": result.train_loss,
+        "eval_windows": len(next(iter(windows.values()))),
+        "passkey_train_fraction": args.passkey_train_fraction,
+        "passkey_depths": list(args.passkey_depths),
+        "passkey_prompts_per_length": {n: len(p) for n, p in prompts.items()},
+        "lengths": rows,
+        "claim": extension_claim(rows, original_len, args.target_len),
+    }
+    with open(os.path.join(trainer.run_dir, REPORT_FILE), "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+    with open(os.path.join(trainer.run_dir, MARKDOWN_FILE), "w", encoding="utf-8") as f:
+        f.write(markdown_report(report) + "\n")
+    plot_perplexity(report, os.path.join(trainer.run_dir, PLOT_FILE))
+    return 0, report

@@ -1,0 +1,213 @@
+"""The training recipe: dataclasses, YAML + dotted overrides, and what may change when a run resumes.
+
+    cfg = load_train_config("configs/tiny.yaml", ["optim.lr=3e-4"])
+    cfg = load_train_config(overrides=["steps=2000"], resume_dir="runs/tiny")
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+import yaml
+
+from ..config import ConfigError, config_to_dict, load_config
+from ..data import DataConfig
+from ..model import ModelConfig
+from ..parallel import ParallelConfig
+
+RUN_CONFIG_FILE = "config.yaml"
+
+# What a resumed run may change: lengths, intervals, the optimizer's hyper-parameters, how the same
+# computation is run (device, compile, memory savers) and the final sample. Everything else (the model,
+# the data, the batch, the seed) shapes the checkpoint or the data order, so changing it on resume would
+# train a different run under the old one's name.
+RESUMABLE_KEYS = ("steps", "log_every", "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints",
+                  "optim.", "sample.", "parallel.", "device", "precision", "compile", "activation_checkpointing",
+                  "chunked_loss", "peak_flops_per_gpu", "model.attn_backend", "data.cache_dir")
+# Not part of the comparison: where the run lives, and the tokenizer file, which a resumed run always
+# takes from its checkpoint (the recorded path may point into a pruned checkpoint).
+IGNORED_ON_RESUME = ("name", "out_dir", "resume", "data.tokenizer")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay from ``lr`` to ``min_lr`` at the last step."""
+
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.1  # only on >= 2-D parameters (matrices, embeddings)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+
+    def validate(self) -> None:
+        if not self.lr > 0 or not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"optim: need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
+        if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0 or not self.eps > 0:
+            raise ConfigError("optim: warmup_steps, weight_decay and grad_clip must be >= 0, eps > 0")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ConfigError(f"optim: betas must be in [0, 1), got {self.beta1}, {self.beta2}")
+
+
+@dataclass
+class SampleConfig:
+    """The short sample printed at the end of training (max_new_tokens 0 skips it)."""
+
+    prompt: str = "def "
+    max_new_tokens: int = 200
+    temperature: float = 0.8
+    top_k: int | None = 40
+    top_p: float | None = None
+
+
+@dataclass
+class TrainConfig:
+    """A training run. ``batch_size`` counts sequences per optimizer step over all ranks;
+    gradient accumulation makes up the difference to ``micro_batch_size`` x ranks."""
+
+    name: str = "run"
+    out_dir: str | None = None  # default runs/<name>
+    seed: int = 0
+    steps: int = 1000
+    batch_size: int = 32
+    micro_batch_size: int = 8
+    log_every: int = 10
+    eval_every: int = 200
+    eval_batches: int = 8  # held-out rows per evaluation: eval_batches x batch_size
+    ckpt_every: int = 500
+    keep_checkpoints: int = 2
+    resume: bool = False  # continue from the latest checkpoint in out_dir (fresh start if there is none)
+    init_from: str | None = None  # fine-tune: our checkpoint / run directory or a Hugging Face directory
+    freeze: list[str] = field(default_factory=list)  # fnmatch patterns of parameter names to keep fixed
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 elsewhere
+    compile: bool = False
+    activation_checkpointing: bool = False
+    # LM head + cross-entropy in chunks, never holding (tokens x vocab) logits: costs one more LM-head
+    # matmul, saves tens of GB at long context. None: chunk when data.seq_len >= CHUNKED_LOSS_MIN_SEQ_LEN.
+    chunked_loss: bool | None = None
+    peak_flops_per_gpu: float = 780e12  # for MFU; H200 dense bf16
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+
+    def validate(self) -> None:
+        for name in ("steps", "batch_size", "micro_batch_size", "log_every", "eval_every", "eval_batches",
+                     "ckpt_every", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_size % self.micro_batch_size:
+            raise ConfigError(f"batch_size ({self.batch_size}) must be a multiple of "
+                              f"micro_batch_size ({self.micro_batch_size})")
+        if self.init_from is None and self.data.seq_len > self.model.max_seq_len:
+            raise ConfigError(f"data.seq_len ({self.data.seq_len}) exceeds "
+                              f"model.max_seq_len ({self.model.max_seq_len})")
+        if not self.peak_flops_per_gpu > 0:
+            raise ConfigError(f"peak_flops_per_gpu must be > 0, got {self.peak_flops_per_gpu}")
+
+    @property
+    def run_dir(self) -> str:
+        return self.out_dir or os.path.join("runs", self.name)
+
+
+def load_train_config(source=None, overrides=(), resume_dir: str | None = None) -> TrainConfig:
+    """The resolved TrainConfig of a YAML file (or dict) plus ``key=value`` overrides.
+
+    Args:
+        source: YAML path or dict; ignored when resume_dir is given.
+        overrides: dotted ``a.b=value`` strings.
+        resume_dir: a run directory to continue: its saved config.yaml, resume=true, out_dir=resume_dir.
+    Raises:
+        ConfigError: unknown keys (naming the closest valid one), wrong types, invalid values; with
+            resume_dir, an override of a key that a resumed run cannot change.
+    """
+    if resume_dir is not None:
+        path = os.path.join(resume_dir, RUN_CONFIG_FILE)
+        if not os.path.isfile(path):
+            raise ConfigError(f"--resume {resume_dir}: no {RUN_CONFIG_FILE} there (not a run directory)")
+        with open(path, encoding="utf-8") as f:
+            source = yaml.safe_load(f)
+        source.update(resume=True, out_dir=resume_dir)
+        saved = config_to_dict(load_config(TrainConfig, source))
+        requested = load_config(TrainConfig, source, overrides)
+        changes = resume_changes(saved, config_to_dict(requested))
+        if changes:
+            raise ConfigError(resume_refusal(changes, resume_dir))
+        return requested
+    elif isinstance(source, (str, os.PathLike)):
+        source = _read_recipe(source)
+    return load_config(TrainConfig, source, overrides)
+
+
+def _read_recipe(path) -> dict:
+    """A recipe YAML as a dict. A string ``model:`` names a model YAML (relative to the recipe's
+    directory, e.g. ``models/gpt2-124m.yaml``) whose fields are inlined, so overrides still reach them."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path}: no such recipe file")
+    with open(path, encoding="utf-8") as f:
+        raw = yaml.safe_load(f) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    if isinstance(raw.get("model"), str):
+        model_path = os.path.join(os.path.dirname(os.fspath(path)), raw["model"])
+        if not os.path.isfile(model_path):
+            raise ConfigError(f"{path}: model: {raw['model']!r} is not a file (looked for {model_path})")
+        with open(model_path, encoding="utf-8") as f:
+            raw["model"] = yaml.safe_load(f)
+    return raw
+
+
+def _matches(key: str, prefixes) -> bool:
+    return any(key == p or (p.endswith(".") and key.startswith(p)) or key.startswith(p + ".") for p in prefixes)
+
+
+def _resumable(key: str) -> bool:
+    return _matches(key, RESUMABLE_KEYS)
+
+
+def _ignored(key: str) -> bool:
+    return _matches(key, IGNORED_ON_RESUME)
+
+
+def _flatten(value: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}."""
+    flat = {}
+    for key, item in value.items():
+        if isinstance(item, dict) and item:
+            flat.update(_flatten(item, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = item
+    return flat
+
+
+def resume_changes(saved: dict, requested: dict, compare_model: bool = True) -> list[tuple[str, object, object]]:
+    """The (key, saved value, requested value) a resumed run cannot apply: differences outside RESUMABLE_KEYS.
+
+    Args:
+        saved: the config a checkpoint was written under (``config_to_dict``).
+        requested: the config asked for now.
+        compare_model: False for a run whose model comes from ``init_from``: its recipe's model section
+            was never used, the checkpoint's model is.
+    """
+    old, new = _flatten(saved), _flatten(requested)
+    changes = []
+    for key in sorted(set(old) | set(new)):
+        if _resumable(key) or _ignored(key) or (not compare_model and key.startswith("model.")):
+            continue
+        if old.get(key) != new.get(key):
+            changes.append((key, old.get(key), new.get(key)))
+    return changes
+
+
+def resume_refusal(changes, run_dir: str) -> str:
+    """The message for keys a resumed run cannot change: which, and what to do instead."""
+    shown = ", ".join(f"{key} (was {old!r}, asked {new!r})" for key, old, new in changes)
+    return (f"resuming {run_dir}: {shown} cannot change when a run resumes (they shape the checkpoint or the data "
+            f"order). Start a new run that fine-tunes from it instead: `flashformer train RECIPE.yaml "
+            f"init_from={run_dir} name=...`. On resume you may change: {', '.join(k.rstrip('.') for k in RESUMABLE_KEYS)}")

@@ -1,0 +1,435 @@
+"""The training loop behind ``flashformer train CONFIG.yaml key=value ...``.
+
+    cfg = load_train_config("configs/tiny.yaml", ["optim.lr=3e-4"])
+    result = train(cfg)                       # or: Trainer(cfg).fit(), then close()
+
+A run directory (``out_dir``, default ``runs/<name>``) holds the resolved ``config.yaml``,
+``metrics.jsonl``, ``loss.png`` and checkpoints ``ckpt-<step>/`` (state.py). One process trains in
+it at a time (its ``.lock``). Resuming reproduces the uninterrupted run exactly on CPU.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import os
+import shutil
+import tempfile
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+import yaml
+from tqdm.auto import tqdm
+
+from ..checkpoint import from_pretrained
+from ..config import ConfigError, config_to_dict, save_config
+from ..data import TrainBatches, corpus_cache_dir, eval_batches, load_corpus
+from ..losses import default_chunk_size
+from ..model import Transformer
+from ..parallel import all_reduce, barrier, full_state_dicts, init_distributed, load_optimizer_state_dict, parallelize
+from ..parallel import shutdown_distributed
+from ..tokenizer import TOKENIZER_FILE, load_tokenizer
+from .config import RUN_CONFIG_FILE, TrainConfig, resume_changes, resume_refusal
+from .metrics import METRICS_FILE, MetricsLog, abridged, plot_losses
+from .state import (LOCK_FILE, RunDirLocked, RunLock, capture_rng, clean_stale_writes, latest_checkpoint,
+                    prune_checkpoints, read_trainer_state, restore_rng, seed_everything, write_checkpoint)
+from .step import build_optimizer, lm_loss, lr_factor, set_hyperparameters, train_step
+from .stops import NonFiniteLossError, StepFlags, StopRequests, TrainResult
+
+CHUNKED_LOSS_MIN_SEQ_LEN = 8192  # chunked_loss=None chunks from here: the logits outgrow the activations
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but no CUDA device is available")
+    return torch.device(name)
+
+
+class Trainer:
+    """Sets a run up (every check before any step), then ``fit()`` trains it; ``close()`` lets the run
+    directory go (``train`` does both).
+
+    Args:
+        cfg: the resolved training config.
+    Raises:
+        ConfigError / DataError / CheckpointError: bad config values, data paths, out_dir or init_from;
+            RunDirLocked (a ConfigError): another live process trains in out_dir.
+    """
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.run_dir = cfg.run_dir
+        self.env = init_distributed(cfg.parallel, _resolve_device(cfg.device))
+        self.device = self.env.device
+        self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and self.device.type == "cuda")
+        self.lock = None
+        created = not os.path.exists(self.run_dir)
+        try:
+            self._setup()
+        except BaseException:
+            self.close()
+            if created and self.env.is_main:  # a run that never started leaves no directory behind
+                _remove_if_only_lock(self.run_dir)
+            raise
+
+    def _setup(self) -> None:
+        cfg = self.cfg
+        init_dir = self._init_checkpoint()
+        self._open_run_dir()
+        self.resume_from = self._resume_checkpoint()
+        self.weights_from = self.resume_from or init_dir
+        self._choose_tokenizer()
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        corpus_cache_dir(cfg.data)  # raises now, before any model is built, if a data file is missing
+        seed_everything(cfg.seed)
+        self.model = self._build_model()
+        train_corpus, eval_corpus = self._load_data()
+        self.batches = TrainBatches(train_corpus, cfg.data, cfg.batch_size, cfg.micro_batch_size, cfg.seed,
+                                    self.env.rank, self.env.world_size)
+        self.eval_set = eval_batches(eval_corpus, cfg.data, cfg.eval_batches * cfg.batch_size, cfg.micro_batch_size,
+                                     self.env.rank, self.env.world_size)
+        self.wrapped = parallelize(self.model, cfg.parallel, self.env, cfg.activation_checkpointing, cfg.compile)
+        self.optimizer = build_optimizer(self.wrapped, cfg.optim)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_factor(step, cfg.optim, cfg.steps))
+        chunked = cfg.chunked_loss if cfg.chunked_loss is not None else cfg.data.seq_len >= CHUNKED_LOSS_MIN_SEQ_LEN
+        self.loss_chunk_size = default_chunk_size(self.model.config.vocab_size) if chunked else None
+        self.step = 0
+        if self.resume_from is not None:
+            self._load_trainer_state()
+        if self.env.is_main:
+            save_config(cfg, os.path.join(self.run_dir, RUN_CONFIG_FILE))
+            self._print_summary(train_corpus, eval_corpus)
+
+    def close(self) -> None:
+        """Release the run directory's lock (idempotent)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    # ----- setup -----
+
+    def _open_run_dir(self) -> None:
+        """Create out_dir, check that it is writable, lock it, and clean what killed writes left there."""
+        try:
+            os.makedirs(self.run_dir, exist_ok=True)
+            with tempfile.TemporaryFile(dir=self.run_dir):
+                pass
+        except OSError as error:
+            raise ConfigError(f"out_dir {self.run_dir!r} is not writable: {error.strerror or error}") from None
+        refused = None
+        if self.env.is_main:
+            try:
+                self.lock = RunLock(self.run_dir).acquire()
+                weakref.finalize(self, self.lock.release)  # a Trainer dropped without close() lets go too
+            except RunDirLocked as error:
+                refused = error
+        if self.env.distributed:  # every rank must stop, not only the one that saw the lock taken
+            flag = all_reduce(torch.tensor(float(refused is not None), device=self.device), self.env,
+                              op=dist.ReduceOp.MAX)
+            if flag.item() and refused is None:
+                raise RunDirLocked(f"{self.run_dir} is in use by another run (rank 0 says by whom)")
+        if refused is not None:
+            raise refused
+        if self.env.is_main:
+            for name in clean_stale_writes(self.run_dir):
+                print(f"{self.run_dir}: cleaned up {name}, left by an interrupted write")
+        barrier(self.env)
+
+    def _resume_checkpoint(self) -> str | None:
+        """The checkpoint to resume from (None: a fresh start), its config checked against this one."""
+        latest = latest_checkpoint(self.run_dir)
+        if latest is not None and not self.cfg.resume:
+            raise ConfigError(
+                f"{self.run_dir} already holds checkpoints ({os.path.basename(latest)}): continue with "
+                f"`flashformer train --resume {self.run_dir}` (or resume=true), or choose another out_dir=/name=")
+        if self.cfg.resume and latest is None and self.env.is_main:
+            print(f"resume: no checkpoint in {self.run_dir} yet, starting from scratch")
+        if not self.cfg.resume or latest is None:
+            return None
+        self._resume_state = read_trainer_state(latest)
+        changes = resume_changes(self._resume_state["config"], config_to_dict(self.cfg),
+                                 compare_model=self.cfg.init_from is None)
+        if changes:
+            raise ConfigError(resume_refusal(changes, self.run_dir))
+        return latest
+
+    def _init_checkpoint(self) -> str | None:
+        """The directory ``init_from`` names: a checkpoint, or a run directory's latest checkpoint."""
+        if self.cfg.init_from is None:
+            return None
+        if not os.path.isdir(self.cfg.init_from):
+            raise ConfigError(f"init_from: {self.cfg.init_from!r} is not a directory")
+        return latest_checkpoint(self.cfg.init_from) or self.cfg.init_from
+
+    def _choose_tokenizer(self) -> None:
+        data = self.cfg.data
+        candidate = os.path.join(self.weights_from, TOKENIZER_FILE) if self.weights_from else None
+        # A checkpoint's own tokenizer is the one its model was trained with: a fine-tune without
+        # data.tokenizer keeps it, and a resumed run always takes it (the recorded path may lie in a
+        # checkpoint since pruned).
+        if candidate and os.path.isfile(candidate) and (data.tokenizer is None or self.resume_from):
+            data.tokenizer = candidate
+        if data.tokenizer is not None and not os.path.exists(data.tokenizer):
+            raise ConfigError(f"data.tokenizer: {data.tokenizer!r} does not exist")
+
+    def _build_model(self) -> Transformer:
+        cfg = self.cfg
+        if self.weights_from is not None:
+            model = from_pretrained(self.weights_from, device=self.device, attn_backend=cfg.model.attn_backend)
+            cfg.model = model.config
+            if cfg.data.seq_len > cfg.model.max_seq_len:
+                raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) exceeds the model's "
+                                  f"max_seq_len ({cfg.model.max_seq_len})")
+        else:
+            model = Transformer(cfg.model).to(self.device)
+        if self.tokenizer.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(f"the tokenizer has {self.tokenizer.vocab_size} tokens "
+                              f"but model.vocab_size is {cfg.model.vocab_size}")
+        self._freeze(model)
+        return model
+
+    def _freeze(self, model: Transformer) -> None:
+        names = [name for name, _ in model.named_parameters()]
+        for pattern in self.cfg.freeze:
+            if not fnmatch.filter(names, pattern):
+                raise ConfigError(f"freeze pattern {pattern!r} matches no parameter; names look like {names[:3]}")
+        for name, param in model.named_parameters():
+            if any(fnmatch.fnmatchcase(name, pattern) for pattern in self.cfg.freeze):
+                param.requires_grad_(False)
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ConfigError("freeze: every parameter is frozen, nothing would train")
+
+    def _load_data(self):
+        # The main process tokenizes (once, cached); the others wait, then map the same files.
+        corpora = load_corpus(self.cfg.data, self.tokenizer) if self.env.is_main else None
+        barrier(self.env)
+        return corpora or load_corpus(self.cfg.data, self.tokenizer, build=False)
+
+    def _print_summary(self, train_corpus, eval_corpus) -> None:
+        cfg = self.cfg
+        print(yaml.safe_dump(abridged(config_to_dict(cfg)), sort_keys=False).rstrip())
+        tokens_per_step = cfg.batch_size * cfg.data.seq_len
+        print(f"model: {self.model.num_params() / 1e6:.2f}M parameters | device: {self.device} x {self.env.world_size} "
+              f"| precision: {'bf16 autocast' if self.bf16 else 'fp32'}")
+        print(f"data: {train_corpus.num_tokens:,} train tokens ({train_corpus.num_docs} docs), "
+              f"{eval_corpus.num_tokens:,} eval tokens | {tokens_per_step:,} tokens/step, "
+              f"grad accumulation {self.batches.grad_accum_steps}")
+        if self.resume_from:
+            print(f"resuming from {self.resume_from} (step {self.step})")
+        print(f"run directory: {self.run_dir}")
+
+    # ----- steps -----
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Queue one optimizer step; returns (mean loss over this rank's micro batches, grad norm, lr used),
+        the first two as device tensors: nothing here waits for the GPU."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        micro_batches = [batch.to(self.device) for batch in self.batches.next_step()]
+        loss, grad_norm = train_step(self.wrapped, self.optimizer, micro_batches, bf16=self.bf16,
+                                     loss_chunk_size=self.loss_chunk_size, scheduler=self.scheduler,
+                                     max_grad_norm=self.cfg.optim.grad_clip or math.inf)
+        return loss, grad_norm, lr
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the fixed held-out rows of all ranks."""
+        self.wrapped.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for batch in self.eval_set:
+            totals[0] += lm_loss(self.wrapped, batch.to(self.device), self.bf16, self.loss_chunk_size).double() \
+                * len(batch.input_ids)
+            totals[1] += len(batch.input_ids)
+        self.wrapped.train()
+        totals = all_reduce(totals, self.env)
+        return (totals[0] / totals[1]).item()
+
+    # ----- checkpoints -----
+
+    def save_checkpoint(self) -> str:
+        """Write ``ckpt-<step>`` atomically (all ranks call it) and drop all but the newest keep_checkpoints."""
+        model_state, optimizer_state = full_state_dicts(self.wrapped, self.optimizer)
+        path = os.path.join(self.run_dir, f"ckpt-{self.step}")
+        if self.env.is_main:
+            state = {
+                "step": self.step,
+                "data_position": self.batches.position,
+                "optimizer": optimizer_state,
+                "scheduler": self.scheduler.state_dict(),
+                "rng": capture_rng(),
+                "config": config_to_dict(self.cfg),
+            }
+            write_checkpoint(path, self._full_model(model_state), self.tokenizer, state)
+            prune_checkpoints(self.run_dir, self.cfg.keep_checkpoints)
+        barrier(self.env)
+        return path
+
+    def _full_model(self, model_state: dict) -> Transformer:
+        """The unsharded model: the model itself, or under FSDP a CPU copy built from the gathered weights."""
+        if self.cfg.parallel.mode != "fsdp" or not self.env.distributed:
+            return self.model
+        with torch.device("meta"):
+            copy = Transformer(self.cfg.model)
+        copy.load_state_dict(model_state, assign=True)
+        return copy
+
+    def _load_trainer_state(self) -> None:
+        state, self._resume_state = self._resume_state, None
+        load_optimizer_state_dict(self.wrapped, self.optimizer, state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        # The state dicts bring back the hyper-parameters they were saved with; use the ones asked for now.
+        set_hyperparameters(self.optimizer, self.scheduler, self.cfg.optim,
+                            lr_factor(self.scheduler.last_epoch, self.cfg.optim, self.cfg.steps))
+        self.step = state["step"]
+        self.batches.position = state["data_position"]
+        restore_rng(state["rng"])
+
+    # ----- the loop -----
+
+    def _flags(self, stop: StopRequests, step: int, loss, grad_norm) -> StepFlags:
+        nonfinite = (~(torch.isfinite(loss) & torch.isfinite(grad_norm))).float()
+        flags = torch.stack([torch.full_like(nonfinite, float(stop.signal)), nonfinite])
+        if self.env.distributed:
+            flags = all_reduce(flags, self.env, op=dist.ReduceOp.MAX)
+        return StepFlags(step, flags, loss, grad_norm)
+
+    def _diverged(self, flags: StepFlags) -> NonFiniteLossError:
+        values = {"loss": flags.loss.item(), "gradient norm": flags.grad_norm.item()}
+        bad = " and ".join(f"the {name} is {value}" for name, value in values.items() if not math.isfinite(value))
+        latest = latest_checkpoint(self.run_dir)
+        kept = (f"{latest} (the last checkpoint) is finite: resume from it with `flashformer train --resume "
+                f"{self.run_dir} optim.lr=...`" if latest else "no checkpoint had been written yet")
+        return NonFiniteLossError(
+            f"step {flags.step}: {bad or 'another rank saw a non-finite loss'}, so training stopped without saving "
+            f"it. Lower optim.lr (it is {self.cfg.optim.lr:g}) or raise optim.warmup_steps "
+            f"({self.cfg.optim.warmup_steps}); {kept}")
+
+    def fit(self) -> TrainResult:
+        """Train until ``cfg.steps`` (or SIGINT / SIGTERM: checkpoint, then stop); returns the last losses.
+
+        Raises:
+            NonFiniteLossError: a step's loss or gradient norm was NaN / inf (found at that step when it
+                is logged, evaluated or checkpointed, otherwise one step later); nothing is saved after it.
+        """
+        cfg, main = self.cfg, self.env.is_main
+        metrics = MetricsLog(os.path.join(self.run_dir, METRICS_FILE), self.step) if main else None
+        tokens_per_step = cfg.batch_size * cfg.data.seq_len
+        flops_per_token = self.model.flops_per_token(cfg.data.seq_len)
+        train_loss = eval_loss = None
+        stop_signal = 0
+        bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step", disable=not main, dynamic_ncols=True)
+        # Training time only (evals and checkpoints do not count). Steps are queued without waiting for the
+        # GPU, so the clock is read where the host has waited for the queued steps: at a logged loss, and
+        # (synchronize) before an eval or a checkpoint.
+        interval_seconds, interval_steps, clock = 0.0, 0, time.perf_counter()
+        pending = None  # the previous step's flags, not yet read
+        try:
+            with StopRequests() as stop:
+                while self.step < cfg.steps:
+                    loss, grad_norm, lr = self.train_step()
+                    self.step += 1
+                    interval_steps += 1
+                    bar.update(1)
+                    last = self.step == cfg.steps
+                    logging = self.step % cfg.log_every == 0 or self.step == 1 or last
+                    evaluating = self.step % cfg.eval_every == 0 or last
+                    checkpointing = self.step % cfg.ckpt_every == 0 or last
+                    # Every rank reads the same flags at the same step, so all stop after the same one. The
+                    # host waits here anyway when it logs, evaluates or checkpoints: read this step's flags
+                    # then (a checkpoint is only written after its step proved finite); otherwise the previous
+                    # step's, so the GPU keeps working while the host queues the next.
+                    current = self._flags(stop, self.step, loss, grad_norm)
+                    to_read = [f for f in (pending, current) if f is not None]
+                    pending = None
+                    if not (logging or evaluating or checkpointing):
+                        to_read, pending = to_read[:-1], current
+                    for flags in to_read:
+                        signum, nonfinite = flags.read()
+                        if nonfinite:
+                            raise self._diverged(flags)
+                        stop_signal = stop_signal or signum
+                    if logging:
+                        train_loss = (all_reduce(loss, self.env) / self.env.world_size).item()
+                        now = time.perf_counter()
+                        tokens_per_s = interval_steps * tokens_per_step / (interval_seconds + now - clock)
+                        record = {"step": self.step, "loss": train_loss, "lr": lr,
+                                  "grad_norm": grad_norm.item(), "tokens": self.step * tokens_per_step,
+                                  "tokens_per_s": tokens_per_s}
+                        postfix = {"loss": f"{train_loss:.3f}", "tok/s": f"{tokens_per_s:,.0f}"}
+                        if self.device.type == "cuda":
+                            record["mfu"] = flops_per_token * tokens_per_s / (cfg.peak_flops_per_gpu
+                                                                              * self.env.world_size)
+                            record["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
+                            postfix["mfu"] = f"{record['mfu']:.1%}"
+                        bar.set_postfix(postfix)
+                        if main:
+                            metrics.write(record)
+                        interval_seconds, interval_steps, clock = 0.0, 0, time.perf_counter()
+                    checkpointing = checkpointing or bool(stop_signal)
+                    if evaluating or checkpointing:
+                        if self.device.type == "cuda":
+                            torch.cuda.synchronize(self.device)
+                        interval_seconds += time.perf_counter() - clock
+                    if evaluating:
+                        eval_loss = self.evaluate()
+                        if main:
+                            metrics.write({"step": self.step, "eval_loss": eval_loss})
+                            bar.write(f"step {self.step}: eval loss {eval_loss:.4f}")
+                    if checkpointing:
+                        path = self.save_checkpoint()
+                        if stop_signal:
+                            bar.write(f"stopped at step {self.step}; checkpoint {path}; "
+                                      f"continue with `flashformer train --resume {self.run_dir}`")
+                    if evaluating or checkpointing:
+                        clock = time.perf_counter()
+                    if stop_signal:
+                        break
+        finally:
+            bar.close()
+            if main:
+                metrics.close()
+        if main and not stop_signal:
+            plot_losses(self.run_dir)
+            self._print_sample()
+        return TrainResult(self.step, train_loss, eval_loss, bool(stop_signal), self.run_dir, stop_signal or None)
+
+    def _print_sample(self) -> None:
+        """Generate from the final checkpoint, exactly as ``flashformer generate`` would."""
+        sample = self.cfg.sample
+        if sample.max_new_tokens == 0 or not sample.prompt:
+            return
+        from ..generate import generate
+
+        model = from_pretrained(latest_checkpoint(self.run_dir), device=self.device,
+                                attn_backend=self.cfg.model.attn_backend)
+        prompt = torch.tensor([self.tokenizer.encode(sample.prompt)], device=self.device)
+        output = generate(model, prompt, max_new_tokens=sample.max_new_tokens, temperature=sample.temperature,
+                          top_k=sample.top_k, top_p=sample.top_p, stop_tokens=[self.tokenizer.eos_id],
+                          seed=self.cfg.seed)
+        print(f"--- sample (prompt {sample.prompt!r}) ---\n{self.tokenizer.decode(output[0].tolist())}\n---")
+
+
+def _remove_if_only_lock(run_dir: str) -> None:
+    """Remove ``run_dir`` if it holds nothing but its lock file."""
+    try:
+        if set(os.listdir(run_dir)) <= {LOCK_FILE}:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    except OSError:
+        pass
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    """Set up and run ``cfg`` (under torchrun: this process's share), then release the run directory and
+    leave the process group."""
+    trainer = None
+    try:
+        trainer = Trainer(cfg)
+        return trainer.fit()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        shutdown_distributed()

@@ -1,0 +1,212 @@
+"""A run directory's durable state: checkpoints, RNG states, and the lock that keeps one run in it.
+
+    with RunLock(run_dir):                 # one process trains in a run directory at a time
+        clean_stale_writes(run_dir)        # what killed checkpoint / file writes left behind
+        latest = latest_checkpoint(run_dir)
+
+A checkpoint ``ckpt-<step>/`` holds the weights as ``save_pretrained`` writes them plus
+``trainer_state.pt`` (optimizer, scheduler, RNG states, data position, step, config).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import socket
+import sys
+import time
+
+import numpy as np
+import torch
+
+from ..checkpoint import atomic_directory, write_pretrained_files
+from ..config import ConfigError
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; runs there go unlocked
+    fcntl = None
+
+TRAINER_STATE_FILE = "trainer_state.pt"
+LOCK_FILE = ".lock"
+_CHECKPOINT_NAME = re.compile(r"^ckpt-(\d+)$")
+# atomic_directory / atomic_write_file build ".<final name>.<random>.tmp" beside their target, and move a
+# replaced directory aside as ".<final name>.<random>.old" until the new one is in place.
+_TEMPORARY_NAME = re.compile(r"^\.(.+)\.[A-Za-z0-9_]+\.(tmp|old)$")
+
+
+class RunDirLocked(ConfigError):
+    """Another live process trains in this run directory."""
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``<run_dir>/.lock`` while a process trains there.
+
+    The kernel drops the lock when the process ends, however it ends, so a killed run never leaves a
+    stale lock. Re-entrant within one process (finetune-long holds it around the Trainer, which takes
+    it too); the file stays (deleting it would let two processes lock two different files).
+
+    Args:
+        run_dir: an existing directory.
+    Raises:
+        RunDirLocked: on ``acquire``, naming the holder's pid, host and command.
+    """
+
+    _held: dict[str, list] = {}  # real path -> [file descriptor, holders in this process]
+
+    def __init__(self, run_dir: str):
+        self.run_dir = run_dir
+        self.path = os.path.join(run_dir, LOCK_FILE)
+        self._key = None
+
+    def acquire(self) -> RunLock:
+        key = os.path.realpath(self.path)
+        if key in RunLock._held:
+            RunLock._held[key][1] += 1
+        else:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                if fcntl is not None:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise RunDirLocked(_locked_message(self.run_dir, holder)) from None
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                     "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                     "command": " ".join(sys.argv)}).encode())
+            RunLock._held[key] = [fd, 1]
+        self._key = key
+        return self
+
+    def release(self) -> None:
+        """Give the lock up (the last holder in this process closes the file, which unlocks it)."""
+        if self._key is None:
+            return
+        held = RunLock._held[self._key]
+        held[1] -= 1
+        if held[1] == 0:
+            del RunLock._held[self._key]
+            os.close(held[0])
+        self._key = None
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _read_holder(fd: int) -> dict:
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        return json.loads(os.read(fd, 65536).decode() or "{}")
+    except (OSError, ValueError):
+        return {}
+
+
+def _locked_message(run_dir: str, holder: dict) -> str:
+    pid, host = holder.get("pid", "?"), holder.get("host", "?")
+    where = "this host" if host == socket.gethostname() else f"host {host}"
+    return (f"{run_dir} is in use by another run: pid {pid} on {where} (started {holder.get('started', '?')}: "
+            f"{holder.get('command', '?')}). Wait for it to finish, or stop it (`kill {pid}` saves a checkpoint) "
+            f"and then resume with `flashformer train --resume {run_dir}`; or train elsewhere with another "
+            f"out_dir=/name=")
+
+
+def clean_stale_writes(run_dir: str) -> list[str]:
+    """Remove the temporaries of writes that a kill interrupted; call it holding the run's lock.
+
+    A checkpoint moved aside (``.ckpt-N.*.old``) whose replacement never arrived is the complete
+    previous ``ckpt-N``: it is moved back instead.
+
+    Returns:
+        The names removed or restored.
+    """
+    cleaned = []
+    for name in sorted(os.listdir(run_dir)):
+        match = _TEMPORARY_NAME.match(name)
+        if match is None:
+            continue
+        path, final = os.path.join(run_dir, name), os.path.join(run_dir, match.group(1))
+        if match.group(2) == "old" and _CHECKPOINT_NAME.match(match.group(1)) and not os.path.exists(final):
+            os.replace(path, final)
+        elif os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.remove(path)
+        cleaned.append(name)
+    return cleaned
+
+
+def latest_checkpoint(run_dir: str) -> str | None:
+    """The complete ``ckpt-<step>`` directory of ``run_dir`` with the highest step, or None.
+
+    Checkpoints are moved into place only once complete, so a half-written one is never returned.
+    """
+    steps = checkpoint_steps(run_dir)
+    return os.path.join(run_dir, f"ckpt-{steps[-1]}") if steps else None
+
+
+def checkpoint_steps(run_dir: str) -> list[int]:
+    """The steps of ``run_dir``'s checkpoints, ascending ([] when it does not exist)."""
+    if not os.path.isdir(run_dir):
+        return []
+    return sorted(int(m.group(1)) for m in map(_CHECKPOINT_NAME.match, os.listdir(run_dir)) if m)
+
+
+def write_checkpoint(path: str, model, tokenizer, state: dict) -> None:
+    """Write weights, tokenizer and ``state`` as the checkpoint directory ``path``, atomically.
+
+    Args:
+        path: ``<run_dir>/ckpt-<step>``; replaced if it exists.
+        model: the unsharded Transformer.
+        tokenizer: saved beside the weights (generation and fine-tuning reuse it).
+        state: the trainer state (``trainer_state.pt``).
+    """
+    with atomic_directory(path) as tmp:
+        write_pretrained_files(model, tmp, tokenizer=tokenizer)
+        torch.save(state, os.path.join(tmp, TRAINER_STATE_FILE))
+
+
+def prune_checkpoints(run_dir: str, keep: int) -> None:
+    """Delete all but the newest ``keep`` checkpoints (the trainer saves only finite ones)."""
+    for old in checkpoint_steps(run_dir)[:-keep]:
+        shutil.rmtree(os.path.join(run_dir, f"ckpt-{old}"), ignore_errors=True)
+
+
+def read_trainer_state(checkpoint: str) -> dict:
+    """The ``trainer_state.pt`` of a checkpoint directory, on CPU."""
+    return torch.load(os.path.join(checkpoint, TRAINER_STATE_FILE), map_location="cpu", weights_only=True)
+
+
+def capture_rng() -> dict:
+    """Every RNG state training draws from, in a form ``torch.load(weights_only=True)`` accepts."""
+    numpy_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python": random.getstate(),
+        "numpy": {"key": torch.from_numpy(numpy_state[1].astype(np.int64)), "rest": list(numpy_state[2:])},
+    }
+
+
+def restore_rng(state: dict) -> None:
+    """Undo ``capture_rng``."""
+    torch.set_rng_state(state["torch"])
+    if state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    np.random.set_state(("MT19937", state["numpy"]["key"].numpy().astype(np.uint32), *state["numpy"]["rest"]))
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, numpy's and torch's generators."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

@@ -1,0 +1,125 @@
+"""One optimizer step, shared by the Trainer, context parallelism's script and the memory sweep.
+
+    loss, grad_norm = train_step(model, optimizer, micro_batches, bf16=True, max_grad_norm=1.0)
+
+Nothing here reads a value back from the device: the step is queued, and the caller decides when to
+wait for its loss and gradient norm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..data import Batch
+from ..parallel import clip_grad_norm, gradient_sync
+
+
+def lr_factor(step: int, cfg, total_steps: int) -> float:
+    """Multiplier of ``cfg.lr`` for optimizer step ``step`` (0-based): linear warmup, cosine to min_lr.
+
+    Args:
+        step: optimizer steps taken so far.
+        cfg: an OptimConfig (lr, min_lr, warmup_steps).
+        total_steps: the run's length; the cosine reaches min_lr there.
+    """
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    min_factor = cfg.min_lr / cfg.lr
+    return min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: nn.Module, cfg) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; weight decay on matrices and embeddings only.
+
+    Args:
+        model: the module to train (possibly wrapped).
+        cfg: an OptimConfig.
+    """
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}]
+    fused = bool(trainable) and trainable[0].device.type == "cuda"
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused)
+
+
+def set_hyperparameters(optimizer: torch.optim.Optimizer, scheduler, cfg, factor: float) -> None:
+    """Put ``cfg``'s lr, betas, eps and weight decay into the optimizer and the schedule.
+
+    Loading an optimizer or scheduler state dict restores the hyper-parameters it was saved with; a
+    resumed run calls this afterwards so that the ones it was asked for are the ones it trains with.
+
+    Args:
+        optimizer, scheduler: from ``build_optimizer`` and a LambdaLR over ``lr_factor``.
+        cfg: an OptimConfig.
+        factor: ``lr_factor`` at the scheduler's current step.
+    """
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    for group, weight_decay in zip(optimizer.param_groups, (cfg.weight_decay, 0.0)):
+        group.update(initial_lr=cfg.lr, lr=cfg.lr * factor, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                     weight_decay=weight_decay)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def lm_loss(model: nn.Module, batch: Batch, bf16: bool = False, loss_chunk_size: int | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy of one micro batch, fp32.
+
+    Args:
+        model: a Transformer or a wrapper of one (DDP / FSDP hook only ``forward``, so the chunked loss
+            goes through ``forward(targets=...)``).
+        batch: a data.Batch on the model's device.
+        bf16: run under bf16 autocast.
+        loss_chunk_size: LM head + cross-entropy in chunks of this many tokens (never the full
+            (tokens x vocab) logits); None materializes the logits.
+    """
+    with torch.autocast(batch.input_ids.device.type, dtype=torch.bfloat16, enabled=bf16):
+        if loss_chunk_size:
+            return model(batch.input_ids, targets=batch.targets, loss_chunk_size=loss_chunk_size,
+                         **batch.model_kwargs())
+        logits = model(batch.input_ids, **batch.model_kwargs())
+    return F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten())
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[Batch], *,
+               bf16: bool = False, loss_chunk_size: int | None = None, max_grad_norm: float | None = None,
+               scheduler=None, context=contextlib.nullcontext, reduce_gradients=None):
+    """Queue one optimizer step: forward + backward of every micro batch (DDP / FSDP reduce the
+    gradients on the last only), then clip, step the optimizer and the schedule, zero the gradients.
+
+    Args:
+        model: the module to call; its parameters are the optimizer's.
+        optimizer: the optimizer.
+        micro_batches: data.Batch list on the model's device; the step's loss is their mean.
+        bf16, loss_chunk_size: as in ``lm_loss``.
+        max_grad_norm: clip the global gradient norm to it (``math.inf`` measures without clipping);
+            None neither measures nor clips.
+        scheduler: stepped after the optimizer, if given.
+        context: entered around each micro batch's forward and backward (context parallelism routes
+            attention around the ring inside it; recomputed activations need it in backward too).
+        reduce_gradients: called with the mean loss after the last backward, before clipping, for
+            gradients averaged by hand (context parallelism without DDP); may average the loss in place.
+    Returns:
+        (mean loss, gradient norm or None), 0-dim tensors on the device.
+    """
+    loss_sum = torch.zeros((), device=micro_batches[0].input_ids.device)
+    for index, batch in enumerate(micro_batches):
+        with gradient_sync(model, enabled=index == len(micro_batches) - 1), context():
+            loss = lm_loss(model, batch, bf16, loss_chunk_size)
+            (loss / len(micro_batches)).backward()
+        loss_sum += loss.detach()
+    mean_loss = loss_sum / len(micro_batches)
+    if reduce_gradients is not None:
+        reduce_gradients(mean_loss)
+    grad_norm = None
+    if max_grad_norm is not None:
+        grad_norm = clip_grad_norm([p for group in optimizer.param_groups for p in group["params"]], max_grad_norm)
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return mean_loss, grad_norm

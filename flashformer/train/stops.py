@@ -1,0 +1,88 @@
+"""How a run ends early: stop signals, non-finite losses, and the exit codes that say which.
+
+    with StopRequests() as stop:      # SIGINT / SIGTERM set stop.signal; the loop checkpoints and stops
+        ...
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # the shell's code for a process ended by a signal: 128 + its number
+NONFINITE_EXIT_CODE = 3
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or the gradient norm of a step was NaN or infinite; nothing after the last finite
+    checkpoint was saved."""
+
+
+@dataclass
+class TrainResult:
+    """What a run ended with; losses are None where none was computed, stop_signal where a signal stopped it."""
+
+    step: int
+    train_loss: float | None
+    eval_loss: float | None
+    interrupted: bool
+    run_dir: str
+    stop_signal: int | None = None
+
+    @property
+    def exit_code(self) -> int:
+        """0, or 128 + the signal that stopped the run (130 for Ctrl-C, 143 for SIGTERM), as a shell reports it."""
+        return 128 + self.stop_signal if self.stop_signal else 0
+
+
+class StopRequests:
+    """Turns SIGINT / SIGTERM into a signal number the loop checks between steps; a second Ctrl-C aborts."""
+
+    def __init__(self):
+        self.signal = 0
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signal and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal = signum
+        tqdm.write(f"{signal.Signals(signum).name}: saving a checkpoint after this step (with several "
+                   "processes, the next), then exiting (Ctrl-C again aborts)", file=sys.stderr)
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class StepFlags:
+    """A step's [stop signal, non-finite loss or grad norm], maxed over the ranks, read when the host
+    waits anyway or one step late.
+
+    Reading a device value waits for everything queued before it. A pinned copy behind an event lets
+    the host wait for the step the flags belong to, while the GPU runs the step queued after it.
+    """
+
+    def __init__(self, step: int, flags: torch.Tensor, loss: torch.Tensor, grad_norm: torch.Tensor):
+        self.step, self.loss, self.grad_norm = step, loss, grad_norm
+        self.event = None
+        if flags.is_cuda:
+            self.flags = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            self.flags.copy_(flags, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.flags = flags
+
+    def read(self) -> tuple[int, bool]:
+        if self.event is not None:
+            self.event.synchronize()
+        return int(self.flags[0]), bool(self.flags[1])
