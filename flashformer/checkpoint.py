@@ -7,11 +7,7 @@ from __future__ import annotations
 
 import os
 
-# atomic_directory, save_pretrained and write_pretrained_files are imported from here by train.py and
-# finetune_long.py, atomic_write_file by tokenizer.py; their homes are fileio.py and weights.py.
-from .fileio import atomic_directory, atomic_write_file  # noqa: F401
-from .weights import (COMPILED_PREFIX, CONFIG_FILE, CheckpointError, read_json, read_weights,
-                      save_pretrained, write_pretrained_files)  # noqa: F401
+from .weights import COMPILED_PREFIX, CONFIG_FILE, CheckpointError, read_json, read_weights
 
 
 def _check_tensors(expected: dict, tensors: dict, source) -> None:

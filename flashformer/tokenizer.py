@@ -129,7 +129,7 @@ def train_bpe(files_or_iterator, vocab_size: int, out_path, special_tokens=(ENDO
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from .checkpoint import atomic_write_file
+    from .fileio import atomic_write_file
 
     if not isinstance(vocab_size, int) or vocab_size < 256 + len(special_tokens):
         raise ValueError(f"vocab_size must be an int >= {256 + len(special_tokens)} (bytes + special tokens), "

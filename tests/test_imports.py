@@ -18,8 +18,16 @@ PACKAGES = {"flashformer": os.path.join(ROOT, "flashformer"), "flashformer.kerne
 # layer do not import one another.
 LAYERS = [
     ("command line", ["flashformer.cli"]),
-    ("long-context recipe", ["flashformer.finetune_long"]),
-    ("training loop", ["flashformer.train"]),
+    ("long-context recipe: public names", ["flashformer.longctx"]),
+    ("long-context recipe: the command", ["flashformer.longctx.run"]),
+    ("long-context recipe: extension, evaluation, report",
+     ["flashformer.longctx.extend", "flashformer.longctx.evaluate", "flashformer.longctx.report"]),
+    ("long-context recipe: passkey data", ["flashformer.longctx.passkey"]),
+    ("training: public names", ["flashformer.train"]),
+    ("training loop", ["flashformer.train.loop"]),
+    ("training: config, step, checkpoints and lock, signals, metrics",
+     ["flashformer.train.config", "flashformer.train.step", "flashformer.train.state", "flashformer.train.stops",
+      "flashformer.train.metrics"]),
     ("around the model: parallelism, generation",
      ["flashformer.parallel", "flashformer.context_parallel", "flashformer.generate"]),
     ("public loading API, tokenizers", ["flashformer", "flashformer.tokenizer"]),
@@ -50,14 +58,16 @@ LAYER_OF = {module: index for index, (_, modules) in enumerate(LAYERS) for modul
 KNOWN_UPWARD = {("flashformer.weights", "flashformer.hf")}
 
 
-def _modules():
-    """{module name: path} for every .py file of the two packages."""
+def _modules(packages=PACKAGES):
+    """{module name: path} for every .py file of the two packages and their subpackages."""
     modules = {}
-    for package, directory in PACKAGES.items():
+    for package, directory in packages.items():
         for filename in sorted(os.listdir(directory)):
+            path = os.path.join(directory, filename)
             if filename.endswith(".py"):
-                name = package if filename == "__init__.py" else f"{package}.{filename[:-3]}"
-                modules[name] = os.path.join(directory, filename)
+                modules[package if filename == "__init__.py" else f"{package}.{filename[:-3]}"] = path
+            elif os.path.isfile(os.path.join(path, "__init__.py")):
+                modules.update(_modules({f"{package}.{filename}": path}))
     return modules
 
 

@@ -134,7 +134,7 @@ def test_leftovers_of_killed_writes_are_cleaned_when_the_run_starts(tmp_path, da
     run = tmp_path / "run"
     train(load_train_config(tiny_recipe(run, data_cache, steps=4)))
     # A real process killed inside a checkpoint write leaves its temporary directory behind.
-    code = ("import os, signal, sys\nfrom flashformer.checkpoint import atomic_directory\n"
+    code = ("import os, signal, sys\nfrom flashformer.fileio import atomic_directory\n"
             "with atomic_directory(sys.argv[1]) as tmp:\n"
             "    open(os.path.join(tmp, 'model.safetensors'), 'wb').write(b'half a file')\n"
             "    os.kill(os.getpid(), signal.SIGKILL)\n")

@@ -12,7 +12,7 @@ import os
 import torch
 import yaml
 
-from ..checkpoint import CheckpointError, save_pretrained
+from ..weights import CheckpointError, save_pretrained
 from ..config import ConfigError, config_to_dict
 from ..model import ModelConfig, Transformer
 from ..train import TRAINER_STATE_FILE, TrainConfig, latest_checkpoint, load_train_config

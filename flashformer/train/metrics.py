@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 
-from ..checkpoint import atomic_write_file
+from ..fileio import atomic_write_file
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"

@@ -22,7 +22,8 @@ import time
 import numpy as np
 import torch
 
-from ..checkpoint import atomic_directory, write_pretrained_files
+from ..fileio import atomic_directory
+from ..weights import write_pretrained_files
 from ..config import ConfigError
 
 try:
