@@ -288,9 +288,10 @@ def _bwd_dq_kernel(
     dq_desc.store([m0, 0], narrow(dq * softmax_scale, DQ.dtype.element_ty))
 
 
-# One kernel, two autotuned launchers: the dQ-accumulating variant has its own config space.
+# One kernel, two autotuned launchers: the dQ-accumulating variant has its own config space, and its
+# dQ buffer must start from zero for every timed run (each adds its shares into it).
 _bwd_dkdv_tuned = tuned(_bwd_dkdv_kernel, "bwd_dkdv", extra_key=("ACCUMULATE_DQ",))
-_bwd_fused_tuned = tuned(_bwd_dkdv_kernel, "bwd_fused", extra_key=("ACCUMULATE_DQ",))
+_bwd_fused_tuned = tuned(_bwd_dkdv_kernel, "bwd_fused", extra_key=("ACCUMULATE_DQ",), reset_to_zero=("DQ_ACC",))
 _bwd_dq_tuned = tuned(_bwd_dq_kernel, "bwd_dq")
 
 

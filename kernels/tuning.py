@@ -97,14 +97,17 @@ def prune_configs(kind, configs, named_args, **kwargs):
     return kept or configs[-1:]
 
 
-def tuned(kernel, kind, extra_key=()):
+def tuned(kernel, kind, extra_key=(), reset_to_zero=()):
     """The CUDA launcher of ``kernel``: autotuned per shape bucket (and ``extra_key`` arguments),
-    results cached on disk."""
+    results cached on disk. ``reset_to_zero`` names the buffers the kernel adds into: the autotuner
+    runs every candidate many times on the caller's tensors, so they are zeroed before each run and
+    before the real one."""
     return triton.autotune(
         configs=_gpu_configs(kind),
         key=["seqlen_q_bucket", "seqlen_k_bucket", "HEAD_DIM", "GROUP", "LEFT_BOUNDED", "RIGHT_BOUNDED",
              "HAS_SOFTCAP", "IS_VARLEN", *extra_key],
         prune_configs_by={"early_config_prune": functools.partial(prune_configs, kind)},
+        reset_to_zero=list(reset_to_zero) or None,
         cache_results=True,
     )(kernel)
 

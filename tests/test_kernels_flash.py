@@ -6,6 +6,7 @@ adds the full product of shapes, head dims, GQA ratios, masks and dtypes.
 
 import functools
 import itertools
+import os
 import random
 import subprocess
 import sys
@@ -294,3 +295,34 @@ def test_partial_key_tile_with_negative_scores(seqlens, head_dim, causal, window
     v = torch.randn(2, seqlen_k, 2, head_dim, device=device, dtype=dtype)
     assert_matches_reference(functools.partial(flash_attn_func, deterministic=deterministic), q, k, v,
                              torch.randn_like(q), causal=causal, window_size=window_size)
+
+
+# A fresh interpreter with an empty Triton cache, so that the autotuner really times the candidates
+# (its results are cached in memory and on disk): the forward's config is forced, the dQ-accumulating
+# backward is tuned (softcap keeps it off the offline table), then checked by the 2x rule.
+AUTOTUNED_DQ_CHECK = """
+import functools, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from attention_checks import assert_matches_reference
+from flashformer.kernels import flash_attn_func, launch
+
+launch.FORCED_CONFIGS["fwd"] = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+torch.manual_seed(0)
+q = torch.randn(1, 300, 4, 256, device="cuda", dtype=torch.bfloat16)
+k, v = (torch.randn(1, 300, 2, 256, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+assert_matches_reference(functools.partial(flash_attn_func, deterministic=False), q, k, v, torch.randn_like(q),
+                         softcap=15.0)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the autotuner runs on CUDA only")
+def test_autotuned_nondeterministic_backward_first_call(tmp_path):
+    """The autotuner times each candidate by running it many times on the call's own dQ buffer, which
+    the kernel adds into: the first call of a shape must still return the exact dQ."""
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "FLASHFORMER_AUTOTUNE": "1",
+           "FLASHFORMER_KERNEL": "triton"}
+    result = subprocess.run([sys.executable, "-c", AUTOTUNED_DQ_CHECK, os.path.dirname(__file__)], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
