@@ -88,8 +88,23 @@ CONSUMER_ROWS = gl.constexpr(64)
 
 
 @gluon.jit
-def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
-               m0, start, num_tiles, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+def _rows_descriptor(base, rows, stride_rows, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     HEAD_DIM_PAD: gl.constexpr, LAYOUT: gl.constexpr):
+    """TMA view of one head, (rows, HEAD_DIM) from ``base`` in (BLOCK, HEAD_DIM_PAD) tiles: zeros are
+    read past either end and stores are clipped there. Each partition builds the descriptors it uses:
+    a descriptor written to global memory reaches the TMA unit only through the writing threads'
+    tensormap fence, which the other partitions' warps never execute."""
+    return tma.make_tensor_descriptor(base, [rows, HEAD_DIM], [stride_rows, 1], [BLOCK, HEAD_DIM_PAD], LAYOUT)
+
+
+@gluon.jit
+def _load_partition(q_base, k_base, v_base, stride_qs, stride_ks, stride_vs, seqlen_q, seqlen_k, q_smem, k_smem,
+                    v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, m0, start, num_tiles,
+                    HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
+                    NUM_STAGES: gl.constexpr, Q_SMEM: gl.constexpr, KV_SMEM: gl.constexpr):
+    q_desc = _rows_descriptor(q_base, seqlen_q, stride_qs, CONSUMER_ROWS, HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
+    k_desc = _rows_descriptor(k_base, seqlen_k, stride_ks, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
+    v_desc = _rows_descriptor(v_base, seqlen_k, stride_vs, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
     for c in gl.static_range(2):
         _load_tile(q_desc, m0 + c * CONSUMER_ROWS, q_bars.index(c), q_smem.index(c))
     for j in range(num_tiles):
@@ -103,11 +118,11 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_re
 
 
 @gluon.jit
-def _consume_partition(CONSUMER: gl.constexpr, o_desc, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty,
+def _consume_partition(CONSUMER: gl.constexpr, o_base, stride_os, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty,
                  v_empty, lse_base, m0, start, un_lo, un_hi, num_tiles, seqlen_q, seqlen_k, qk_scale, softcap_log2,
-                 window_left, window_right, HEAD_DIM_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
-                 NUM_STAGES: gl.constexpr, LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr,
-                 HAS_SOFTCAP: gl.constexpr):
+                 window_left, window_right, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, LEFT_BOUNDED: gl.constexpr,
+                 RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr, Q_SMEM: gl.constexpr):
     S_LAYOUT: gl.constexpr = _mma_layout(BLOCK_N, CONSUMER_WARPS)
     O_LAYOUT: gl.constexpr = _mma_layout(HEAD_DIM_PAD, CONSUMER_WARPS)
     P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
@@ -162,6 +177,7 @@ def _consume_partition(CONSUMER: gl.constexpr, o_desc, LSE, q_smem, k_smem, v_sm
     inv = gl.convert_layout(1.0 / gl.where(empty, 1.0, row_sum), ROW_O)
     q_tile.store((acc * gl.expand_dims(inv, 1)).to(dtype))
     fence_async_shared()
+    o_desc = _rows_descriptor(o_base, seqlen_q, stride_os, CONSUMER_ROWS, HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
     tma.async_copy_shared_to_global(o_desc, [row0, 0], q_tile)
     lse = gl.where(empty, float("-inf"), (row_max + gl.log2(row_sum)) * 0.6931471805599453)
     gl.store(LSE + lse_base + rows, lse, mask=rows < seqlen_q)
@@ -191,14 +207,10 @@ def _attn_fwd_hopper_kernel(
     batch = gl.program_id(2).to(gl.int64)
     kv_head = head // GROUP
     m0 = pid_m * BLOCK_M
-    q_desc = tma.make_tensor_descriptor(Q + batch * stride_qb + head * stride_qh, [seqlen_q, HEAD_DIM],
-                                        [stride_qs, 1], [CONSUMER_ROWS, HEAD_DIM_PAD], Q_SMEM)
-    k_desc = tma.make_tensor_descriptor(K + batch * stride_kb + kv_head * stride_kh, [seqlen_k, HEAD_DIM],
-                                        [stride_ks, 1], [BLOCK_N, HEAD_DIM_PAD], KV_SMEM)
-    v_desc = tma.make_tensor_descriptor(V + batch * stride_vb + kv_head * stride_vh, [seqlen_k, HEAD_DIM],
-                                        [stride_vs, 1], [BLOCK_N, HEAD_DIM_PAD], KV_SMEM)
-    o_desc = tma.make_tensor_descriptor(O + batch * stride_ob + head * stride_oh, [seqlen_q, HEAD_DIM],
-                                        [stride_os, 1], [CONSUMER_ROWS, HEAD_DIM_PAD], Q_SMEM)
+    q_base = Q + batch * stride_qb + head * stride_qh
+    k_base = K + batch * stride_kb + kv_head * stride_kh
+    v_base = V + batch * stride_vb + kv_head * stride_vh
+    o_base = O + batch * stride_ob + head * stride_oh
     q_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, HEAD_DIM_PAD], Q_SMEM)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM_PAD], KV_SMEM)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM_PAD], KV_SMEM)
@@ -219,14 +231,17 @@ def _attn_fwd_hopper_kernel(
     num_tiles = (end - start) // BLOCK_N
     lse_base = batch * stride_lse_b + head * stride_lse_h
     gl.warp_specialize([
-        (_consume_partition, (0, o_desc, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, lse_base, m0,
-                         start, un_lo, un_hi, num_tiles, seqlen_q, seqlen_k, qk_scale, softcap_log2, window_left,
-                         window_right, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP)),
-        (_consume_partition, (1, o_desc, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, lse_base, m0,
-                         start, un_lo, un_hi, num_tiles, seqlen_q, seqlen_k, qk_scale, softcap_log2, window_left,
-                         window_right, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP)),
-        (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
-                      m0, start, num_tiles, BLOCK_N, NUM_STAGES)),
+        (_consume_partition, (0, o_base, stride_os, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
+                              lse_base, m0, start, un_lo, un_hi, num_tiles, seqlen_q, seqlen_k, qk_scale,
+                              softcap_log2, window_left, window_right, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES,
+                              LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP, Q_SMEM)),
+        (_consume_partition, (1, o_base, stride_os, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
+                              lse_base, m0, start, un_lo, un_hi, num_tiles, seqlen_q, seqlen_k, qk_scale,
+                              softcap_log2, window_left, window_right, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES,
+                              LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP, Q_SMEM)),
+        (_load_partition, (q_base, k_base, v_base, stride_qs, stride_ks, stride_vs, seqlen_q, seqlen_k, q_smem, k_smem,
+                           v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, m0, start, num_tiles, HEAD_DIM,
+                           HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, Q_SMEM, KV_SMEM)),
     ], [CONSUMER_WARPS, 1], [232, 40])
 
 
