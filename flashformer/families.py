@@ -5,12 +5,13 @@ the family's value, so ``family: gemma2`` plus sizes builds a Gemma 2, not a Lla
 label. A family also pins the fields its Hugging Face architecture cannot express differently:
 an explicit contradicting value (``family: gpt2`` with ``norm: rmsnorm``) is refused, naming the
 field, rather than built into a model that no longer is that family. Sizes (vocab_size, d_model,
-n_layer, heads, d_ff, max_seq_len) are never part of a family.
+n_layer, heads, d_ff, max_seq_len) are never part of a family. ``family: custom`` fixes nothing:
+any combination of fields, on the plain Llama defaults, with no Hugging Face export.
 """
 
 from __future__ import annotations
 
-FAMILY_NAMES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2")
+FAMILY_NAMES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "custom")
 
 # The architecture of a plain pre-norm Llama; every family starts from it.
 _BASE = dict(norm="rmsnorm", norm_eps=1e-5, norm_placement="pre", mlp="swiglu", pos="rope", rope_theta=10000.0,
@@ -42,6 +43,7 @@ _FAMILIES = {
                 "query_pre_attn_scalar", "rope_local_theta"}),
     "phi3": ({}, {"sliding_window"}),
     "olmo2": (dict(norm_eps=1e-6, norm_placement="post", qk_norm="across_heads"), {"qkv_bias", "o_bias"}),
+    "custom": ({}, set(_BASE)),
 }
 
 # Families whose default layer pattern mixes sliding and full layers: every n-th layer is full.

@@ -47,7 +47,8 @@ class ModelConfig:
     is refused by validate() (see families.py).
     """
 
-    family: Literal["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2"] = "llama"
+    family: Literal["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2",
+                    "custom"] = "llama"
     vocab_size: int = 50304
     d_model: int = 768
     n_layer: int = 12
@@ -79,7 +80,7 @@ class ModelConfig:
     layer_types: Optional[tuple[Literal["full", "sliding"], ...]] = None
     attn_softcap: Optional[float] = None  # 0 disables it
     logit_softcap: Optional[float] = None  # final logits become c * tanh(logits / c); 0 disables it
-    query_pre_attn_scalar: Optional[float] = None  # softmax scale is its ** -0.5; None: head_dim (Gemma sets it)
+    query_pre_attn_scalar: Optional[int] = None  # softmax scale is its ** -0.5; None: head_dim (Gemma sets it)
     attn_backend: Literal["auto", "flash", "flash-nondeterministic", "reference", "sdpa", "naive"] = "auto"
     init_std: float = 0.02
 

@@ -198,7 +198,8 @@ def test_family_sets_its_architecture():
     assert model.pos_embed is not None and isinstance(model.blocks[0].attn_norm, torch.nn.LayerNorm)
     gemma2 = ModelConfig(family="gemma2", n_layer=4)
     assert (gemma2.norm, gemma2.norm_placement, gemma2.mlp, gemma2.attn_softcap, gemma2.logit_softcap,
-            gemma2.scale_embeddings, gemma2.sliding_window) == ("offset_rmsnorm", "both", "geglu", 50.0, 30.0, True, 4096)
+            gemma2.scale_embeddings, gemma2.sliding_window) == (
+        "offset_rmsnorm", "both", "geglu", 50.0, 30.0, True, 4096)
     assert gemma2.layer_kinds() == ("sliding", "full", "sliding", "full")
     assert ModelConfig(family="gemma3", n_layer=7).layer_kinds() == ("sliding",) * 5 + ("full", "sliding")
     assert ModelConfig(family="qwen3").qk_norm == "per_head" and ModelConfig(family="olmo2").norm_placement == "post"
