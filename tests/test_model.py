@@ -14,6 +14,11 @@ GPT2_LIKE = dict(family="gpt2", norm="layernorm", mlp="gelu", pos="learned", qkv
                  mlp_bias=True, tie_embeddings=True)
 LLAMA_LIKE = dict(family="mistral", n_kv_head=2, sliding_window=7, d_ff=96,
                   rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32})
+# Gemma 3 with a final softcap: per-head qk-norm, a windowed layer with its own RoPE base, a scaled full one.
+GEMMA_LIKE = dict(family="gemma3", n_kv_head=2, sliding_window=7, d_ff=96, layer_types=("sliding", "full"),
+                  rope_local_theta=500.0, rope_scaling={"rope_type": "linear", "factor": 2.0}, logit_softcap=5.0)
+FAMILIES = [GPT2_LIKE, LLAMA_LIKE, GEMMA_LIKE, dict(family="olmo2", n_kv_head=1, d_ff=96)]
+FAMILY_IDS = ["gpt2", "mistral", "gemma3", "olmo2"]
 
 
 def tiny_model(seed=0, **overrides):
@@ -42,7 +47,7 @@ def assert_close_all(reference, other, atol):
         torch.testing.assert_close(grads[name], ref_grads[name], atol=atol, rtol=1e-3, msg=name)
 
 
-@pytest.mark.parametrize("family", [GPT2_LIKE, LLAMA_LIKE], ids=["gpt2", "mistral"])
+@pytest.mark.parametrize("family", FAMILIES, ids=FAMILY_IDS)
 def test_backends_agree(family):
     model = tiny_model(**family)
     input_ids = torch.randint(0, 101, (2, 40))
@@ -70,7 +75,7 @@ def test_flash_backend_matches_reference(backend, triton_path):
     assert_close_all(reference, logits_and_grads(model, input_ids, backend), atol=1e-4)
 
 
-@pytest.mark.parametrize("family", [GPT2_LIKE, LLAMA_LIKE], ids=["gpt2", "mistral"])
+@pytest.mark.parametrize("family", FAMILIES, ids=FAMILY_IDS)
 @pytest.mark.parametrize("backend", ["reference", "sdpa", "flash"])
 def test_kv_cache_equals_full_recompute(family, backend, monkeypatch):
     """Prefill in chunks, then one token at a time; "flash" runs the Triton decode kernel."""
@@ -89,7 +94,7 @@ def test_kv_cache_equals_full_recompute(family, backend, monkeypatch):
         model(input_ids[:, :1], kv_cache=cache)
 
 
-@pytest.mark.parametrize("family", [GPT2_LIKE, LLAMA_LIKE], ids=["gpt2", "mistral"])
+@pytest.mark.parametrize("family", FAMILIES, ids=FAMILY_IDS)
 @pytest.mark.parametrize("backend", ["reference", "sdpa", "flash"])
 def test_packed_documents_equal_separate_runs(family, backend, monkeypatch):
     monkeypatch.setenv("FLASHFORMER_KERNEL", "triton" if backend == "flash" else "torch")
@@ -128,10 +133,12 @@ def test_loss_is_fp32_cross_entropy_with_ignore_index():
     assert all(p.grad is not None for p in model.parameters())
 
 
-@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_chunked_loss_equals_full_logits_cross_entropy(tied):
-    """Forced chunking (chunks of 7 tokens, so 2 x 24 tokens end in a partial chunk) against full logits."""
-    model = tiny_model(tie_embeddings=tied, **LLAMA_LIKE)
+@pytest.mark.parametrize("tied, family", [(True, LLAMA_LIKE), (False, LLAMA_LIKE), (True, GEMMA_LIKE)],
+                         ids=["tied", "untied", "logit-softcap"])
+def test_chunked_loss_equals_full_logits_cross_entropy(tied, family):
+    """Forced chunking (chunks of 7 tokens, so 2 x 24 tokens end in a partial chunk) against full logits
+    (softcapped by forward() where the family caps them)."""
+    model = tiny_model(tie_embeddings=tied, **family)
     input_ids = torch.randint(0, 101, (2, 24))
     targets = torch.randint(0, 101, (2, 24))
     targets[1, :12] = -100  # tokens 28..34 (a whole chunk) are ignored: that chunk is skipped
