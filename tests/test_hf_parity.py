@@ -1,5 +1,7 @@
 """Parity with Hugging Face transformers: loading their checkpoints, exporting ours, RoPE scalings."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -7,10 +9,12 @@ transformers = pytest.importorskip("transformers")
 
 import flashformer  # noqa: E402
 from flashformer.checkpoint import CheckpointError  # noqa: E402
+from flashformer.config import load_config  # noqa: E402
 from flashformer.generate import generate  # noqa: E402
+from flashformer.hf import config_from_hf, config_to_hf, state_dict_to_hf  # noqa: E402
 from flashformer.model import ModelConfig, Transformer  # noqa: E402
 from flashformer.rope import rope_frequencies  # noqa: E402
-from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GPT2Config,  # noqa: E402
+from transformers import (AutoConfig, AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GPT2Config,  # noqa: E402
                           LlamaConfig, MistralConfig, Olmo2Config, Phi3Config, Qwen2Config, Qwen3Config)
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
@@ -199,3 +203,20 @@ def test_custom_family_has_no_hf_export(tmp_path):
                                     vocab_size=VOCAB))
     with pytest.raises(ValueError, match="family='custom' has no Hugging Face architecture"):
         model.save_pretrained(tmp_path / "x", format="hf")
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "configs" / "models").glob("*.yaml")),
+                         ids=lambda p: p.stem)
+def test_shipped_model_configs_export_to_transformers_shapes(path):
+    """Real-sized configs (on the meta device): transformers builds the exported config.json into a model
+    whose tensors are exactly the exported ones, name for name and shape for shape."""
+    cfg = load_config(ModelConfig, path)
+    with torch.device("meta"):
+        ours = Transformer(cfg)
+        hf_model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config_to_hf(cfg, torch.bfloat16)))
+    exported = {name: tuple(t.shape) for name, t in state_dict_to_hf(ours.state_dict(), cfg).items()}
+    expected = {name: tuple(t.shape) for name, t in hf_model.state_dict().items()}
+    if cfg.tie_embeddings:
+        expected.pop("lm_head.weight", None)
+    assert exported == expected
+    assert config_from_hf(hf_model.config.to_dict()) == cfg
