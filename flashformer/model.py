@@ -1,9 +1,15 @@
-"""One decoder-only Transformer. GPT-2, Llama 2/3, Mistral and Qwen2 differ only in ModelConfig fields.
+"""One decoder-only Transformer. Its families differ only in ModelConfig fields (presets in families.py).
 
     GPT-2:   learned positions, LayerNorm (with bias), GELU(tanh) MLP, biases everywhere, tied embeddings
     Llama:   RoPE (+ rope_scaling, e.g. llama3), RMSNorm, SwiGLU, grouped-query attention
     Mistral: Llama + sliding_window
-    Qwen2:   Llama + bias on q/k/v (not on the output projection)
+    Qwen2:   Llama + bias on q/k/v (not on the output projection), optionally windowed upper layers
+    Qwen3:   Llama + RMSNorm of each query / key head (qk_norm="per_head")
+    Gemma 2: (1 + w) RMSNorm before and after each sublayer, GeGLU, embeddings scaled by sqrt(d_model),
+             attention and final-logit softcaps, sliding-window and full layers alternating
+    Gemma 3: Gemma 2 without softcaps, + per-head qk-norm, 5 local : 1 global layers, local RoPE base
+    Phi-3:   Llama (fused q/k/v and gate/up only in its checkpoints)
+    OLMo 2:  RMSNorm after each sublayer instead of before, RMSNorm over all query / key heads
 
 The model is single-device and knows nothing of parallelism: ``model.blocks`` is a plain ModuleList
 that data / tensor parallelism and activation checkpointing wrap from outside. Attention goes
@@ -22,18 +28,27 @@ import torch.nn.functional as F
 
 from .attention import ATTN_BACKENDS, attention, cached_attention, resolve_backend
 from .config import ConfigError
+from .families import FAMILY_NAMES, check_family, default_layer_types, family_defaults
+from .layers import MLP, make_norm
 from .losses import lm_head_loss
 from .rope import RotaryEmbedding, apply_rotary, normalize_rope_scaling
 
-_CHOICES = {"family": ("gpt2", "llama", "mistral", "qwen2"), "norm": ("layernorm", "rmsnorm"),
-            "mlp": ("gelu", "swiglu"), "pos": ("learned", "rope"), "attn_backend": ATTN_BACKENDS}
+_CHOICES = {"family": FAMILY_NAMES, "norm": ("layernorm", "rmsnorm", "offset_rmsnorm"),
+            "norm_placement": ("pre", "post", "both"), "mlp": ("gelu", "swiglu", "geglu"), "pos": ("learned", "rope"),
+            "qk_norm": ("none", "per_head", "across_heads"), "attn_backend": ATTN_BACKENDS}
 
 
 @dataclasses.dataclass
 class ModelConfig:
-    """Architecture hyper-parameters; None for n_kv_head / head_dim / d_ff means the usual default."""
+    """Architecture hyper-parameters.
 
-    family: Literal["gpt2", "llama", "mistral", "qwen2"] = "llama"  # a label; picks the HF architecture on export
+    None for n_kv_head / head_dim / d_ff means the usual default; None for an architecture field
+    (norm ... query_pre_attn_scalar) means the family's value, and a value the family cannot have
+    is refused by validate() (see families.py).
+    """
+
+    family: Literal["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2",
+                    "custom"] = "llama"
     vocab_size: int = 50304
     d_model: int = 768
     n_layer: int = 12
@@ -42,22 +57,37 @@ class ModelConfig:
     head_dim: Optional[int] = None  # None: d_model // n_head
     d_ff: Optional[int] = None  # None: 4 * d_model
     max_seq_len: int = 1024
-    norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
-    norm_eps: float = 1e-5
-    mlp: Literal["gelu", "swiglu"] = "swiglu"  # gelu is GPT-2's tanh approximation
-    pos: Literal["learned", "rope"] = "rope"
-    rope_theta: float = 10000.0
-    rope_scaling: Optional[dict] = None  # HF-style, see rope.py
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    tie_embeddings: bool = False
+    norm: Optional[Literal["layernorm", "rmsnorm", "offset_rmsnorm"]] = None  # offset: x_hat * (1 + w), Gemma's
+    norm_eps: Optional[float] = None
+    # pre: x + f(norm(x)); post: x + norm(f(x)) (OLMo 2); both: x + norm(f(norm(x))) (Gemma)
+    norm_placement: Optional[Literal["pre", "post", "both"]] = None
+    mlp: Optional[Literal["gelu", "swiglu", "geglu"]] = None  # gelu is GPT-2's tanh approximation; geglu Gemma's
+    pos: Optional[Literal["learned", "rope"]] = None
+    rope_theta: Optional[float] = None
+    rope_local_theta: Optional[float] = None  # RoPE base of the sliding-window layers (Gemma 3); None: rope_theta
+    rope_scaling: Optional[dict] = None  # HF-style, see rope.py; on the full layers only when rope_local_theta is set
+    qkv_bias: Optional[bool] = None
+    o_bias: Optional[bool] = None
+    mlp_bias: Optional[bool] = None
+    # RMSNorm of queries and keys before RoPE: per_head over head_dim (Qwen3, Gemma 3), across_heads over
+    # the whole projection (OLMo 2)
+    qk_norm: Optional[Literal["none", "per_head", "across_heads"]] = None
+    scale_embeddings: Optional[bool] = None  # token embeddings times sqrt(d_model) (Gemma)
+    tie_embeddings: Optional[bool] = None
     sliding_window: Optional[int] = None  # each query sees itself and the sliding_window - 1 keys before it
-    attn_softcap: float = 0.0
+    # Per layer "full" or "sliding" (windowed); None: the family's pattern (Gemma 2 alternates, Gemma 3 has
+    # every 6th layer full), else every layer sliding when sliding_window is set
+    layer_types: Optional[tuple[Literal["full", "sliding"], ...]] = None
+    attn_softcap: Optional[float] = None  # 0 disables it
+    logit_softcap: Optional[float] = None  # final logits become c * tanh(logits / c); 0 disables it
+    query_pre_attn_scalar: Optional[int] = None  # softmax scale is its ** -0.5; None: head_dim (Gemma sets it)
     attn_backend: Literal["auto", "flash", "flash-nondeterministic", "reference", "sdpa", "naive"] = "auto"
     init_std: float = 0.02
 
     def __post_init__(self):
+        for name, value in family_defaults(self.family).items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
         positive_heads = isinstance(self.n_head, int) and self.n_head > 0
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
@@ -69,6 +99,14 @@ class ModelConfig:
             self.head_dim = self.d_model // self.n_head
         if self.d_ff is None and isinstance(self.d_model, int):
             self.d_ff = 4 * self.d_model
+        if isinstance(self.layer_types, list):
+            self.layer_types = tuple(self.layer_types)
+
+    def layer_kinds(self) -> tuple[str, ...]:
+        """"full" or "sliding" for every layer: layer_types, or the family's pattern."""
+        if self.layer_types is not None:
+            return self.layer_types
+        return default_layer_types(self.family, self.n_layer, self.sliding_window)
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid field."""
@@ -83,39 +121,31 @@ class ModelConfig:
             raise ConfigError(f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head})")
         if self.head_dim % 8 or not 16 <= self.head_dim <= 256:
             raise ConfigError(f"head_dim={self.head_dim}: the attention kernels need a multiple of 8 in [16, 256]")
-        for name in ("norm_eps", "rope_theta", "init_std"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if not self.attn_softcap >= 0:
-            raise ConfigError(f"attn_softcap must be >= 0 (0 disables it), got {self.attn_softcap!r}")
+        for name in ("norm_eps", "rope_theta", "init_std", "rope_local_theta", "query_pre_attn_scalar"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name} must be > 0, got {value!r}")
+        for name in ("attn_softcap", "logit_softcap"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"{name} must be >= 0 (0 disables it), got {getattr(self, name)!r}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ConfigError(f"sliding_window must be None or >= 1, got {self.sliding_window!r}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.n_layer:
+                raise ConfigError(f"layer_types has {len(self.layer_types)} entries for n_layer={self.n_layer}")
+            if not set(self.layer_types) <= {"full", "sliding"}:
+                raise ConfigError(f"layer_types={list(self.layer_types)!r}: entries must be 'full' or 'sliding'")
+            if "sliding" in self.layer_types and self.sliding_window is None:
+                raise ConfigError("layer_types has 'sliding' layers but sliding_window is not set")
+        if self.rope_local_theta is not None and self.pos != "rope":
+            raise ConfigError("rope_local_theta is set but pos='learned' has no rotary embedding")
         if self.pos == "learned" and self.rope_scaling is not None:
             raise ConfigError("rope_scaling is set but pos='learned' has no rotary embedding")
         try:
             normalize_rope_scaling(self.rope_scaling, self.max_seq_len)
+            check_family(self)
         except ValueError as err:
             raise ConfigError(str(err)) from None
-
-
-class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in fp32 (as Llama does) and cast back."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        x_float = x.float()
-        x_float = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x_float.to(x.dtype)
-
-
-def _make_norm(config: ModelConfig) -> nn.Module:
-    if config.norm == "rmsnorm":
-        return RMSNorm(config.d_model, config.norm_eps)
-    return nn.LayerNorm(config.d_model, eps=config.norm_eps)
 
 
 class KVCache:
@@ -150,18 +180,34 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.d_model, config.n_kv_head * config.head_dim, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.d_model, config.n_kv_head * config.head_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.n_head * config.head_dim, config.d_model, bias=config.o_bias)
+        self.qk_norm = config.qk_norm
+        if self.qk_norm != "none":
+            per_head = self.qk_norm == "per_head"
+            self.q_norm = make_norm(config, config.head_dim if per_head else config.n_head * config.head_dim)
+            self.k_norm = make_norm(config, config.head_dim if per_head else config.n_kv_head * config.head_dim)
         # HF's sliding_window W counts the query itself: W - 1 keys to its left.
-        self.window_size = (config.sliding_window - 1, -1) if config.sliding_window else (-1, -1)
+        sliding = config.layer_kinds()[layer_idx] == "sliding"
+        self.window_size = (config.sliding_window - 1, -1) if sliding else (-1, -1)
         self.softcap = config.attn_softcap
+        # Passed on only when it differs from the kernels' default head_dim ** -0.5.
+        scalar = config.query_pre_attn_scalar
+        self.softmax_scale = None if scalar in (None, config.head_dim) else scalar ** -0.5
 
     def forward(self, x, rope_cos_sin, backend, cu_seqlens=None, max_seqlen=None, kv_cache=None):
         batch, seqlen, _ = x.shape
-        q = self.q_proj(x).view(batch, seqlen, self.n_head, self.head_dim)
-        k = self.k_proj(x).view(batch, seqlen, self.n_kv_head, self.head_dim)
-        v = self.v_proj(x).view(batch, seqlen, self.n_kv_head, self.head_dim)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "across_heads":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(batch, seqlen, self.n_head, self.head_dim)
+        k = k.view(batch, seqlen, self.n_kv_head, self.head_dim)
+        v = v.view(batch, seqlen, self.n_kv_head, self.head_dim)
+        if self.qk_norm == "per_head":
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope_cos_sin is not None:
             q, k = apply_rotary(q, *rope_cos_sin), apply_rotary(k, *rope_cos_sin)
         options = dict(backend=backend, window_size=self.window_size, softcap=self.softcap)
+        if self.softmax_scale is not None:
+            options["softmax_scale"] = self.softmax_scale
         if kv_cache is not None:
             out = kv_cache.attend(self.layer_idx, q, k, v, **options)
         else:
@@ -169,34 +215,26 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(batch, seqlen, self.n_head * self.head_dim))
 
 
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.gated = config.mlp == "swiglu"
-        if self.gated:
-            self.gate_proj = nn.Linear(config.d_model, config.d_ff, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(config.d_model, config.d_ff, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=config.mlp_bias)
-
-    def forward(self, x):
-        if self.gated:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
-
-
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Residual block: x + post(attn(pre(x))), then the same around the MLP.
+
+    pre / post are the norms that config.norm_placement asks for, identities otherwise.
+    """
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
-        self.attn_norm = _make_norm(config)
+        pre, post = config.norm_placement in ("pre", "both"), config.norm_placement in ("post", "both")
+        self.attn_norm = make_norm(config) if pre else nn.Identity()
         self.attn = Attention(config, layer_idx)
-        self.mlp_norm = _make_norm(config)
+        self.attn_post_norm = make_norm(config) if post else nn.Identity()
+        self.mlp_norm = make_norm(config) if pre else nn.Identity()
         self.mlp = MLP(config)
+        self.mlp_post_norm = make_norm(config) if post else nn.Identity()
 
     def forward(self, x, rope_cos_sin, backend, cu_seqlens=None, max_seqlen=None, kv_cache=None):
-        x = x + self.attn(self.attn_norm(x), rope_cos_sin, backend, cu_seqlens, max_seqlen, kv_cache)
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + self.attn_post_norm(self.attn(self.attn_norm(x), rope_cos_sin, backend, cu_seqlens, max_seqlen,
+                                              kv_cache))
+        return x + self.mlp_post_norm(self.mlp(self.mlp_norm(x)))
 
 
 def _document_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -221,10 +259,15 @@ class Transformer(nn.Module):
         self.attn_backend = config.attn_backend
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_embed = nn.Embedding(config.max_seq_len, config.d_model) if config.pos == "learned" else None
-        self.rope = (RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, config.max_seq_len)
-                     if config.pos == "rope" else None)
+        self.rope = self.local_rope = None
+        if config.pos == "rope":
+            self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, config.max_seq_len)
+            # Gemma 3's sliding-window layers rotate with their own base and without the scaling.
+            if config.rope_local_theta is not None:
+                self.local_rope = RotaryEmbedding(config.head_dim, config.rope_local_theta, None, config.max_seq_len)
+        self.layer_kinds = config.layer_kinds()
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
-        self.final_norm = _make_norm(config)
+        self.final_norm = make_norm(config)
         # A tied model reads the output projection from embed.weight: one tensor, one state-dict key.
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.apply(self._init_weights)
@@ -269,7 +312,11 @@ class Transformer(nn.Module):
                 raise ValueError("targets (a training loss) and kv_cache (decoding) cannot be combined")
             return self.loss(input_ids, targets, position_ids, cu_seqlens, max_seqlen, chunk_size=loss_chunk_size)
         hidden = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen, kv_cache)
-        return F.linear(hidden, self.output_weight)
+        logits = F.linear(hidden, self.output_weight)
+        if self.config.logit_softcap:
+            cap = self.config.logit_softcap
+            logits = (cap * torch.tanh(logits.float() / cap)).to(logits.dtype)
+        return logits
 
     def hidden_states(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, kv_cache=None):
         """The final normalized hidden states, the input of the LM head.
@@ -292,11 +339,17 @@ class Transformer(nn.Module):
         if position_ids is None:
             position_ids = self._default_positions(batch, seqlen, input_ids.device, cu_seqlens, kv_cache)
         x = self.embed(input_ids)
+        if self.config.scale_embeddings:  # by sqrt(d_model) rounded to the model's dtype, as Gemma does
+            x = x * torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype, device=x.device)
         if self.pos_embed is not None:
             x = x + self.pos_embed(position_ids)
-        rope_cos_sin = self.rope(position_ids) if self.rope is not None else None
-        for block in self.blocks:
-            x = block(x, rope_cos_sin, self.attn_backend, cu_seqlens, max_seqlen, kv_cache)
+        rope = {"full": None, "sliding": None}
+        if self.rope is not None:
+            rope["full"] = rope["sliding"] = self.rope(position_ids)
+            if self.local_rope is not None:
+                rope["sliding"] = self.local_rope(position_ids)
+        for block, kind in zip(self.blocks, self.layer_kinds):
+            x = block(x, rope[kind], self.attn_backend, cu_seqlens, max_seqlen, kv_cache)
         if kv_cache is not None:
             kv_cache.length += seqlen
         return self.final_norm(x)
@@ -325,7 +378,8 @@ class Transformer(nn.Module):
                 ``losses.MATERIALIZED_LOGITS_MAX_ELEMENTS``.
         """
         hidden = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen)
-        return lm_head_loss(hidden, self.output_weight, targets, chunk_size, ignore_index=ignore_index)
+        return lm_head_loss(hidden, self.output_weight, targets, chunk_size, ignore_index=ignore_index,
+                            softcap=self.config.logit_softcap)
 
     def new_kv_cache(self, batch_size: int, max_len: int) -> KVCache:
         """An empty KVCache on this model's device and dtype."""

@@ -2,15 +2,26 @@
 
 A checkpoint directory with a tokenizer.json uses it; without one it is byte-level (ids 0..255
 are bytes, special tokens follow from 256).
+
+Next to a tokenizer.json, a Hugging Face checkpoint keeps what transformers adds on top:
+tokenizer_config.json (bos / eos / pad tokens, add_bos_token / add_eos_token) and
+generation_config.json (the eos_token_id list generation stops at). HFTokenizer reads both and
+encodes as ``AutoTokenizer(text)["input_ids"]`` does.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+SPECIAL_TOKENS_FILE = "special_tokens_map.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 ENDOFTEXT = "<|endoftext|>"
-# End-of-sequence spellings of common tokenizer.json files, in order of preference.
+# End-of-sequence spellings for a bare tokenizer.json (no tokenizer_config.json naming its eos_token),
+# e.g. one written by train_bpe, in order of preference.
 _EOS_CANDIDATES = (ENDOFTEXT, "<|end_of_text|>", "</s>", "<eos>")
 
 
@@ -33,11 +44,19 @@ class ByteTokenizer:
     def eos_id(self) -> int | None:
         return self._special_ids.get(ENDOFTEXT)
 
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation."""
+        return () if self.eos_id is None else (self.eos_id,)
+
+    bos_id = None
+    pad_id = None
+
     def token_to_id(self, token: str) -> int | None:
         return self._special_ids.get(token)
 
-    def encode(self, text: str) -> list[int]:
-        """Bytes of ``text``; special-token strings inside it are encoded as plain bytes."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Bytes of ``text``; special-token strings inside it are encoded as plain bytes (and none is added)."""
         return list(text.encode("utf-8"))
 
     def decode(self, ids) -> str:
@@ -59,43 +78,115 @@ class ByteTokenizer:
         """Nothing to write: a checkpoint without tokenizer.json loads as byte-level."""
 
 
+def _read_json(path) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _token_text(token) -> str | None:
+    """A special token of tokenizer_config.json: a string, or an AddedToken dict with "content"."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
 class HFTokenizer:
-    """A ``tokenizers`` tokenizer.json (BPE or any other model).
+    """A ``tokenizers`` tokenizer.json (BPE or any other model), with the special tokens that
+    transformers applies from the tokenizer_config.json / generation_config.json beside it.
 
     Args:
         path: the tokenizer.json file.
     """
 
     def __init__(self, path):
-        from tokenizers import Tokenizer
+        from tokenizers import AddedToken, Tokenizer, processors
 
         self.path = os.fspath(path)
         self._tokenizer = Tokenizer.from_file(self.path)
+        directory = os.path.dirname(os.path.abspath(self.path))
+        self._extra_files = [os.path.join(directory, name)
+                             for name in (TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_FILE, GENERATION_CONFIG_FILE)
+                             if os.path.isfile(os.path.join(directory, name))]
+        config = {**_read_json(os.path.join(directory, SPECIAL_TOKENS_FILE)),
+                  **_read_json(os.path.join(directory, TOKENIZER_CONFIG_FILE))}
+        self._generation = _read_json(os.path.join(directory, GENERATION_CONFIG_FILE))
+        self._special = {role: _token_text(config.get(f"{role}_token")) for role in ("bos", "eos", "pad")}
+        # transformers adds named special tokens missing from the vocabulary.
+        missing = [t for t in self._special.values() if t is not None and self._tokenizer.token_to_id(t) is None]
+        if missing:
+            self._tokenizer.add_special_tokens([AddedToken(t, special=True) for t in missing])
+        # An explicit add_bos_token / add_eos_token replaces tokenizer.json's post-processor with
+        # [bos] $A [eos] (transformers' update_post_processor); without either, tokenizer.json's own
+        # post-processor (e.g. Llama 3's TemplateProcessing) decides.
+        if "add_bos_token" in config or "add_eos_token" in config:
+            bos, eos = ([self._special[role]] if config.get(f"add_{role}_token") and self._special[role] else []
+                        for role in ("bos", "eos"))
+            single = " ".join([f"{t}:0" for t in bos] + ["$A:0"] + [f"{t}:0" for t in eos])
+            pair = f"{single} " + " ".join([f"{t}:1" for t in bos] + ["$B:1"] + [f"{t}:1" for t in eos])
+            ids = {t: self._tokenizer.token_to_id(t) for t in bos + eos}
+            self._tokenizer.post_processor = processors.TemplateProcessing(single=single, pair=pair,
+                                                                           special_tokens=list(ids.items()))
 
     @property
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
+    def _special_id(self, role: str) -> int | None:
+        token = self._special[role]
+        if token is not None:
+            return self._tokenizer.token_to_id(token)
+        token_id = self._generation.get(f"{role}_token_id")
+        return token_id[0] if isinstance(token_id, list) and token_id else token_id
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._special_id("bos")
+
+    @property
+    def pad_id(self) -> int | None:
+        return self._special_id("pad")
+
     @property
     def eos_id(self) -> int | None:
+        """The tokenizer's eos_token (what ends a training document); for a bare tokenizer.json the
+        first of the usual spellings it has."""
+        token_id = self._special_id("eos")
+        if token_id is not None or self._extra_files:
+            return token_id
         for token in _EOS_CANDIDATES:
             token_id = self._tokenizer.token_to_id(token)
             if token_id is not None:
                 return token_id
         return None
 
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation: generation_config.json's eos_token_id (an int or a list,
+        e.g. Llama 3 Instruct's end-of-turn tokens), else (eos_id,)."""
+        eos = self._generation.get("eos_token_id")
+        if eos is not None:
+            return tuple(eos) if isinstance(eos, list) else (eos,)
+        return () if self.eos_id is None else (self.eos_id,)
+
     def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``, with the bos / eos tokens transformers would add (add_special_tokens)."""
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def save(self, directory) -> None:
-        """Write ``directory/tokenizer.json``."""
-        self._tokenizer.save(os.path.join(os.fspath(directory), TOKENIZER_FILE))
+        """Write ``directory/tokenizer.json``, and copy the tokenizer_config.json, special_tokens_map.json
+        and generation_config.json it was loaded with."""
+        directory = os.fspath(directory)
+        self._tokenizer.save(os.path.join(directory, TOKENIZER_FILE))
+        for path in self._extra_files:
+            target = os.path.join(directory, os.path.basename(path))
+            if os.path.abspath(path) != os.path.abspath(target):
+                shutil.copyfile(path, target)
 
 
 def load_tokenizer(path_or_none=None):

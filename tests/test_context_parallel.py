@@ -78,8 +78,8 @@ def check_model_step_matches_full(group, pos):
     attention, gradients averaged over the group) equal those of the whole sequence on one rank."""
     world_size = dist.get_world_size(group)
     torch.manual_seed(0)  # the same weights and tokens on every rank
-    model = Transformer(ModelConfig(vocab_size=64, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=96,
-                                    max_seq_len=64, pos=pos, attn_backend="reference"))
+    model = Transformer(ModelConfig(family="custom", vocab_size=64, d_model=64, n_layer=2, n_head=4, n_kv_head=2,
+                                    d_ff=96, max_seq_len=64, pos=pos, attn_backend="reference"))
     input_ids = torch.randint(0, 64, (2, 8 * world_size))
     targets = torch.randint(0, 64, (2, 8 * world_size))
     params = list(model.parameters())

@@ -86,7 +86,7 @@ def test_bad_arguments(model):
 def _flash_model(device, rope=True):
     torch.manual_seed(1)
     config = ModelConfig(vocab_size=VOCAB, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=96, max_seq_len=64,
-                         attn_backend="flash", **({} if rope else {"pos": "learned"}))
+                         attn_backend="flash", **({} if rope else {"family": "custom", "pos": "learned"}))
     model = Transformer(config).to(device)
     with torch.no_grad():
         for p in model.parameters():

@@ -1,18 +1,24 @@
 """Parity with Hugging Face transformers: loading their checkpoints, exporting ours, RoPE scalings."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
 import flashformer  # noqa: E402
+from flashformer.checkpoint import CheckpointError  # noqa: E402
+from flashformer.config import load_config  # noqa: E402
 from flashformer.generate import generate  # noqa: E402
+from flashformer.hf import config_from_hf, config_to_hf, state_dict_to_hf  # noqa: E402
+from flashformer.model import ModelConfig, Transformer  # noqa: E402
 from flashformer.rope import rope_frequencies  # noqa: E402
-from transformers import (AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig,  # noqa: E402
-                          Qwen2Config)
+from transformers import (AutoConfig, AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GPT2Config,  # noqa: E402
+                          LlamaConfig, MistralConfig, Olmo2Config, Phi3Config, Qwen2Config, Qwen3Config)
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
-VOCAB, SEQLEN, NEW_TOKENS = 113, 24, 8
+VOCAB, SEQLEN, NEW_TOKENS = 113, 24, 16
 COMMON = dict(vocab_size=VOCAB, bos_token_id=None, eos_token_id=None, pad_token_id=None)
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16}
@@ -34,6 +40,38 @@ HF_CONFIGS = {
     "qwen2-bias-tied": lambda: Qwen2Config(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=64, tie_word_embeddings=True, **COMMON),
+    # Windows on the layers from max_window_layers up only.
+    "qwen2-mixed-window": lambda: Qwen2Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, use_sliding_window=True, sliding_window=5, max_window_layers=1, **COMMON),
+    "qwen3-qknorm": lambda: Qwen3Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, max_position_embeddings=64, tie_word_embeddings=False, **COMMON),
+    "qwen3-bias-mixed-window-tied": lambda: Qwen3Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=16, max_position_embeddings=64, attention_bias=True, use_sliding_window=True, sliding_window=6,
+        max_window_layers=2, tie_word_embeddings=True, **COMMON),
+    # Small softcaps so that tanh bends the scores; query_pre_attn_scalar != head_dim.
+    "gemma2": lambda: Gemma2Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, query_pre_attn_scalar=24, max_position_embeddings=64, sliding_window=6,
+        attn_logit_softcapping=4.0, final_logit_softcapping=5.0, **COMMON),
+    "gemma3-linear-global": lambda: Gemma3TextConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, query_pre_attn_scalar=32, max_position_embeddings=64, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}}, **COMMON),
+    "gemma3-default-pattern": lambda: Gemma3TextConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=7, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, query_pre_attn_scalar=16, max_position_embeddings=64, sliding_window=5,
+        final_logit_softcapping=8.0, tie_word_embeddings=False, **COMMON),
+    "phi3-sliding": lambda: Phi3Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, original_max_position_embeddings=64, sliding_window=7, **COMMON),
+    "olmo2": lambda: Olmo2Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, **COMMON),
 }
 
 
@@ -107,3 +145,78 @@ def test_unsupported_architecture_names_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "bert", "architectures": ["BertModel"]}')
     with pytest.raises(ValueError, match="unsupported Hugging Face architecture 'bert'.*gpt2.*llama.*mistral.*qwen2"):
         flashformer.from_pretrained(tmp_path)
+
+
+# Llama 3.1 8B and Llama 3.2 1B / 3B: RoPE base 500k, llama3 scaling from 8k to 128k positions.
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+LLAMA32_ROPE = {**LLAMA31_ROPE, "factor": 32.0}
+
+
+@pytest.mark.parametrize("hidden_size, heads, scaling", [(4096, 32, LLAMA31_ROPE), (2048, 32, LLAMA32_ROPE),
+                                                          (3072, 24, LLAMA32_ROPE)], ids=["3.1-8B", "3.2-1B", "3.2-3B"])
+def test_llama3_rope_of_real_configs_equals_transformers(hidden_size, heads, scaling):
+    config = LlamaConfig(hidden_size=hidden_size, num_attention_heads=heads, max_position_embeddings=131072,
+                         rope_theta=500000.0, rope_scaling=dict(scaling))
+    hf_inv_freq, hf_factor = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    inv_freq, factor = rope_frequencies(hidden_size // heads, 500000.0, scaling, max_seq_len=131072)
+    torch.testing.assert_close(inv_freq, hf_inv_freq, atol=0, rtol=0)
+    assert factor == hf_factor == 1.0
+
+
+def test_llama32_shaped_model_equals_transformers_at_long_positions(tmp_path):
+    """Head_dim 64 with Llama 3.2's RoPE, evaluated around position 100k, where the scaling matters."""
+    hf_model = random_hf_model(lambda: LlamaConfig(
+        hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=64, max_position_embeddings=131072, rope_theta=500000.0, rope_scaling=dict(LLAMA32_ROPE),
+        tie_word_embeddings=True, **COMMON))
+    hf_model.save_pretrained(tmp_path)
+    ours = flashformer.from_pretrained(tmp_path, attn_backend="reference")
+    assert ours.config.rope_scaling == LLAMA32_ROPE and ours.config.max_seq_len == 131072
+    input_ids = torch.randint(0, VOCAB, (2, SEQLEN), generator=torch.Generator().manual_seed(1))
+    assert_same_model(hf_model, ours, input_ids)
+    positions = (100_000 + torch.arange(SEQLEN)).expand(2, SEQLEN)
+    with torch.no_grad():
+        hf_logits = hf_model(input_ids, position_ids=positions).logits
+        our_logits = ours(input_ids, position_ids=positions)
+    assert (hf_logits - our_logits).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("make_config, message", [
+    (lambda: Phi3Config(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=96,
+                        max_position_embeddings=256, original_max_position_embeddings=64,
+                        rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}),
+     "rope_type='longrope'"),
+    (lambda: Gemma3TextConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=96,
+                              head_dim=16, use_bidirectional_attention=True), "use_bidirectional_attention"),
+    (lambda: Gemma2Config(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=96,
+                          head_dim=16, hidden_activation="gelu"), "hidden_activation='gelu'"),
+], ids=["phi3-longrope", "gemma3-bidirectional", "gemma2-exact-gelu"])
+def test_unsupported_hf_configs_name_the_key(make_config, message, tmp_path):
+    make_config().save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match=message):
+        flashformer.from_pretrained(tmp_path)
+
+
+def test_custom_family_has_no_hf_export(tmp_path):
+    model = Transformer(ModelConfig(family="custom", pos="learned", n_kv_head=2, d_model=64, n_layer=1, n_head=4,
+                                    vocab_size=VOCAB))
+    with pytest.raises(ValueError, match="family='custom' has no Hugging Face architecture"):
+        model.save_pretrained(tmp_path / "x", format="hf")
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "configs" / "models").glob("*.yaml")),
+                         ids=lambda p: p.stem)
+def test_shipped_model_configs_export_to_transformers_shapes(path):
+    """Real-sized configs (on the meta device): transformers builds the exported config.json into a model
+    whose tensors are exactly the exported ones, name for name and shape for shape."""
+    cfg = load_config(ModelConfig, path)
+    with torch.device("meta"):
+        ours = Transformer(cfg)
+        hf_model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config_to_hf(cfg, torch.bfloat16)))
+    exported = {name: tuple(t.shape) for name, t in state_dict_to_hf(ours.state_dict(), cfg).items()}
+    expected = {name: tuple(t.shape) for name, t in hf_model.state_dict().items()}
+    if cfg.tie_embeddings:
+        expected.pop("lm_head.weight", None)
+    assert exported == expected
+    assert config_from_hf(hf_model.config.to_dict()) == cfg

@@ -14,6 +14,11 @@ GPT2_LIKE = dict(family="gpt2", norm="layernorm", mlp="gelu", pos="learned", qkv
                  mlp_bias=True, tie_embeddings=True)
 LLAMA_LIKE = dict(family="mistral", n_kv_head=2, sliding_window=7, d_ff=96,
                   rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32})
+# Gemma 3 with a final softcap: per-head qk-norm, a windowed layer with its own RoPE base, a scaled full one.
+GEMMA_LIKE = dict(family="gemma3", n_kv_head=2, sliding_window=7, d_ff=96, layer_types=("sliding", "full"),
+                  rope_local_theta=500.0, rope_scaling={"rope_type": "linear", "factor": 2.0}, logit_softcap=5.0)
+FAMILIES = [GPT2_LIKE, LLAMA_LIKE, GEMMA_LIKE, dict(family="olmo2", n_kv_head=1, d_ff=96)]
+FAMILY_IDS = ["gpt2", "mistral", "gemma3", "olmo2"]
 
 
 def tiny_model(seed=0, **overrides):
@@ -42,7 +47,7 @@ def assert_close_all(reference, other, atol):
         torch.testing.assert_close(grads[name], ref_grads[name], atol=atol, rtol=1e-3, msg=name)
 
 
-@pytest.mark.parametrize("family", [GPT2_LIKE, LLAMA_LIKE], ids=["gpt2", "mistral"])
+@pytest.mark.parametrize("family", FAMILIES, ids=FAMILY_IDS)
 def test_backends_agree(family):
     model = tiny_model(**family)
     input_ids = torch.randint(0, 101, (2, 40))
@@ -52,7 +57,8 @@ def test_backends_agree(family):
 
 
 def test_softcap_backends_agree():
-    model = tiny_model(attn_softcap=5.0, **LLAMA_LIKE)
+    """Gemma 2's attention softcap over its alternating sliding-window / full layers."""
+    model = tiny_model(family="gemma2", n_kv_head=2, sliding_window=7, d_ff=96, attn_softcap=5.0)
     input_ids = torch.randint(0, 101, (1, 24))
     assert_close_all(logits_and_grads(model, input_ids, "reference"), logits_and_grads(model, input_ids, "naive"),
                      atol=2e-5)
@@ -69,7 +75,7 @@ def test_flash_backend_matches_reference(backend, device, triton_path):
     assert_close_all(reference, logits_and_grads(model, input_ids, backend), atol=1e-4)
 
 
-@pytest.mark.parametrize("family", [GPT2_LIKE, LLAMA_LIKE], ids=["gpt2", "mistral"])
+@pytest.mark.parametrize("family", FAMILIES, ids=FAMILY_IDS)
 @pytest.mark.parametrize("backend", ["reference", "sdpa", "flash"])
 def test_kv_cache_equals_full_recompute(family, backend, device, monkeypatch):
     """Prefill in chunks, then one token at a time; "flash" runs the Triton decode kernel."""
@@ -91,7 +97,7 @@ def test_kv_cache_equals_full_recompute(family, backend, device, monkeypatch):
         model(input_ids[:, :1], kv_cache=cache)
 
 
-@pytest.mark.parametrize("family", [GPT2_LIKE, LLAMA_LIKE], ids=["gpt2", "mistral"])
+@pytest.mark.parametrize("family", FAMILIES, ids=FAMILY_IDS)
 @pytest.mark.parametrize("backend", ["reference", "sdpa", "flash"])
 def test_packed_documents_equal_separate_runs(family, backend, device, monkeypatch):
     if backend == "flash":
@@ -133,10 +139,12 @@ def test_loss_is_fp32_cross_entropy_with_ignore_index():
     assert all(p.grad is not None for p in model.parameters())
 
 
-@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_chunked_loss_equals_full_logits_cross_entropy(tied):
-    """Forced chunking (chunks of 7 tokens, so 2 x 24 tokens end in a partial chunk) against full logits."""
-    model = tiny_model(tie_embeddings=tied, **LLAMA_LIKE)
+@pytest.mark.parametrize("tied, family", [(True, LLAMA_LIKE), (False, LLAMA_LIKE), (True, GEMMA_LIKE)],
+                         ids=["tied", "untied", "logit-softcap"])
+def test_chunked_loss_equals_full_logits_cross_entropy(tied, family):
+    """Forced chunking (chunks of 7 tokens, so 2 x 24 tokens end in a partial chunk) against full logits
+    (softcapped by forward() where the family caps them)."""
+    model = tiny_model(tie_embeddings=tied, **family)
     input_ids = torch.randint(0, 101, (2, 24))
     targets = torch.randint(0, 101, (2, 24))
     targets[1, :12] = -100  # tokens 28..34 (a whole chunk) are ignored: that chunk is skipped
@@ -192,3 +200,52 @@ def test_invalid_inputs():
         model(torch.zeros(65, dtype=torch.long))
     with pytest.raises(ConfigError, match="n_head"):
         Transformer(ModelConfig(n_head=0))
+
+
+def test_family_sets_its_architecture():
+    """A family with only sizes builds that architecture, not a Llama with a label."""
+    gpt2 = ModelConfig(family="gpt2", vocab_size=101, d_model=64, n_layer=2, n_head=4)
+    assert (gpt2.norm, gpt2.mlp, gpt2.pos, gpt2.qkv_bias, gpt2.o_bias, gpt2.mlp_bias, gpt2.tie_embeddings) == (
+        "layernorm", "gelu", "learned", True, True, True, True)
+    model = Transformer(gpt2)
+    assert model.pos_embed is not None and isinstance(model.blocks[0].attn_norm, torch.nn.LayerNorm)
+    gemma2 = ModelConfig(family="gemma2", n_layer=4)
+    assert (gemma2.norm, gemma2.norm_placement, gemma2.mlp, gemma2.attn_softcap, gemma2.logit_softcap,
+            gemma2.scale_embeddings, gemma2.sliding_window) == (
+        "offset_rmsnorm", "both", "geglu", 50.0, 30.0, True, 4096)
+    assert gemma2.layer_kinds() == ("sliding", "full", "sliding", "full")
+    assert ModelConfig(family="gemma3", n_layer=7).layer_kinds() == ("sliding",) * 5 + ("full", "sliding")
+    assert ModelConfig(family="qwen3").qk_norm == "per_head" and ModelConfig(family="olmo2").norm_placement == "post"
+    # Free fields keep the value given; the family's own defaults stay overridable where its HF config has them.
+    assert ModelConfig(family="gpt2", tie_embeddings=False).tie_embeddings is False
+    assert ModelConfig(family="qwen2", norm_eps=1e-5).norm_eps == 1e-5
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(family="gpt2", norm="rmsnorm"), "norm='rmsnorm' contradicts family='gpt2'"),
+    (dict(family="gpt2", n_kv_head=2), "n_kv_head=2 contradicts family='gpt2'"),
+    (dict(family="llama", attn_softcap=5.0), "attn_softcap=5.0 contradicts family='llama'"),
+    (dict(family="llama", qkv_bias=True, o_bias=False), "o_bias=False contradicts family='llama'"),
+    (dict(family="qwen2", qkv_bias=False), "qkv_bias=False contradicts family='qwen2'"),
+    (dict(family="mistral", sliding_window=8, layer_types=("full", "sliding")),
+     "layer_types=.* contradicts family='mistral'"),
+    (dict(family="olmo2", norm_placement="pre"), "norm_placement='pre' contradicts family='olmo2'"),
+    (dict(family="gemma2", mlp="swiglu"), "mlp='swiglu' contradicts family='gemma2'"),
+])
+def test_explicit_field_contradicting_family_is_refused(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig(n_layer=2, **fields).validate()
+
+
+def test_configs_written_before_family_presets_still_load():
+    """A flashformer config.json of the earlier field set (every field explicit) loads unchanged."""
+    from flashformer.config import load_config
+
+    old = dict(family="qwen2", vocab_size=101, d_model=64, n_layer=2, n_head=4, n_kv_head=2, head_dim=16, d_ff=96,
+               max_seq_len=64, norm="rmsnorm", norm_eps=1e-5, mlp="swiglu", pos="rope", rope_theta=10000.0,
+               rope_scaling=None, qkv_bias=True, o_bias=False, mlp_bias=False, tie_embeddings=True,
+               sliding_window=None, attn_softcap=0.0, attn_backend="auto", init_std=0.02)
+    cfg = load_config(ModelConfig, old)
+    assert cfg.norm_eps == 1e-5 and cfg.qk_norm == "none" and cfg.norm_placement == "pre"
+    assert [(name, p.shape) for name, p in Transformer(cfg).named_parameters()] == [
+        (name, p.shape) for name, p in Transformer(ModelConfig(**old)).named_parameters()]
