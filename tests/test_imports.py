@@ -36,7 +36,7 @@ LAYERS = [
     ("model", ["flashformer.model"]),
     ("model parts, checkpoint files, data",
      ["flashformer.attention", "flashformer.losses", "flashformer.rope", "flashformer.weights", "flashformer.data",
-      "flashformer.profiling"]),
+      "flashformer.profiling", "flashformer.layers", "flashformer.families"]),
     ("configs", ["flashformer.config"]),
     ("crash-safe writes", ["flashformer.fileio"]),
     ("kernels: public API", ["flashformer.kernels"]),
