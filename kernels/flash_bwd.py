@@ -39,7 +39,7 @@ from .tuning import pick_kernel, table_mask, tuned
 PREPROCESS_BLOCK = 64
 # The dK/dV kernel walks its query tiles in one loop (edge tiles masked under a branch) from this padded
 # head_dim up, and in three loops (masked edge, unmasked middle, masked edge) below it: on the H200 one
-# loop gained 2-11% at head_dim 128 and 256 and lost 4-13% at head_dim 64 (docs/perf-notes.md, "Session 8").
+# loop gained 2-11% at head_dim 128 and 256 and lost 4-13% at head_dim 64 (docs/perf-notes.md, "Backward").
 ONE_LOOP_DKDV_HEAD_DIM = 128
 
 

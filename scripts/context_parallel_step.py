@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from flashformer.config import load_config
-from flashformer.data import Batch
+from flashformer.batches import Batch
 from flashformer.context_parallel import context_parallel, shard_batch
 from flashformer.losses import default_chunk_size
 from flashformer.model import ModelConfig, Transformer

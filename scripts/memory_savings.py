@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from flashformer.attention import ATTN_BACKENDS, FLASH_BACKENDS, resolve_backend
 from flashformer.config import config_to_dict, load_config
-from flashformer.data import Batch
+from flashformer.batches import Batch
 from flashformer.losses import default_chunk_size
 from flashformer.model import ModelConfig, Transformer
 from flashformer.parallel import apply_activation_checkpointing

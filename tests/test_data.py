@@ -6,13 +6,12 @@ import numpy as np
 import pytest
 import torch
 
+from flashformer.batches import TrainBatches, eval_batches
 from flashformer.data import (
     DataConfig,
     DataError,
     TokenCorpus,
-    TrainBatches,
     corpus_cache_dir,
-    eval_batches,
     load_corpus,
     stdlib_source_files,
 )

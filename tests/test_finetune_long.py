@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashformer import data as data_module
+from flashformer import batches as batches_module
 from flashformer.checkpoint import from_pretrained
 from flashformer.cli import main as cli_main
 from flashformer.config import ConfigError
@@ -84,7 +84,7 @@ def base_run(tmp_path_factory):
 def extended_run(base_run):
     """``flashformer finetune-long`` 64 -> 256 with linear scaling for 4 steps; records the training batches."""
     seen_batches = []
-    original_next_step = data_module.TrainBatches.next_step
+    original_next_step = batches_module.TrainBatches.next_step
 
     def recording_next_step(self):
         batches = original_next_step(self)
@@ -94,7 +94,7 @@ def extended_run(base_run):
     out_dir = base_run / "long"
     stdout = io.StringIO()
     with one_thread(), pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(stdout):
-        patch.setattr(data_module.TrainBatches, "next_step", recording_next_step)
+        patch.setattr(batches_module.TrainBatches, "next_step", recording_next_step)
         exit_code = cli_main(["finetune-long", str(base_run / "base"), "--target-len", str(TARGET_LEN),
                               "--scaling", "linear", "--steps", "4", "--eval-windows", "2", "--passkey-trials", "1",
                               "--out-dir", str(out_dir), "eval_every=4", "ckpt_every=4"])

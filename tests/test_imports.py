@@ -28,6 +28,7 @@ LAYERS = [
     ("training: config, step, checkpoints and lock, signals, metrics",
      ["flashformer.train.config", "flashformer.train.step", "flashformer.train.state", "flashformer.train.stops",
       "flashformer.train.metrics"]),
+    ("training batches", ["flashformer.batches"]),
     ("around the model: parallelism, generation",
      ["flashformer.parallel", "flashformer.context_parallel", "flashformer.generate"]),
     ("public loading API, tokenizers", ["flashformer", "flashformer.tokenizer"]),

@@ -25,7 +25,8 @@ from tqdm.auto import tqdm
 
 from ..checkpoint import from_pretrained
 from ..config import ConfigError, config_to_dict, save_config
-from ..data import TrainBatches, corpus_cache_dir, eval_batches, load_corpus
+from ..batches import TrainBatches, eval_batches
+from ..data import corpus_cache_dir, load_corpus
 from ..losses import default_chunk_size
 from ..model import Transformer
 from ..parallel import all_reduce, barrier, full_state_dicts, init_distributed, load_optimizer_state_dict, parallelize

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..data import Batch
+from ..batches import Batch
 from ..parallel import clip_grad_norm, gradient_sync
 
 
