@@ -22,7 +22,7 @@ import re
 import torch
 
 from .families import default_layer_types
-from .model import ModelConfig
+from .model_config import ModelConfig
 from .rope import normalize_rope_scaling
 
 SUPPORTED_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",

@@ -33,11 +33,13 @@ LAYERS = [
      ["flashformer.parallel", "flashformer.context_parallel", "flashformer.generate"]),
     ("public loading API, tokenizers", ["flashformer", "flashformer.tokenizer"]),
     ("loading checkpoints into models", ["flashformer.checkpoint"]),
-    ("Hugging Face translation", ["flashformer.hf"]),
     ("model", ["flashformer.model"]),
-    ("model parts, checkpoint files, data",
-     ["flashformer.attention", "flashformer.losses", "flashformer.rope", "flashformer.weights", "flashformer.data",
-      "flashformer.profiling", "flashformer.layers", "flashformer.families"]),
+    ("checkpoint files", ["flashformer.weights"]),
+    ("Hugging Face translation", ["flashformer.hf"]),
+    ("model config", ["flashformer.model_config"]),
+    ("model parts, data",
+     ["flashformer.attention", "flashformer.losses", "flashformer.rope", "flashformer.data", "flashformer.profiling",
+      "flashformer.layers", "flashformer.families"]),
     ("configs", ["flashformer.config"]),
     ("crash-safe writes", ["flashformer.fileio"]),
     ("kernels: public API", ["flashformer.kernels"]),
@@ -52,11 +54,6 @@ LAYERS = [
     ("kernels: masks, head sizes", ["flashformer.kernels.masking", "flashformer.kernels.sizes"]),
 ]
 LAYER_OF = {module: index for index, (_, modules) in enumerate(LAYERS) for module in modules}
-
-# Upward edges that stay until the module on their far end is split. weights.py writes the "hf" format
-# through hf.py, which needs model.ModelConfig only to build configs from Hugging Face's (config_from_hf);
-# the export half of hf.py (key maps, config_to_hf, state_dict_to_hf) belongs below the model.
-KNOWN_UPWARD = {("flashformer.weights", "flashformer.hf")}
 
 
 def _modules(packages=PACKAGES):
@@ -124,17 +121,10 @@ def test_every_module_has_a_layer():
 
 def test_imports_point_down():
     upward = sorted((module, target) for module, targets in import_graph().items() for target in targets
-                    if module in LAYER_OF and target in LAYER_OF and LAYER_OF[target] <= LAYER_OF[module]
-                    and (module, target) not in KNOWN_UPWARD)
+                    if module in LAYER_OF and target in LAYER_OF and LAYER_OF[target] <= LAYER_OF[module])
     assert not upward, "imports that do not point down the layers:\n" + "\n".join(
         f"  {module} ({LAYERS[LAYER_OF[module]][0]}) -> {target} ({LAYERS[LAYER_OF[target]][0]})"
         for module, target in upward)
-
-
-def test_known_upward_edges_still_exist():
-    """An exception that is no longer needed must leave KNOWN_UPWARD, so that it cannot hide a new one."""
-    graph = import_graph()
-    assert all(target in graph.get(module, ()) for module, target in KNOWN_UPWARD)
 
 
 def _cycle(graph):
@@ -162,9 +152,7 @@ def _cycle(graph):
 
 
 def test_no_import_circle():
-    """Without the known upward edges (each closes the circle its comment names), the graph has none."""
-    graph = {module: targets - {t for m, t in KNOWN_UPWARD if m == module} for module, targets in import_graph().items()}
-    cycle = _cycle(graph)
+    cycle = _cycle(import_graph())
     assert cycle is None, "import circle: " + " -> ".join(cycle)
 
 
