@@ -1,5 +1,12 @@
 """flashformer: GPT-style models on our own Triton FlashAttention kernels."""
 
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("flashformer")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0+unknown"
+
 
 def from_pretrained(path, dtype=None, device=None, attn_backend="auto"):
     """Load a Transformer from a flashformer or Hugging Face checkpoint directory.

@@ -145,18 +145,48 @@ def _tokenizer(argv: list[str]) -> int:
 def _generate(argv: list[str]) -> int:
     from .generate import main
 
-    return main(argv)
+    debug = "--debug" in argv
+    argv = [arg for arg in argv if arg != "--debug"]
+    return _guarded("flashformer generate", debug, lambda: main(argv))
 
 
 COMMANDS = {"train": _train, "generate": _generate, "tokenizer": _tokenizer, "finetune-long": _finetune_long}
+SUMMARIES = {
+    "train": "train a GPT from a YAML recipe, or resume a run",
+    "generate": "sample text from a checkpoint",
+    "tokenizer": "train a BPE tokenizer on text files",
+    "finetune-long": "extend a checkpoint's context (RoPE scaling + long-document fine-tuning) and report",
+}
+USAGE = f"usage: flashformer [-h] [--version] {{{','.join(COMMANDS)}}} ..."
+
+
+def _help() -> str:
+    commands = "\n".join(f"  {name:<14} {SUMMARIES[name]}" for name in COMMANDS)
+    examples = __doc__.split("\n\n", 1)[1]
+    return f"{USAGE}\n\ncommands (flashformer COMMAND --help for its options):\n{commands}\n\n{examples}"
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``flashformer`` command; returns the exit code."""
+    import difflib
+
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] not in COMMANDS:
-        print(f"usage: flashformer {{{','.join(COMMANDS)}}} ...\n{__doc__}", file=sys.stderr)
-        return 0 if argv[:1] in (["-h"], ["--help"]) else USAGE_ERROR_EXIT_CODE
+    if argv[:1] in (["-h"], ["--help"]):
+        print(_help())
+        return 0
+    if argv[:1] == ["--version"]:
+        from . import __version__
+
+        print(f"flashformer {__version__}")
+        return 0
+    if not argv:
+        print(f"{USAGE}\nflashformer: error: a command is required ({', '.join(COMMANDS)})", file=sys.stderr)
+        return USAGE_ERROR_EXIT_CODE
+    if argv[0] not in COMMANDS:
+        close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else f"; the commands are {', '.join(COMMANDS)}"
+        print(f"{USAGE}\nflashformer: error: unknown command '{argv[0]}'{hint}", file=sys.stderr)
+        return USAGE_ERROR_EXIT_CODE
     return COMMANDS[argv[0]](argv[1:])
 
 

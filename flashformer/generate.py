@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 import torch
 
@@ -132,8 +133,13 @@ def generate(model, input_ids, max_new_tokens, temperature=1.0, top_k=None, top_
     if prompt_len == 0:
         raise ValueError("input_ids must hold at least one prompt token")
     total = prompt_len + max_new_tokens
-    if model.config.pos == "learned" and total > model.config.max_seq_len:
-        raise ValueError(f"prompt + max_new_tokens = {total} exceeds max_seq_len={model.config.max_seq_len}")
+    if total > model.config.max_seq_len:
+        if model.config.pos == "learned":
+            raise ValueError(f"prompt + max_new_tokens = {total} exceeds max_seq_len={model.config.max_seq_len}, the "
+                             "positions this model has embeddings for: shorten the prompt or max_new_tokens")
+        warnings.warn(f"generating {total} tokens past the {model.config.max_seq_len} this model was configured "
+                      "for: RoPE positions beyond it were never trained (extend the context first, e.g. "
+                      "flashformer finetune-long)", stacklevel=2)
     if cuda_graph:
         _check_cuda_graph(model, device)
     generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
@@ -183,22 +189,33 @@ class _TextStream:
         self.written = len(text)
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     """``flashformer generate CHECKPOINT --prompt ...``: stream a sampled continuation to stdout."""
     from .checkpoint import from_pretrained
     from .tokenizer import load_tokenizer
 
-    parser = argparse.ArgumentParser(prog="flashformer generate", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="flashformer generate", description=main.__doc__,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("checkpoint", help="flashformer or Hugging Face checkpoint directory")
     parser.add_argument("--prompt", default="", help="text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--max-new-tokens", type=_positive_int, default=200,
+                        help="tokens to sample at most (stops early at an end-of-text token)")
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens only")
+    parser.add_argument("--top-p", type=float, default=None, help="sample among the likeliest tokens whose "
+                        "probabilities sum to p (nucleus sampling)")
+    parser.add_argument("--seed", type=int, default=None, help="seed of the sampler, for a repeatable sample")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the model runs")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                        help="default: as stored")
+                        help="weights' dtype (default: as stored)")
     parser.add_argument("--cuda-graph", action="store_true",
                         help="replay one CUDA graph per token (CUDA and attn_backend=flash only)")
     args = parser.parse_args(argv)
@@ -211,10 +228,14 @@ def main(argv: list[str] | None = None) -> int:
         if eos_id is None:
             parser.error("--prompt is empty and the tokenizer has no end-of-text token to start from")
         prompt_ids = [eos_id]
-    stop_tokens = () if eos_id is None else (eos_id,)
+    stop_tokens = tuple(tokenizer.eos_ids)  # every end token generation_config.json lists (Llama 3 has several)
     sys.stdout.write(args.prompt)
-    generate(model, torch.tensor([prompt_ids]), args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-             top_p=args.top_p, stop_tokens=stop_tokens, seed=args.seed,
-             stream=_TextStream(tokenizer, stop_tokens, sys.stdout), cuda_graph=args.cuda_graph)
+    try:
+        generate(model, torch.tensor([prompt_ids]), args.max_new_tokens, temperature=args.temperature,
+                 top_k=args.top_k, top_p=args.top_p, stop_tokens=stop_tokens, seed=args.seed,
+                 stream=_TextStream(tokenizer, stop_tokens, sys.stdout), cuda_graph=args.cuda_graph)
+    except ValueError as error:  # the sampling options or the length: the user's to fix
+        sys.stdout.write("\n")
+        parser.error(str(error))
     sys.stdout.write("\n")
     return 0

@@ -1,0 +1,80 @@
+"""The command line's conventions: help and version on stdout, usage errors in one line with exit 2."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flashformer.model import ModelConfig, Transformer
+
+CLI = [sys.executable, "-m", "flashformer.cli"]
+
+
+def run(*args, cwd=None):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+def test_help_lists_every_command_on_stdout():
+    done = run("--help")
+    assert done.returncode == 0 and done.stderr == ""
+    for command in ("train", "generate", "tokenizer", "finetune-long"):
+        assert f"  {command} " in done.stdout
+
+
+def test_version_on_stdout():
+    from flashformer import __version__
+
+    done = run("--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"flashformer {__version__}"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["trian"], "unknown command 'trian' (did you mean 'train'?)"),
+    (["xyzzy"], "unknown command 'xyzzy'; the commands are train"),
+    ([], "a command is required"),
+])
+def test_usage_errors_exit_2_with_a_message(args, message):
+    done = run(*args)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.fixture(scope="module")
+def gpt2_checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("gpt2")
+    torch.manual_seed(0)
+    Transformer(ModelConfig(family="gpt2", vocab_size=256, d_model=32, n_layer=1, n_head=2,
+                            max_seq_len=16)).save_pretrained(directory)
+    return directory
+
+
+def test_generate_options_have_help_and_defaults():
+    done = run("generate", "--help")
+    assert done.returncode == 0
+    for option in ("--max-new-tokens", "--top-k", "--seed", "--device"):
+        line = done.stdout[done.stdout.index(option):].split("\n  -")[0]
+        assert len(line.split()) > 2, f"{option} has no help text: {line!r}"
+    assert "default: 200" in done.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-new-tokens", "-1"], "must be a positive integer"),
+    (["--max-new-tokens", "100"], "exceeds max_seq_len=16"),
+])
+def test_generate_refuses_bad_lengths_in_one_line(gpt2_checkpoint, args, message):
+    done = run("generate", str(gpt2_checkpoint), "--prompt", "ab", "--device", "cpu", *args)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_generate_on_a_missing_checkpoint_is_one_line(tmp_path):
+    done = run("generate", str(tmp_path / "nothing"), "--device", "cpu")
+    assert done.returncode == 2 and "not found" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_generate_past_the_configured_context_warns_for_rope(tmp_path):
+    from flashformer.generate import generate
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(family="llama", vocab_size=64, d_model=32, n_layer=1, n_head=2, max_seq_len=8))
+    with pytest.warns(UserWarning, match="past the 8 this model was configured for"):
+        generate(model, torch.tensor([[1, 2]]), 10, temperature=0.0)
