@@ -13,6 +13,7 @@ from typing import Literal, Optional
 from .attention import ATTN_BACKENDS
 from .config import ConfigError
 from .families import FAMILY_NAMES, check_family, default_layer_types, family_defaults
+from .kernels.sizes import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, MIN_HEAD_DIM
 from .rope import normalize_rope_scaling
 
 _CHOICES = {"family": FAMILY_NAMES, "norm": ("layernorm", "rmsnorm", "offset_rmsnorm"),
@@ -101,8 +102,9 @@ class ModelConfig:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: expected one of {list(choices)}")
         if self.n_head % self.n_kv_head:
             raise ConfigError(f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head})")
-        if self.head_dim % 8 or not 16 <= self.head_dim <= 256:
-            raise ConfigError(f"head_dim={self.head_dim}: the attention kernels need a multiple of 8 in [16, 256]")
+        if self.head_dim % HEAD_DIM_MULTIPLE or not MIN_HEAD_DIM <= self.head_dim <= MAX_HEAD_DIM:
+            raise ConfigError(f"head_dim={self.head_dim}: the attention kernels need a multiple of {HEAD_DIM_MULTIPLE} "
+                              f"in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")
         for name in ("norm_eps", "rope_theta", "init_std", "rope_local_theta", "query_pre_attn_scalar"):
             value = getattr(self, name)
             if value is not None and not value > 0:

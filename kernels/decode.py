@@ -30,7 +30,7 @@ import triton.language as tl
 from .flash_fwd import log2_scales
 from .launch import (CompiledLaunch, as_descriptor_compatible, dot_precision, ensure_allocator, new_output,
                      reused_buffers, upcast_dot)
-from .sizes import cdiv, next_power_of_2
+from .sizes import WIDE_HEAD_DIM, cdiv, next_power_of_2, pad_head_dim
 from .tile_ops import attention_logits, key_range, logit_scale, narrow, online_softmax_step
 
 LN2 = tl.constexpr(math.log(2.0))
@@ -149,7 +149,7 @@ def _decode_kernel(
     # A row that saw no key: output 0 and lse = -inf (log of an empty sum).
     empty = row_sum == 0.0
     acc = acc / tl.where(empty, 1.0, row_sum)[:, None]
-    lse = tl.where(empty, float("-inf"), (row_max + tl.log2(row_sum)) * LN2)
+    lse = tl.where(empty, float("-inf"), (row_max + tl.log2(tl.where(empty, 1.0, row_sum))) * LN2)
     # out and the partials are contiguous (batch, seqlen_q, heads_q[, splits], head_dim): one flat row index.
     out_row = (batch * seqlen_q + tokens) * heads_q + heads
     if SPLIT:
@@ -177,7 +177,7 @@ def _combine_kernel(O_PART, LSE_PART, O, LSE, seqlen_q, heads_q, num_splits,
     weights = tl.exp(lse_s - lse_max_safe)
     total = tl.sum(weights, 0)
     out = tl.sum(out_s * weights[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    lse = tl.where(total == 0.0, float("-inf"), lse_max_safe + tl.log(total))
+    lse = tl.where(total == 0.0, float("-inf"), lse_max_safe + tl.log(tl.where(total == 0.0, 1.0, total)))
     tl.store(O + row * HEAD_DIM + dims, narrow(out, O.dtype.element_ty), mask=dims < HEAD_DIM)
     batch = row // (seqlen_q * heads_q)
     token = (row // heads_q) % seqlen_q
@@ -204,7 +204,7 @@ def _launch_config(device, head_dim_pad, page_size):
     if device.type == "cuda":
         # Decoding is bandwidth-bound: 64-key tiles, 3 stages in flight (K + V = 96 KB at head_dim
         # 128) leave room for two programs per SM.
-        block_n, warps, stages = (64, 4, 3) if head_dim_pad <= 128 else (32, 4, 3)
+        block_n, warps, stages = (64, 4, 3) if head_dim_pad <= WIDE_HEAD_DIM else (32, 4, 3)
     else:
         block_n, warps, stages = 32, 4, 1  # interpreter: small tiles, several per test cache
     if page_size:
@@ -286,7 +286,7 @@ def _build_plan(q, k_cache, v_cache, block_table, per_sequence, max_seqlen_k, so
     page_size = k_cache.shape[1] if block_table is not None else 0
     k_page_rows, k_rows = _page_rows(k_cache)
     v_page_rows, v_rows = _page_rows(v_cache)
-    head_dim_pad = max(16, next_power_of_2(head_dim))
+    head_dim_pad = pad_head_dim(head_dim)
     group_pad = next_power_of_2(group)
     block_t = min(max(next_power_of_2(seqlen_q), MIN_ROWS // group_pad), max(1, MAX_ROWS // group_pad))
     token_blocks = cdiv(seqlen_q, block_t)

@@ -31,7 +31,7 @@ import triton.language as tl
 from .flash_fwd import log2_scales
 from .launch import (INTERPRETED, as_descriptor_compatible, dot_precision, ensure_allocator, new_output,
                      seq_strides, seqs_pad, tile_grid, upcast_dot)
-from .sizes import next_power_of_2
+from .sizes import next_power_of_2, pad_head_dim
 from .tile_ops import (key_range, mma, narrow, program_tile, query_range, rows_descriptor, sequence_bounds, tanh,
                        visible)
 from .tuning import pick_kernel, table_mask, tuned
@@ -325,7 +325,7 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
         return dq.zero_(), dk.zero_(), dv.zero_()
     lse_log2 = new_output(lse)
     delta = new_output(lse)
-    head_dim_pad = max(16, next_power_of_2(head_dim))
+    head_dim_pad = pad_head_dim(head_dim)
     qk_scale, softcap_log2 = log2_scales(softmax_scale, softcap)
     ensure_allocator(q.device)
     common = dict(
