@@ -15,6 +15,10 @@ from flashformer.train import latest_checkpoint, load_train_config, read_metrics
 from test_train import SUBPROCESS_ENV, data_cache, one_thread, tiny_recipe  # noqa: F401 (fixtures)
 
 TOLERANCE = 1e-5  # fp32: the two runs sum the same numbers in a different order
+# Every run here trains on the CPU over gloo, as the tolerance above assumes: device "auto" would put
+# both torchrun workers on GPU LOCAL_RANK (cuda:1 does not exist on a one-GPU machine), train in bf16
+# autocast and through the Triton kernels, none of which fp32 CPU bit-closeness holds for.
+CPU = dict(device="cpu")
 
 
 def torchrun(recipe: dict, tmp_path, *args) -> None:
@@ -39,7 +43,8 @@ def assert_same_losses(run_dir, reference_dir):
 
 def test_ddp_with_packed_documents_matches_one_process(tmp_path, data_cache):
     # One process: 8 rows per micro batch. Two: 2 rows each, accumulated twice: the same 8 rows per step.
-    fields = dict(steps=6, eval_every=3, batch_size=8, data__packing="packed", data__stdlib_max_bytes=1_000_000)
+    fields = dict(steps=6, eval_every=3, batch_size=8, data__packing="packed", data__stdlib_max_bytes=1_000_000,
+                  **CPU)
     train(load_train_config(tiny_recipe(tmp_path / "one", data_cache, micro_batch_size=8, **fields)))
     two = tiny_recipe(tmp_path / "two", data_cache, micro_batch_size=2, parallel={"mode": "ddp"}, **fields)
     torchrun(two, tmp_path)
@@ -48,7 +53,7 @@ def test_ddp_with_packed_documents_matches_one_process(tmp_path, data_cache):
 
 def test_fsdp_matches_one_process_and_resumes(tmp_path, data_cache):
     # chunked_loss: the loss comes out of the sharded root module's forward (DDP above covers logits).
-    fields = dict(steps=6, eval_every=3, ckpt_every=3, batch_size=8, micro_batch_size=4, chunked_loss=True)
+    fields = dict(steps=6, eval_every=3, ckpt_every=3, batch_size=8, micro_batch_size=4, chunked_loss=True, **CPU)
     train(load_train_config(tiny_recipe(tmp_path / "one", data_cache, **fields)))
     sharded = tmp_path / "fsdp"
     torchrun(tiny_recipe(sharded, data_cache, parallel={"mode": "fsdp"}, **fields), tmp_path)
@@ -84,7 +89,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, dat
     run = tmp_path / "run"
     config = tmp_path / "recipe.yaml"
     config.write_text(yaml.safe_dump(tiny_recipe(run, data_cache, steps=100_000, ckpt_every=100_000,
-                                                 parallel={"mode": "ddp"})))
+                                                 parallel={"mode": "ddp"}, **CPU)))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
                "-m", "flashformer.cli", "train", str(config)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=SUBPROCESS_ENV,

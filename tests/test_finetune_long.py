@@ -68,6 +68,9 @@ def base_run(tmp_path_factory):
     """A byte-level model trained for 12 steps at context 64 on 300 kB of the stdlib."""
     root = tmp_path_factory.mktemp("finetune-long")
     recipe = {
+        # On the CPU (finetune-long inherits it): the report's perplexities are checked against fp32 CPU
+        # recomputations to rel 1e-7, and device "auto" would evaluate on CUDA under bf16 autocast.
+        "device": "cpu",
         "name": "base", "out_dir": str(root / "base"), "steps": 12, "batch_size": 8, "micro_batch_size": 4,
         "log_every": 4, "eval_every": 12, "eval_batches": 2, "ckpt_every": 12,
         "model": {"vocab_size": 257, "d_model": 64, "n_layer": 2, "n_head": 4, "max_seq_len": ORIGINAL_LEN},

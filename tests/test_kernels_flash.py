@@ -263,9 +263,15 @@ def test_softcap_one_key_head_dim_256(deterministic, device, triton_path):
     """softcap 15 bounds the logits to [-15, 15]; scores near -15 still overflow unmasked padded keys."""
     q = 3 * torch.randn(1, 96, 4, 256, device=device, dtype=torch.float16)
     k = 3 * torch.randn(1, 1, 2, 256, device=device, dtype=torch.float16)
-    v = 3 * torch.randn(1, 1, 2, 256, device=device, dtype=torch.float16)
+    # Integer v and dO: with one key the exact dq and dk are 0, and the kernel gets them from
+    # dS = P * (dP - delta), two fp32 sums of the same 256 products of size ~|v||dO|. With integers
+    # (|sums| < 2^24) both sums are exact in any order, on the tensor cores too, so dS is exactly 0;
+    # with 3 * randn they differed by rounding, ~9e-5 in dk on the CPU, against the 1e-4 floor of
+    # exact zeros, and more in the tensor cores' summation order.
+    v = (3 * torch.randn(1, 1, 2, 256, device=device)).round().to(torch.float16)
+    grad_out = (2 * torch.randn(q.shape, device=device)).round().to(torch.float16)
     assert_matches_reference(functools.partial(flash_attn_func, deterministic=deterministic), q, k, v,
-                             torch.randn_like(q), softcap=15.0)
+                             grad_out, softcap=15.0)
 
 
 # seqlen_k drawn once (fixed seed: every run sweeps the same) from lengths that no power-of-two key tile
