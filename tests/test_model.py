@@ -75,16 +75,23 @@ def test_flash_backend_matches_reference(backend, device, triton_path):
     assert_close_all(reference, logits_and_grads(model, input_ids, backend), atol=1e-4)
 
 
-@pytest.mark.parametrize("family", FAMILIES, ids=FAMILY_IDS)
-@pytest.mark.parametrize("backend", ["reference", "sdpa", "flash"])
-def test_kv_cache_equals_full_recompute(family, backend, device, monkeypatch):
-    """Prefill in chunks, then one token at a time; "flash" runs the Triton decode kernel."""
+def model_on_backend(family, backend, device, monkeypatch):
+    """(tiny model, its device): "flash" on the Triton kernels on the test device (the interpreter on
+    CPU), the PyTorch backends on CPU."""
     if backend == "flash":
         monkeypatch.setenv("FLASHFORMER_KERNEL", "triton")
     else:
         device = "cpu"
     model = tiny_model(**family).to(device)
     model.attn_backend = backend
+    return model, device
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=FAMILY_IDS)
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "flash"])
+def test_kv_cache_equals_full_recompute(family, backend, device, monkeypatch):
+    """Prefill in chunks, then one token at a time; "flash" runs the Triton decode kernel."""
+    model, device = model_on_backend(family, backend, device, monkeypatch)
     input_ids = torch.randint(0, 101, (2, 30), device=device)
     with torch.no_grad():
         full = model(input_ids)
@@ -100,12 +107,7 @@ def test_kv_cache_equals_full_recompute(family, backend, device, monkeypatch):
 @pytest.mark.parametrize("family", FAMILIES, ids=FAMILY_IDS)
 @pytest.mark.parametrize("backend", ["reference", "sdpa", "flash"])
 def test_packed_documents_equal_separate_runs(family, backend, device, monkeypatch):
-    if backend == "flash":
-        monkeypatch.setenv("FLASHFORMER_KERNEL", "triton")
-    else:
-        device = "cpu"
-    model = tiny_model(**family).to(device)
-    model.attn_backend = backend
+    model, device = model_on_backend(family, backend, device, monkeypatch)
     lengths = [9, 1, 14, 6]
     docs = [torch.randint(0, 101, (1, n), device=device) for n in lengths]
     cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
