@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from .fileio import atomic_directory
 
 # Bump when the cache layout or the tokenization rules change: old caches are then ignored.
-DATA_CACHE_VERSION = 1
+DATA_CACHE_VERSION = 2
 
 _BUILDER_BY_SUFFIX = {".txt": "text", ".py": "text", ".md": "text", ".json": "json", ".jsonl": "json",
                       ".parquet": "parquet"}
@@ -228,10 +228,30 @@ def load_corpus(cfg: DataConfig, tokenizer, build: bool = True) -> tuple[TokenCo
 
 
 def _open_split(cache_dir: str, split: str) -> TokenCorpus:
-    with open(os.path.join(cache_dir, "meta.json")) as f:
-        meta = json.load(f)
-    tokens = np.memmap(os.path.join(cache_dir, f"{split}.bin"), dtype=meta["dtype"], mode="r")
-    return TokenCorpus(tokens, np.load(os.path.join(cache_dir, f"{split}_doc_starts.npy")))
+    """The split's memmapped tokens, after checking them against meta.json (sizes, offsets, checksum):
+    a cut or changed cache must not train on silently, or let a resume diverge."""
+    redo = f"delete {cache_dir} to rebuild it from the sources"
+    try:
+        with open(os.path.join(cache_dir, "meta.json")) as f:
+            meta = json.load(f)
+        dtype, expected = np.dtype(meta["dtype"]), meta["splits"][split]
+        doc_starts = np.load(os.path.join(cache_dir, f"{split}_doc_starts.npy"), allow_pickle=False)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise DataError(f"token cache {cache_dir} is unreadable ({type(error).__name__}: {error}); {redo}") from None
+    path = os.path.join(cache_dir, f"{split}.bin")
+    size = os.path.getsize(path) if os.path.exists(path) else None
+    if size != expected["tokens"] * dtype.itemsize:
+        raise DataError(f"{path} holds {size} bytes where meta.json expects {expected['tokens']} tokens of "
+                        f"{dtype.name}; {redo}")
+    if len(doc_starts) != expected["documents"] + 1 or doc_starts[-1] != expected["tokens"]:
+        raise DataError(f"{split}_doc_starts.npy in {cache_dir} does not match meta.json; {redo}")
+    tokens = np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype=dtype)
+    digest = _token_digest()
+    for start in range(0, len(tokens), 1 << 24):
+        digest.update(np.ascontiguousarray(tokens[start:start + (1 << 24)]).tobytes())
+    if digest.hexdigest() != expected["blake2b"]:
+        raise DataError(f"{path} changed since it was written (checksum mismatch); {redo}")
+    return TokenCorpus(tokens, doc_starts)
 
 
 def _load_documents(cfg: DataConfig, sources: _Sources):
@@ -272,23 +292,33 @@ def _texts(dataset, text_field: str):
         yield from rows[text_field]
 
 
+def _token_digest():
+    """The checksum of a split's token file (blake2b: fast enough to verify a cache at every start)."""
+    return hashlib.blake2b(digest_size=16)
+
+
 class _SplitWriter:
-    """Appends documents (token ids + EOS) to ``<split>.bin`` and records their offsets."""
+    """Appends documents (token ids + EOS) to ``<split>.bin`` and records their offsets and checksum."""
 
     def __init__(self, directory: str, split: str, dtype):
         self.directory, self.split, self.dtype = directory, split, dtype
         self.file = open(os.path.join(directory, f"{split}.bin"), "wb")
         self.doc_starts = [0]
+        self.digest = _token_digest()
 
     def add(self, ids: np.ndarray) -> None:
-        ids.astype(self.dtype).tofile(self.file)
+        data = ids.astype(self.dtype).tobytes()
+        self.file.write(data)
+        self.digest.update(data)
         self.doc_starts.append(self.doc_starts[-1] + len(ids))
 
-    def close(self) -> int:
+    def close(self) -> dict:
+        """Closes the files; returns the split's entry of meta.json."""
         self.file.close()
         doc_starts = np.asarray(self.doc_starts, dtype=np.int64)
         np.save(os.path.join(self.directory, f"{self.split}_doc_starts.npy"), doc_starts)
-        return len(self.doc_starts) - 1
+        return {"documents": len(self.doc_starts) - 1, "tokens": int(doc_starts[-1]),
+                "blake2b": self.digest.hexdigest()}
 
 
 def _build_cache(cfg: DataConfig, sources: _Sources, tokenizer, cache_dir: str) -> None:
@@ -323,11 +353,11 @@ def _build_cache(cfg: DataConfig, sources: _Sources, tokenizer, cache_dir: str) 
             for writer in writers.values():  # atomic_directory discards the files: close them first
                 writer.file.close()
             raise
-        counts = {split: writer.close() for split, writer in writers.items()}
-        if counts["train"] == 0 or counts["eval"] == 0:
-            raise DataError(f"the corpus yields {counts['train']} training and {counts['eval']} eval documents; "
-                            "both must be > 0")
-        meta = {"version": DATA_CACHE_VERSION, "dtype": np.dtype(dtype).name, "documents": counts,
+        splits = {split: writer.close() for split, writer in writers.items()}
+        if splits["train"]["documents"] == 0 or splits["eval"]["documents"] == 0:
+            raise DataError(f"the corpus yields {splits['train']['documents']} training and "
+                            f"{splits['eval']['documents']} eval documents; both must be > 0")
+        meta = {"version": DATA_CACHE_VERSION, "dtype": np.dtype(dtype).name, "splits": splits,
                 "eos_id": tokenizer.eos_id}
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f)

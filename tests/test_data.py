@@ -1,6 +1,7 @@
 """Corpus loading, the token cache and training batches (flashformer.data)."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -60,6 +61,30 @@ def test_second_load_reads_the_cache_without_tokenizing(tmp_path):
     train_again, held_out_again = load_corpus(cfg, ForbiddenTokenizer())
     np.testing.assert_array_equal(train.tokens, train_again.tokens)
     np.testing.assert_array_equal(held_out.doc_starts, held_out_again.doc_starts)
+
+
+@pytest.mark.parametrize("damage", ["cut", "changed", "empty", "meta"])
+def test_a_damaged_cache_is_refused_naming_the_file(tmp_path, damage):
+    """A token cache cut short, changed, emptied or with an unreadable meta.json must not train on: the
+    error names the file and says how to rebuild."""
+    cfg = files_config(tmp_path)
+    load_corpus(cfg, ByteTokenizer())
+    cache_dir = corpus_cache_dir(cfg)
+    path = os.path.join(cache_dir, "train.bin")
+    data = open(path, "rb").read()
+    damaged = {"cut": data[:len(data) // 2], "changed": data[:100] + bytes([data[100] ^ 1]) + data[101:],
+               "empty": b""}.get(damage)
+    if damaged is None:
+        with open(os.path.join(cache_dir, "meta.json"), "w") as f:
+            f.write("{not json")
+    else:
+        with open(path, "wb") as f:
+            f.write(damaged)
+    expected = {"cut": "train.bin holds", "changed": "checksum mismatch", "empty": "train.bin holds",
+                "meta": "unreadable"}[damage]
+    with pytest.raises(DataError, match=expected) as error:
+        load_corpus(cfg, ForbiddenTokenizer())
+    assert "to rebuild it" in str(error.value)
 
 
 def test_cache_key_changes_with_sources_and_tokenizer(tmp_path):
