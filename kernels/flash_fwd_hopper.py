@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 
 from .launch import ensure_allocator
-from .tile_ops import key_range, tanh
+from .tile_ops import key_range, tanh, visible
 
 BLOCK_M = 128
 
@@ -54,13 +54,8 @@ def _logits(s, n0, rows, seqlen_q, seqlen_k, window_left, window_right, qk_scale
         s = tanh(s * qk_scale) * softcap_log2
     if masked:
         cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
-        r = gl.expand_dims(rows + (seqlen_k - seqlen_q), 1)
-        c = gl.expand_dims(cols, 0)
-        keep = (c < seqlen_k) & (gl.expand_dims(rows, 1) < seqlen_q)
-        if RIGHT_BOUNDED:
-            keep = keep & (c <= r + window_right)
-        if LEFT_BOUNDED:
-            keep = keep & (c >= r - window_left)
+        keep = visible(gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), seqlen_q, seqlen_k, window_left,
+                       window_right, LEFT_BOUNDED, RIGHT_BOUNDED)
         s = gl.where(keep, s, float("-inf"))
     return s
 
