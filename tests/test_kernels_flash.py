@@ -311,9 +311,9 @@ import functools, sys
 import torch
 sys.path.insert(0, sys.argv[1])
 from attention_checks import assert_matches_reference
-from flashformer.kernels import flash_attn_func, launch
+from flashformer.kernels import flash_attn_func, tuning
 
-launch.FORCED_CONFIGS["fwd"] = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+tuning.FORCED_CONFIGS["fwd"] = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 torch.manual_seed(0)
 q = torch.randn(1, 300, 4, 256, device="cuda", dtype=torch.bfloat16)
 k, v = (torch.randn(1, 300, 2, 256, device="cuda", dtype=torch.bfloat16) for _ in range(2))
