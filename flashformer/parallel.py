@@ -146,11 +146,14 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, env: DistributedEnv, acti
     if not env.distributed:
         return model
     if cfg.mode == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # fully_shard's default mesh is on the machine's accelerator, which a CPU (gloo) run must not touch.
+        mesh = init_device_mesh(env.device.type, (env.world_size,))
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model
     # Gradients as views of the all-reduce buckets: no copy into the buckets each step, one gradient copy
     # less in memory.

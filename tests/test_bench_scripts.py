@@ -162,7 +162,7 @@ def test_kernel_times_table_lists_each_cell_and_implementation(bench):
 
 def test_graph_rows_take_the_graph_cells_and_drop_failed_captures(bench):
     eager = {"fwd_tflops": 100.0, "bwd_tflops": 50.0}
-    rows = [{"head_dim": 64, "causal": True, "seqlen": 1024, "batch": 16, "max_abs_diff_vs_sdpa_flash": 0.01,
+    rows = [{"head_dim": 64, "causal": True, "seqlen": 1024, "batch": 16, "max_abs_diff_vs_sdpa": 0.01,
              "ours": {**eager, "graph": {"fwd_tflops": 120.0, "bwd_tflops": 60.0}},
              "sdpa-flash": {**eager, "graph": None}}]
     (row,) = bench.graph_rows(rows, ["ours", "sdpa-flash"])
