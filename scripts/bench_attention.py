@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from flashformer.kernels import (cu_seqlens_from_lengths, document_ids_from_cu_seqlens, flash_attn_func,
                                  flash_attn_varlen_func, force_kernel_impl)
-from flashformer.profiling import capture_cuda_graph, kernel_times
+from flashformer.profiling import benchmark_provenance, capture_cuda_graph, kernel_times
 
 SDPA_BACKENDS = {
     "sdpa-flash": SDPBackend.FLASH_ATTENTION,
@@ -247,7 +247,7 @@ def main(argv=None):
                              "print a second table")
     args = parser.parse_args(argv)
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
-    record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    record = benchmark_provenance()
     warm_up_gpu()
     if args.varlen:
         record["varlen"] = run_varlen(args, causals)
