@@ -10,9 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-import yaml
-
-from ..config import ConfigError, config_to_dict, load_config
+from ..config import ConfigError, config_to_dict, load_config, read_yaml
 from ..data import DataConfig
 from ..model import ModelConfig
 from ..parallel import ParallelConfig
@@ -131,8 +129,9 @@ def load_train_config(source=None, overrides=(), resume_dir: str | None = None) 
         path = os.path.join(resume_dir, RUN_CONFIG_FILE)
         if not os.path.isfile(path):
             raise ConfigError(f"--resume {resume_dir}: no {RUN_CONFIG_FILE} there (not a run directory)")
-        with open(path, encoding="utf-8") as f:
-            source = yaml.safe_load(f)
+        source = read_yaml(path)
+        if not isinstance(source, dict):
+            raise ConfigError(f"--resume {resume_dir}: {path} does not hold a run's config (a mapping)")
         source.update(resume=True, out_dir=resume_dir)
         saved = config_to_dict(load_config(TrainConfig, source))
         requested = load_config(TrainConfig, source, overrides)
@@ -150,16 +149,14 @@ def _read_recipe(path) -> dict:
     directory, e.g. ``models/gpt2-124m.yaml``) whose fields are inlined, so overrides still reach them."""
     if not os.path.isfile(path):
         raise ConfigError(f"{path}: no such recipe file")
-    with open(path, encoding="utf-8") as f:
-        raw = yaml.safe_load(f) or {}
+    raw = read_yaml(path) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
     if isinstance(raw.get("model"), str):
         model_path = os.path.join(os.path.dirname(os.fspath(path)), raw["model"])
         if not os.path.isfile(model_path):
             raise ConfigError(f"{path}: model: {raw['model']!r} is not a file (looked for {model_path})")
-        with open(model_path, encoding="utf-8") as f:
-            raw["model"] = yaml.safe_load(f)
+        raw["model"] = read_yaml(model_path)
     return raw
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 
 from ..fileio import atomic_directory
-from ..weights import write_pretrained_files
+from ..weights import CheckpointError, write_pretrained_files
 from ..config import ConfigError
 
 try:
@@ -181,8 +182,18 @@ def prune_checkpoints(run_dir: str, keep: int) -> None:
 
 
 def read_trainer_state(checkpoint: str) -> dict:
-    """The ``trainer_state.pt`` of a checkpoint directory, on CPU."""
-    return torch.load(os.path.join(checkpoint, TRAINER_STATE_FILE), map_location="cpu", weights_only=True)
+    """The ``trainer_state.pt`` of a checkpoint directory, on CPU; CheckpointError naming the file, and
+    the older checkpoint to fall back to, when it is missing or unreadable."""
+    path = os.path.join(checkpoint, TRAINER_STATE_FILE)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
+        run_dir = os.path.dirname(os.path.abspath(checkpoint))
+        older = [step for step in checkpoint_steps(run_dir) if f"ckpt-{step}" != os.path.basename(checkpoint)]
+        fallback = (f"; remove {checkpoint} to resume from ckpt-{older[-1]}" if older else
+                    "; no older checkpoint in the run to fall back to")
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise CheckpointError(f"{path} is unreadable ({reason}){fallback}") from None
 
 
 def capture_rng() -> dict:
