@@ -195,8 +195,10 @@ def _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_id
         if k_cache.shape[1] % PAGE_MULTIPLE:
             raise ValueError(f"k_cache block_size={k_cache.shape[1]} (dim 1 of a paged cache) must be a multiple "
                              f"of {PAGE_MULTIPLE}")
-    if k is not None and k.shape[2:] != k_cache.shape[2:]:
-        raise ValueError(f"k has (heads_kv, head_dim) = {tuple(k.shape[2:])} but k_cache has {tuple(k_cache.shape[2:])}")
+    for name, t in (("k", k), ("v", v)):
+        if t is not None and t.shape[2:] != k_cache.shape[2:]:
+            raise ValueError(f"{name} has (heads_kv, head_dim) = {tuple(t.shape[2:])} but the caches have "
+                             f"{tuple(k_cache.shape[2:])}")
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = automatic), got {num_splits!r}")
     if cache_seqlens is None:  # as flash-attn: the whole cache is valid
