@@ -80,14 +80,20 @@ def _rows_as_pages(k_cache, v_cache, cache_batch_idx, cache_leftpad, batch):
         k_pool, v_pool (pages, page_size, heads_kv, head_dim) and block_table int32 (batch, pages per
         sequence), all on the caches' device.
     """
-    from .launch import as_descriptor_compatible
-
     def entry_stride(cache):  # cache entries from one sequence to the next, or None if not a whole number
         return cache.stride(0) // cache.stride(1) if cache.stride(0) % cache.stride(1) == 0 else None
 
-    k_cache, v_cache = as_descriptor_compatible(k_cache), as_descriptor_compatible(v_cache)
-    if entry_stride(k_cache) is None or entry_stride(k_cache) != entry_stride(v_cache):
-        k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()  # one block_table must address both
+    def addressable(cache):
+        # What the launcher's tensor descriptors need (launch.as_descriptor_compatible), else it would copy
+        # the pool: page_size times the cache. torch.compile traces strides but not the base address (a
+        # compiled caller's cache is taken as allocated, 16-byte aligned).
+        *outer, last = cache.stride()
+        aligned = torch.compiler.is_compiling() or cache.data_ptr() % 16 == 0
+        return last == 1 and aligned and all(s * cache.element_size() % 16 == 0 for s in outer)
+
+    if not (addressable(k_cache) and addressable(v_cache)) or entry_stride(k_cache) is None \
+            or entry_stride(k_cache) != entry_stride(v_cache):  # one block_table must address both
+        k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
     sequence_entries, capacity = entry_stride(k_cache), k_cache.shape[1]
     entries = (k_cache.shape[0] - 1) * sequence_entries + capacity
     page_size = min(ROW_PAGE_SIZE, entries // PAGE_MULTIPLE * PAGE_MULTIPLE)

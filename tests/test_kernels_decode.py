@@ -580,3 +580,20 @@ def test_bad_rows_and_leftpad_are_caught_when_checked(impl, change, match, devic
     if impl == "torch":
         with pytest.raises(ValueError, match="check_lengths=False"):
             flash_attn_with_kvcache(**args, check_lengths=False)
+
+
+def test_rows_leftpad_rotary_compile_full_graph(device, triton_path):
+    """cache_batch_idx, cache_leftpad and rotary trace with no graph break and compute the eager result."""
+    args, _ = _bad_inputs(device)
+    args.update(k_cache=torch.randn(4, 40, 2, 32, device=device, dtype=torch.float16), **_angles(device),
+                cache_batch_idx=_i32(args, 3, 1), cache_leftpad=_i32(args, 1, 4))
+    caches = [args.pop(name) for name in ("k_cache", "v_cache")]
+    caches[1] = torch.randn_like(caches[0])
+
+    def step(k_cache, v_cache):
+        return flash_attn_with_kvcache(k_cache=k_cache, v_cache=v_cache, **args)
+
+    eager = step(*(c.clone() for c in caches))
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(*(c.clone() for c in caches))
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
