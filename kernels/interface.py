@@ -25,7 +25,7 @@ import torch
 
 from .masking import normalize_window
 from .reference import attention_tiled
-from .sizes import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, MIN_HEAD_DIM
+from .sizes import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, MIN_HEAD_DIM, cdiv
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 KERNEL_IMPLS = ("gluon", "triton", "torch")
@@ -150,7 +150,7 @@ def check_attention_args(q, k, v, seq_dim, softmax_scale, window_size, softcap):
 def kernel_head_dim(head_dim):
     """The head_dim the kernels run ``head_dim`` at: the next multiple of HEAD_DIM_MULTIPLE, at least
     MIN_HEAD_DIM (tensor descriptors need 16-byte strides, tl.dot a K of 16)."""
-    return max(MIN_HEAD_DIM, -(-head_dim // HEAD_DIM_MULTIPLE) * HEAD_DIM_MULTIPLE)
+    return max(MIN_HEAD_DIM, cdiv(head_dim, HEAD_DIM_MULTIPLE) * HEAD_DIM_MULTIPLE)
 
 
 def kernel_inputs(q, k, v):

@@ -229,7 +229,7 @@ def _check_lengths(k_cache, cache_seqlens, shared_length, seqlen_new, block_tabl
     Returns:
         (ends, spans): ends, the valid entries per sequence after the append (host ints), or None when
         only the device holds them; spans, per sequence (cache row, first valid entry, end) when the
-        device was read (see _kvcache_torch), else None.
+        host knows them all (see _kvcache_torch), else None.
     """
     ends = None
     if shared_length is not None:  # the host knows every length: no read for them
