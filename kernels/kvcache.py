@@ -96,10 +96,7 @@ def _rows_as_pages(k_cache, v_cache, cache_batch_idx, cache_leftpad, batch):
         k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
     sequence_entries, capacity = entry_stride(k_cache), k_cache.shape[1]
     entries = (k_cache.shape[0] - 1) * sequence_entries + capacity
-    page_size = min(ROW_PAGE_SIZE, entries // PAGE_MULTIPLE * PAGE_MULTIPLE)
-    if page_size == 0:
-        raise ValueError(f"cache_batch_idx / cache_leftpad on the Triton path need a cache of at least "
-                         f"{PAGE_MULTIPLE} entries in all, got {entries}")
+    page_size = min(ROW_PAGE_SIZE, entries // PAGE_MULTIPLE * PAGE_MULTIPLE)  # entries >= PAGE_MULTIPLE: checked
 
     def pool(cache):
         return cache.as_strided((entries - page_size + 1, page_size, *cache.shape[2:]),
@@ -187,6 +184,10 @@ def _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_id
                 or t.device != q.device):
             raise ValueError(f"{name} must be an int32 tensor of shape (batch={batch},) on {q.device}, got "
                              f"{_describe(t)}")
+    entries = k_cache.shape[0] * k_cache.shape[1]
+    if (cache_batch_idx is not None or cache_leftpad is not None) and entries < PAGE_MULTIPLE:
+        raise ValueError(f"cache_batch_idx / cache_leftpad need a cache of at least {PAGE_MULTIPLE} entries in all "
+                         f"(the Triton path reads it as pages of whole key tiles), got {entries}")
     if block_table is None:
         if cache_batch_idx is None and k_cache.shape[0] != batch:
             raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences but q has batch {batch}; a paged cache "

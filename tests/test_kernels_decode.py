@@ -551,6 +551,8 @@ def _angles(device, positions=40, half=8):
                            k_cache=a["k_cache"][..., :20], v_cache=a["v_cache"][..., :20]), "head_dim=20"),
     (False, lambda a: dict(v=torch.randn(2, 1, 2, 24, dtype=a["v"].dtype, device=a["v"].device)),
      "v has \\(heads_kv, head_dim\\)"),
+    (False, lambda a: dict(k_cache=a["k_cache"][:1, :8], v_cache=a["v_cache"][:1, :8], cache_seqlens=3,
+                           cache_batch_idx=_i32(a, 0, 0)), "at least 16 entries in all .*, got 8"),
 ])
 def test_new_kvcache_arguments_name_themselves(paged, change, match, device, triton_path):
     args, paged_args = _bad_inputs(device)
