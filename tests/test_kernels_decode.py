@@ -599,3 +599,22 @@ def test_rows_leftpad_rotary_compile_full_graph(device, triton_path):
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(*(c.clone() for c in caches))
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+def test_flash_attn_positional_order_and_lse_name(device, triton_path):
+    """A call written for flash-attn's signature, positionally up to causal and with its
+    return_softmax_lse, equals the keyword call with return_lse."""
+    args, _ = _bad_inputs(device)
+    angles = _angles(device)
+    runs = []
+    for positional in (True, False):
+        caches = {name: args[name].clone() for name in ("k_cache", "v_cache")}
+        if positional:
+            runs.append(flash_attn_with_kvcache(args["q"], caches["k_cache"], caches["v_cache"], args["k"], args["v"],
+                                                angles["rotary_cos"], angles["rotary_sin"], args["cache_seqlens"],
+                                                None, None, None, 0.3, False, return_softmax_lse=True))
+        else:
+            runs.append(flash_attn_with_kvcache(**{**args, **caches}, **angles, softmax_scale=0.3, causal=False,
+                                                return_lse=True))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
