@@ -33,6 +33,7 @@ LAYERS = [
      ["flashformer.parallel", "flashformer.context_parallel", "flashformer.generate"]),
     ("public loading API, tokenizers", ["flashformer", "flashformer.tokenizer"]),
     ("loading checkpoints into models", ["flashformer.checkpoint"]),
+    ("LoRA adapters", ["flashformer.lora"]),
     ("model", ["flashformer.model"]),
     ("checkpoint files", ["flashformer.weights"]),
     ("Hugging Face translation", ["flashformer.hf"]),
