@@ -3,6 +3,7 @@ checkpoints, resume and merge, and the gradients of the checkpointing policies."
 
 import copy
 import inspect
+import json
 import json.decoder
 import math
 import shutil
@@ -110,7 +111,7 @@ def test_a_bf16_lora_run_keeps_no_fp32_copy_of_the_base_and_optimizes_only_the_a
 
 def test_lora_learns_saves_only_adapters_and_merges_to_the_adapted_logits(tmp_path, data_cache, base_run):  # noqa: F811
     run = tmp_path / "run"
-    train(load_train_config(lora_recipe(run, data_cache, base_run)))
+    train(load_train_config(lora_recipe(run, data_cache, base_run, sample__max_new_tokens=8)))
     assert all(math.isfinite(loss) for _, loss, _ in losses(run) if loss is not None)
     checkpoint = latest_checkpoint(str(run))
     assert (run / "ckpt-12" / ADAPTER_FILE).exists() and not (run / "ckpt-12" / SINGLE_FILE).exists()
@@ -241,10 +242,15 @@ def test_an_offloaded_cpu_run_matches_plain_checkpointing(tmp_path, data_cache, 
     assert losses(tmp_path / "offload") == losses(tmp_path / "True")
 
 
-def test_finetune_long_passes_lora_and_offload_through(base_run):
-    from flashformer.longctx import extended_model_config, long_context_train_config
-
-    extended = extended_model_config(from_pretrained(base_run + "/ckpt-12").config, 128, "linear")
-    cfg = long_context_train_config(base_run, extended, "linear", None, 2, None, None,
-                                    ["lora.rank=8", "activation_checkpointing=offload"])
-    assert (cfg.lora.rank, cfg.activation_checkpointing, cfg.data.seq_len) == (8, "offload", 128)
+def test_finetune_long_trains_adapters_with_offloaded_checkpointing(tmp_path, base_run):
+    out_dir = tmp_path / "long"
+    exit_code = cli_main(["finetune-long", base_run, "--target-len", "128", "--steps", "2", "--eval-windows", "1",
+                          "--passkey-trials", "1", "--eval-lengths", "64", "128", "--out-dir", str(out_dir),
+                          "eval_every=2", "ckpt_every=2", "lora.rank=4", "activation_checkpointing=offload"])
+    assert exit_code == 0
+    report = json.loads((out_dir / "long_context_report.json").read_text())
+    finetuned = report["finetuned_checkpoint"]
+    assert (tmp_path / "long" / "ckpt-2" / ADAPTER_FILE).exists() and finetuned.endswith("ckpt-2")
+    config = load_train_config(str(out_dir / "config.yaml"))
+    assert (config.lora.rank, config.activation_checkpointing, config.data.seq_len) == (4, "offload", 128)
+    assert from_pretrained(finetuned).config.max_seq_len == 128
