@@ -55,9 +55,8 @@ def from_pretrained(path, dtype=None, device=None, attn_backend: str = "auto"):
 
     from .config import load_config
     from .hf import config_from_hf, state_dict_from_hf
-    from .model import ModelConfig, Transformer
-
     from .lora import is_adapter_checkpoint, merge_lora
+    from .model import ModelConfig, Transformer
 
     directory = os.fspath(path)
     if not os.path.isdir(directory):

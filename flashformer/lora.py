@@ -29,7 +29,8 @@ from torch import nn
 from .config import ConfigError, config_to_dict
 from .fileio import atomic_write_file
 from .layers import RMSNorm
-from .weights import ADAPTER_CONFIG_FILE, ADAPTER_FILE, ADAPTER_FORMAT, CheckpointError, read_json, read_safetensors_file
+from .weights import (ADAPTER_CONFIG_FILE, ADAPTER_FILE, ADAPTER_FORMAT, CheckpointError, read_json,
+                      read_safetensors_file)
 
 # Config names of the targets -> the Linear attribute they name inside a block.
 TARGET_MODULES = {"q": "attn.q_proj", "k": "attn.k_proj", "v": "attn.v_proj", "o": "attn.o_proj",

@@ -205,7 +205,12 @@ def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tupl
     """Unsharded (model, optimizer) state dicts on CPU, keyed by parameter name; a collective under FSDP
     (every rank must call it); under FSDP only rank 0's dicts are filled."""
     model_state = get_model_state_dict(model, options=_FULL_STATE)
-    return model_state, get_optimizer_state_dict(model, optimizer, options=_FULL_STATE)
+    return model_state, full_optimizer_state_dict(model, optimizer)
+
+
+def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's part of ``full_state_dicts`` alone (a LoRA run saves no model weights)."""
+    return get_optimizer_state_dict(model, optimizer, options=_FULL_STATE)
 
 
 def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, optimizer_state: dict) -> None:

@@ -128,8 +128,8 @@ def run(args, record: dict) -> None:
     checkpointing = "offload" if args.offload else True
     plan = memory_plan(config, args.tokens, lora, checkpointing, bf16_autocast=True)
     print(format_plan(plan), flush=True)
-    record.update(model="llama-1b full fine-tune" if args.full else f"{config.n_layer}-layer LoRA rank {args.lora_rank}",
-                  tokens=args.tokens, offload=args.offload, device=str(device),
+    label = "llama-1b full fine-tune" if args.full else f"{config.n_layer}-layer LoRA rank {args.lora_rank}"
+    record.update(model=label, tokens=args.tokens, offload=args.offload, device=str(device),
                   estimated_peak_gb=plan["estimated_peak"] / GB)
     model = build_model(config, lora, device)
     apply_activation_checkpointing(model, offload=args.offload)

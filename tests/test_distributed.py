@@ -114,8 +114,8 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, dat
 def test_ddp_lora_with_offloaded_checkpointing_matches_one_process(tmp_path, data_cache):
     base = tmp_path / "base"
     train(load_train_config(tiny_recipe(base, data_cache, steps=4, ckpt_every=4, eval_every=4, **CPU)))
-    fields = dict(steps=4, eval_every=2, batch_size=8, init_from=str(base), lora={"rank": 4, "targets": ["q", "v", "up"]},
-                  activation_checkpointing="offload", **CPU)
+    fields = dict(steps=4, eval_every=2, batch_size=8, init_from=str(base), activation_checkpointing="offload",
+                  lora={"rank": 4, "targets": ["q", "v", "up"]}, **CPU)
     train(load_train_config(tiny_recipe(tmp_path / "one", data_cache, micro_batch_size=8, **fields)))
     torchrun(tiny_recipe(tmp_path / "two", data_cache, micro_batch_size=2, parallel={"mode": "ddp"}, **fields),
              tmp_path)

@@ -30,8 +30,8 @@ from ..batches import TrainBatches, eval_batches
 from ..data import corpus_cache_dir, load_corpus
 from ..losses import default_chunk_size
 from ..model import Transformer
-from ..parallel import all_reduce, barrier, full_state_dicts, init_distributed, load_optimizer_state_dict, parallelize
-from ..parallel import shutdown_distributed
+from ..parallel import all_reduce, barrier, full_optimizer_state_dict, full_state_dicts, init_distributed
+from ..parallel import load_optimizer_state_dict, parallelize, shutdown_distributed
 from ..tokenizer import TOKENIZER_FILE, load_tokenizer
 from .config import RUN_CONFIG_FILE, TrainConfig, resume_changes, resume_refusal
 from .metrics import METRICS_FILE, MetricsLog, abridged, plot_losses
@@ -234,8 +234,8 @@ class Trainer:
         print(yaml.safe_dump(abridged(config_to_dict(cfg)), sort_keys=False).rstrip())
         tokens_per_step = cfg.batch_size * cfg.data.seq_len
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        print(f"model: {self.model.num_params() / 1e6:.2f}M parameters ({trainable / 1e6:.2f}M trainable) | device: {self.device} x {self.env.world_size} "
-              f"| precision: {'bf16 autocast' if self.bf16 else 'fp32'}")
+        print(f"model: {self.model.num_params() / 1e6:.2f}M parameters ({trainable / 1e6:.2f}M trainable) | "
+              f"device: {self.device} x {self.env.world_size} | precision: {'bf16 autocast' if self.bf16 else 'fp32'}")
         print(f"data: {train_corpus.num_tokens:,} train tokens ({train_corpus.num_docs} docs), "
               f"{eval_corpus.num_tokens:,} eval tokens | {tokens_per_step:,} tokens/step, "
               f"grad accumulation {self.batches.grad_accum_steps}")
@@ -272,7 +272,12 @@ class Trainer:
 
     def save_checkpoint(self) -> str:
         """Write ``ckpt-<step>`` atomically (all ranks call it) and drop all but the newest keep_checkpoints."""
-        model_state, optimizer_state = full_state_dicts(self.wrapped, self.optimizer)
+        lora = self.cfg.lora if self.cfg.lora.enabled else None
+        if lora is not None:  # adapters only: the frozen base is never copied out
+            model, optimizer_state = self.model, full_optimizer_state_dict(self.wrapped, self.optimizer)
+        else:
+            model_state, optimizer_state = full_state_dicts(self.wrapped, self.optimizer)
+            model = self._full_model(model_state)
         path = os.path.join(self.run_dir, f"ckpt-{self.step}")
         if self.env.is_main:
             state = {
@@ -283,8 +288,7 @@ class Trainer:
                 "rng": capture_rng(),
                 "config": config_to_dict(self.cfg),
             }
-            lora = self.cfg.lora if self.cfg.lora.enabled else None
-            write_checkpoint(path, self._full_model(model_state), self.tokenizer, state, lora, self.init_dir)
+            write_checkpoint(path, model, self.tokenizer, state, lora, self.init_dir)
             prune_checkpoints(self.run_dir, self.cfg.keep_checkpoints)
         barrier(self.env)
         return path
