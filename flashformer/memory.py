@@ -61,16 +61,41 @@ def adapter_count(config: ModelConfig, lora: LoRAConfig) -> int:
 
 def block_activation_bytes_per_token(config: ModelConfig, residual_bytes: int, activation_bytes: int = BF16,
                                      lora: LoRAConfig | None = None) -> int:
-    """Bytes one block saves for backward per token: both norms (fp32 statistics inside), q / k / v before
-    and after RoPE, the attention output and its logsumexp, the MLP's hidden tensors, LoRA's rank-wide
-    intermediates."""
+    """Bytes one block saves for backward per token (what autograd keeps; tests/test_bench_scripts.py
+    counts them on a real block).
+
+    Args:
+        config: the model.
+        residual_bytes: element size of the residual stream (the embedding's dtype).
+        activation_bytes: element size of the matmuls' outputs (2 under bf16 autocast).
+        lora: an enabled LoRAConfig: frozen Linears keep no inputs, only those an adapter reads.
+    """
+    adapted = lora is not None and lora.enabled
+    d, a = config.d_model, activation_bytes
     q, kv = config.n_head * config.head_dim, config.n_kv_head * config.head_dim
-    norms = 2 * config.d_model * (2 * FP32 + residual_bytes)
-    attention = activation_bytes * (config.d_model + (q + 2 * kv) + (q + kv) + q) + FP32 * config.n_head
-    hidden_tensors = 4 if config.mlp != "gelu" else 2  # gate, up, act(gate), their product
-    mlp = activation_bytes * (config.d_model + hidden_tensors * config.d_ff)
-    adapters = activation_bytes * lora.rank * len(lora.targets) if lora is not None and lora.enabled else 0
-    return norms + attention + mlp + adapters
+    norm_count = 4 if config.norm_placement == "both" else 2
+    norm_trains = not adapted or lora.train_norms
+    # Each norm keeps its fp32 input and 1 / rms, plus its fp32 normalized input when its weight trains.
+    norms = norm_count * (FP32 * d * (2 if norm_trains else 1) + FP32)
+    if residual_bytes == FP32:  # the first norm's fp32 input is then the block input itself, counted apart
+        norms -= FP32 * d
+    # q, k, v and the output (o_proj reads a view of it), and the logsumexp per head.
+    attention = a * (2 * q + 2 * kv) + FP32 * config.n_head
+    gated = config.mlp != "gelu"
+    hidden = a * config.d_ff * (3 if gated else 1)  # gate, act(gate), up; or the pre-activation
+
+    def saved_inputs(targets, width: int) -> int:
+        """A Linear keeps its input when its weight trains or an adapter reads it; from an fp32 residual
+        autocast makes each Linear its own bf16 copy, from a bf16 one they share the tensor."""
+        readers = [t for t in targets if not adapted or t in lora.targets]
+        if not readers:
+            return 0
+        return (1 if residual_bytes == a else len(readers)) * a * width
+
+    inputs = (saved_inputs(("q", "k", "v"), d) + saved_inputs(("gate", "up") if gated else ("up",), d)
+              + saved_inputs(("down",), config.d_ff))
+    adapters = a * lora.rank * len(lora.targets) if adapted else 0  # A's output, which B reads
+    return norms + attention + hidden + inputs + adapters
 
 
 def memory_plan(config: ModelConfig, tokens: int, lora: LoRAConfig | None = None,

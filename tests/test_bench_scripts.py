@@ -212,3 +212,35 @@ def test_memory_plan_counts_parameters_exactly_and_offload_moves_block_inputs_to
     assert plain["estimated_peak"] - offloaded["estimated_peak"] == moved == offloaded["host_activations"]
     assert plain["weights"] == parameter_count(llama) * 2 + adapter_count(llama, lora) * 4
     assert memory_plan(llama, 65536, None, False)["estimated_peak"] > plain["estimated_peak"]
+
+
+@pytest.mark.parametrize("lora_rank", [0, 16])
+def test_memory_plan_block_estimate_is_what_autograd_saves(lora_rank):
+    """One Llama block under bf16 autocast on CPU: the bytes of every distinct storage autograd saves
+    that holds a token dimension (weights and their bf16 casts left out), per token."""
+    from flashformer.lora import LoRAConfig, apply_lora
+    from flashformer.memory import block_activation_bytes_per_token
+    from flashformer.model import ModelConfig, Transformer
+
+    tokens = 512  # no other dimension of the model has this size
+    config = ModelConfig(family="llama", vocab_size=128, d_model=256, n_layer=1, n_head=4, n_kv_head=2, head_dim=64,
+                         d_ff=896, max_seq_len=tokens, tie_embeddings=False)
+    lora = LoRAConfig(rank=lora_rank)
+    model = Transformer(config)
+    if lora.enabled:
+        apply_lora(model.to(torch.bfloat16), lora)
+    saved = {}
+
+    def pack(tensor):
+        if tokens in tensor.shape:
+            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    x = model.embed(torch.randint(0, 128, (1, tokens))).detach().requires_grad_(True)
+    rope = model.rope(torch.arange(tokens)[None])
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.blocks[0](x, rope, model.attn_backend)
+    for shared in (x, *rope):  # the block's input and the rotary tables belong to the model, not the block
+        saved.pop(shared.untyped_storage().data_ptr(), None)
+    residual_bytes = x.element_size()
+    assert sum(saved.values()) / tokens == block_activation_bytes_per_token(config, residual_bytes, 2, lora)

@@ -23,7 +23,7 @@ from flashformer.parallel import DistributedEnv, ParallelConfig, apply_activatio
 from flashformer.tokenizer import ByteTokenizer
 from flashformer.train import OptimConfig, Trainer, latest_checkpoint, load_train_config, read_metrics, train
 from flashformer.train.step import build_optimizer, train_step
-from flashformer.weights import ADAPTER_CONFIG_FILE, ADAPTER_FILE, SINGLE_FILE
+from flashformer.weights import ADAPTER_CONFIG_FILE, ADAPTER_FILE, SINGLE_FILE, CheckpointError
 from test_train import data_cache, losses, one_thread, tiny_recipe  # noqa: F401 (fixtures)
 
 TINY = ModelConfig(vocab_size=64, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=96, max_seq_len=64)
@@ -148,14 +148,19 @@ def test_a_resumed_lora_run_reproduces_the_uninterrupted_losses(tmp_path, data_c
     assert [r["step"] for r in read_metrics(resumed) if "loss" in r] == list(range(1, 13))
 
 
-def test_a_moved_base_is_named(tmp_path, data_cache, base_run):  # noqa: F811
-    base = tmp_path / "base"
-    shutil.copytree(base_run + "/ckpt-12", base)
+def test_a_hugging_face_base_adapts_and_a_moved_base_is_named(tmp_path, data_cache, base_run):  # noqa: F811
+    base = tmp_path / "hf-base"
+    base_model = from_pretrained(base_run + "/ckpt-12")
+    base_model.save_pretrained(base, format="hf")
     run = tmp_path / "run"
     train(load_train_config(lora_recipe(run, data_cache, str(base), steps=1)))
+    adapter = latest_checkpoint(str(run))
+    ids = torch.randint(0, 257, (1, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(from_pretrained(adapter)(ids), load_adapted(adapter)(ids), rtol=1e-5, atol=1e-5)
     shutil.rmtree(base)
-    with pytest.raises(Exception, match="not there any more"):
-        from_pretrained(latest_checkpoint(str(run)))
+    with pytest.raises(CheckpointError, match="not there any more"):
+        from_pretrained(adapter)
 
 
 def _gradients(model, ids, targets):
