@@ -120,3 +120,11 @@ def test_ddp_lora_with_offloaded_checkpointing_matches_one_process(tmp_path, dat
     torchrun(tiny_recipe(tmp_path / "two", data_cache, micro_batch_size=2, parallel={"mode": "ddp"}, **fields),
              tmp_path)
     assert_same_losses(tmp_path / "two", tmp_path / "one")
+
+
+def test_fsdp_with_offloaded_checkpointing_matches_one_process(tmp_path, data_cache):
+    fields = dict(steps=4, eval_every=2, batch_size=8, micro_batch_size=4, chunked_loss=True,
+                  activation_checkpointing="offload", **CPU)
+    train(load_train_config(tiny_recipe(tmp_path / "one", data_cache, **{**fields, "activation_checkpointing": False})))
+    torchrun(tiny_recipe(tmp_path / "fsdp", data_cache, parallel={"mode": "fsdp"}, **fields), tmp_path)
+    assert_same_losses(tmp_path / "fsdp", tmp_path / "one")

@@ -274,10 +274,9 @@ class Trainer:
         """Write ``ckpt-<step>`` atomically (all ranks call it) and drop all but the newest keep_checkpoints."""
         lora = self.cfg.lora if self.cfg.lora.enabled else None
         if lora is not None:  # adapters only: the frozen base is never copied out
-            model, optimizer_state = self.model, full_optimizer_state_dict(self.wrapped, self.optimizer)
+            model_state, optimizer_state = None, full_optimizer_state_dict(self.wrapped, self.optimizer)
         else:
             model_state, optimizer_state = full_state_dicts(self.wrapped, self.optimizer)
-            model = self._full_model(model_state)
         path = os.path.join(self.run_dir, f"ckpt-{self.step}")
         if self.env.is_main:
             state = {
@@ -288,6 +287,7 @@ class Trainer:
                 "rng": capture_rng(),
                 "config": config_to_dict(self.cfg),
             }
+            model = self.model if lora is not None else self._full_model(model_state)
             write_checkpoint(path, model, self.tokenizer, state, lora, self.init_dir)
             prune_checkpoints(self.run_dir, self.cfg.keep_checkpoints)
         barrier(self.env)
