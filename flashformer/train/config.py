@@ -12,6 +12,7 @@ from typing import Literal
 
 from ..config import ConfigError, config_to_dict, load_config, read_yaml
 from ..data import DataConfig
+from ..lora import LoRAConfig
 from ..model import ModelConfig
 from ..parallel import ParallelConfig
 
@@ -84,7 +85,8 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 elsewhere
     compile: bool = False
-    activation_checkpointing: bool = False
+    # Recompute each block in backward; "offload" also keeps the block inputs in host memory until then.
+    activation_checkpointing: bool | Literal["offload"] = False
     # LM head + cross-entropy in chunks, never holding (tokens x vocab) logits: costs one more LM-head
     # matmul, saves tens of GB at long context. None: chunk when data.seq_len >= CHUNKED_LOSS_MIN_SEQ_LEN.
     chunked_loss: bool | None = None
@@ -94,6 +96,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # off unless lora.rank > 0
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "micro_batch_size", "log_every", "eval_every", "eval_batches",
@@ -108,6 +111,19 @@ class TrainConfig:
                               f"model.max_seq_len ({self.model.max_seq_len})")
         if not self.peak_flops_per_gpu > 0:
             raise ConfigError(f"peak_flops_per_gpu must be > 0, got {self.peak_flops_per_gpu}")
+        if self.lora.enabled:
+            if self.init_from is None:
+                raise ConfigError("lora.rank > 0 adapts a trained model: set init_from to a checkpoint, a run "
+                                  "directory or a Hugging Face directory")
+            if self.freeze:
+                raise ConfigError("freeze cannot be combined with lora.rank > 0: LoRA freezes everything but the "
+                                  "adapters (lora.train_norms trains the norms too)")
+            if self.parallel.mode == "fsdp":
+                raise ConfigError("parallel.mode=fsdp cannot be combined with lora.rank > 0: FSDP2 shards a frozen "
+                                  "bf16 base and fp32 adapters in one group; use parallel.mode=ddp (the adapters "
+                                  "are all that is reduced)")
+            if self.lora.base_dtype == "bf16" and self.precision == "fp32":
+                raise ConfigError("lora.base_dtype=bf16 needs bf16 autocast: set precision=bf16 (or auto on CUDA)")
 
     @property
     def run_dir(self) -> str:
