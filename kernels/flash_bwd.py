@@ -116,13 +116,14 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, DQ_ACC, stride_dq_acc, L
                 keep = visible(rows[None, :], cols[:, None], seqlen_q, seqlen_k, window_left, window_right,
                                LEFT_BOUNDED, RIGHT_BOUNDED)
                 p_t = tl.where(keep, p_t, 0.0)
-        dp_t = mma(v, tl.trans(do), DOT_PRECISION, UPCAST_DOT)
         if HAS_DROPOUT:  # the output saw the kept probabilities times dropout_rescale
             keep_t = dropout_keep(rows[None, :], cols[:, None], dropout_seed, head, batch, drop_threshold)
             dv += mma(narrow(tl.where(keep_t, p_t * dropout_rescale, 0.0), do.dtype), do, DOT_PRECISION, UPCAST_DOT)
-            dp_t = tl.where(keep_t, dp_t * dropout_rescale, 0.0)
         else:
             dv += mma(narrow(p_t, do.dtype), do, DOT_PRECISION, UPCAST_DOT)
+        dp_t = mma(v, tl.trans(do), DOT_PRECISION, UPCAST_DOT)
+        if HAS_DROPOUT:
+            dp_t = tl.where(keep_t, dp_t * dropout_rescale, 0.0)
         ds_t = p_t * (dp_t - delta[None, :])
         if HAS_SOFTCAP:
             ds_t = ds_t * (1.0 - tanh_t * tanh_t)
@@ -251,10 +252,10 @@ def _dq_tiles(dq, q, do, lse_log2, delta, k_desc, v_desc, rows, start, end, un_l
         if HAS_SOFTCAP:
             tanh_s = tanh(s)
             s = tanh_s * softcap_log2
-        cols = n0 + tl.arange(0, BLOCK_N)
         if HAS_ALIBI:
-            s += alibi_bias(rows[:, None], cols[None, :], alibi_slope_log2, seqlen_q, seqlen_k)
+            s += alibi_bias(rows[:, None], (n0 + tl.arange(0, BLOCK_N))[None, :], alibi_slope_log2, seqlen_q, seqlen_k)
         p = tl.exp2(s - lse_log2[:, None])
+        cols = n0 + tl.arange(0, BLOCK_N)
         keep = visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
                        LEFT_BOUNDED, RIGHT_BOUNDED) | ((n0 >= un_lo) & (n0 < un_hi))
         p = tl.where(keep, p, 0.0)

@@ -158,8 +158,8 @@ def check_dropout_and_alibi(q, batch, dropout_p, alibi_slopes, softcap, return_a
     if alibi_slopes is not None:
         heads_q = q.shape[-2]
         if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
-            raise ValueError(f"alibi_slopes must be an fp32 tensor, got "
-                             f"{alibi_slopes.dtype if isinstance(alibi_slopes, torch.Tensor) else type(alibi_slopes).__name__}")
+            got = alibi_slopes.dtype if isinstance(alibi_slopes, torch.Tensor) else type(alibi_slopes).__name__
+            raise ValueError(f"alibi_slopes must be an fp32 tensor, got {got}")
         if tuple(alibi_slopes.shape) not in ((heads_q,), (batch, heads_q)):
             raise ValueError(f"alibi_slopes must have shape (heads_q,) = ({heads_q},) or (batch, heads_q) = "
                              f"({batch}, {heads_q}), got {tuple(alibi_slopes.shape)}")
@@ -430,8 +430,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
         return_attn_probs (out, lse, S_dmask), S_dmask (batch, heads_q, max_seqlen_q, max_seqlen_k).
     """
     softmax_scale, window_size = check_attention_args(q, k, v, 0, softmax_scale, window_size, softcap)
-    dropout_p, alibi_slopes = check_dropout_and_alibi(q, cu_seqlens_q.numel() - 1 if isinstance(cu_seqlens_q, torch.Tensor) else 0,
-                                                      dropout_p, alibi_slopes, softcap, return_attn_probs)
     deterministic = _check_deterministic(deterministic)
     if check_lengths is not None and not isinstance(check_lengths, bool):
         raise ValueError(f"check_lengths must be a bool or None, got {check_lengths!r}")
@@ -448,6 +446,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
                          f"{cu_seqlens_k.numel() - 1} sequences")
     max_seqlen_q = _max_seqlen("max_seqlen_q", max_seqlen_q, longest_q)
     max_seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k, longest_k)
+    dropout_p, alibi_slopes = check_dropout_and_alibi(q, cu_seqlens_q.numel() - 1, dropout_p, alibi_slopes, softcap,
+                                                      return_attn_probs)
     q, k, v = autocast_inputs(q, k, v)
     window_left, window_right = normalize_window(causal, window_size)
     dropout_seed = draw_dropout_seed(q.device) if dropout_p > 0.0 else None
@@ -510,7 +510,8 @@ def flash_attn_func(q, k, v, causal=False, softmax_scale=None, window_size=(-1, 
         out (batch, seqlen_q, heads_q, head_dim), or (out, lse), or (out, lse, S_dmask).
     """
     softmax_scale, window_size = check_attention_args(q, k, v, 1, softmax_scale, window_size, softcap)
-    dropout_p, alibi_slopes = check_dropout_and_alibi(q, q.shape[0], dropout_p, alibi_slopes, softcap, return_attn_probs)
+    dropout_p, alibi_slopes = check_dropout_and_alibi(q, q.shape[0], dropout_p, alibi_slopes, softcap,
+                                                      return_attn_probs)
     q, k, v = autocast_inputs(q, k, v)
     window_left, window_right = normalize_window(causal, window_size)
     dropout_seed = draw_dropout_seed(q.device) if dropout_p > 0.0 else None
