@@ -125,11 +125,15 @@ def _entry_point_calls(device):
         return torch.autograd.grad(out, leaves, torch.ones_like(out))
 
     calls = []
+    slopes = torch.rand(4, device=device)
     for deterministic in (True, False):
         calls.append(functools.partial(grads, flash_attn_func, q, k, v, causal=True, deterministic=deterministic))
         calls.append(functools.partial(grads, flash_attn_varlen_func, packed_q, packed_k, packed_v,
                                        cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
                                        max_seqlen_k=max(lengths), deterministic=deterministic))
+        # dropout's seed is drawn and read on the device
+        calls.append(functools.partial(grads, flash_attn_func, q, k, v, causal=True, deterministic=deterministic,
+                                       dropout_p=0.1, alibi_slopes=slopes))
     for caches, block_table in (((cache_k, cache_v), None), ((pool_k, pool_v), table)):
         for lengths_given in (cache_seqlens, 20):
             calls.append(functools.partial(flash_attn_with_kvcache, step_q, *caches, k=step_k, v=step_v,
