@@ -172,7 +172,7 @@ def _describe(x):
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, causal=True,
                             softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False, num_splits=0,
-                            check_lengths=None):
+                            check_lengths=None, alibi_slopes=None):
     """Attention of new query tokens over a KV cache, appending new keys/values first (flash-attn's API).
 
     Inference only: raises if an input requires grad while grad mode is on.
@@ -198,11 +198,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             for the whole cache. The PyTorch path, which reads the lengths anyway, checks them all.
             True: everything, at one host sync per call. False: as None, and an error on the PyTorch
             path rather than a read of device values.
+        alibi_slopes: flash-attn's argument, accepted as None only: the decoding kernel has no ALiBi
+            (flash_attn_func and flash_attn_varlen_func do).
     Returns:
         out (batch, seqlen_q, heads_q, head_dim), or (out, lse) with lse (batch, heads_q, seqlen_q)
         fp32, -inf for a row that sees no cache entry (its output is 0).
     """
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v}
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes: flash_attn_with_kvcache has no ALiBi (flash_attn_func and "
+                         "flash_attn_varlen_func do); pass None")
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new keys and values to append) or both left None")
     if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors.values()):

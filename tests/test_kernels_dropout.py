@@ -14,7 +14,7 @@ import torch
 from attention_checks import assert_within_2x, attention_grads
 
 from flashformer.kernels import (attention_materialized, cu_seqlens_from_lengths, flash_attn_func,
-                                 flash_attn_varlen_func, launch)
+                                 flash_attn_varlen_func, flash_attn_with_kvcache, launch)
 from flashformer.kernels.interface import draw_dropout_seed
 from flashformer.kernels.reference import dropout_keep_mask
 
@@ -252,3 +252,10 @@ def test_torch_compile_full_graph_with_dropout_and_alibi(device, triton_path):
     result = subprocess.run([sys.executable, "-c", COMPILE_CHECK, device], capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+def test_kvcache_refuses_alibi_by_name(device):
+    q = torch.randn(1, 1, 4, 32, device=device, dtype=torch.float16)
+    cache = torch.randn(1, 16, 2, 32, device=device, dtype=torch.float16)
+    with pytest.raises(ValueError, match="alibi_slopes: flash_attn_with_kvcache has no ALiBi"):
+        flash_attn_with_kvcache(q, cache, cache, alibi_slopes=torch.rand(4, device=device))
