@@ -18,8 +18,10 @@ dK/dV program also forms each query tile's dQ share dS K and adds it to an fp32 
 reduction on the GPU, pointer atomics in the interpreter), saving the dQ kernel's two recomputed
 products (5 tile matmuls instead of 7) at the price of a summation order that varies between runs.
 
-With s = qk * scale (or softcap * tanh(qk * scale / softcap)): dS = P * (dP - delta), and
-d qk = dS * scale (times 1 - tanh^2 with softcap).
+With s = qk * scale (or softcap * tanh(qk * scale / softcap)), plus ALiBi's bias (no gradient):
+dS = P * (dP - delta), and d qk = dS * scale (times 1 - tanh^2 with softcap). Dropout (the forward's
+mask Z, regenerated from its seed, and r = 1 / (1 - dropout_p)) makes dV = (r Z * P)^T dO and
+dP = r Z * (dO V^T); delta keeps its form, since rowsum(dO * O) = sum_j P_ij dP_ij still.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ import triton.language as tl
 from .flash_fwd import log2_scales
 from .launch import (INTERPRETED, as_descriptor_compatible, dot_precision, ensure_allocator, new_output,
                      seq_strides, seqs_pad, tile_grid, upcast_dot)
+from .reference import dropout_threshold
 from .sizes import next_power_of_2, pad_head_dim
-from .tile_ops import (key_range, mma, narrow, program_tile, query_range, rows_descriptor, sequence_bounds, tanh,
-                       visible)
+from .tile_ops import (alibi_bias, dropout_keep, key_range, mma, narrow, program_tile, query_range, rows_descriptor,
+                       sequence_bounds, tanh, visible)
 from .tuning import pick_kernel, table_mask, tuned
 
 PREPROCESS_BLOCK = 64
@@ -84,10 +87,12 @@ def _row_stats(o, do, LSE, DLSE, DELTA, LSE_LOG2, row_offsets, in_seq, HAS_DLSE:
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, DQ_ACC, stride_dq_acc, LSE_LOG2, DELTA, cols, start, end,
                 un_lo, un_hi, qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
+                alibi_slope_log2, dropout_seed, head, batch, drop_threshold, dropout_rescale,
                 BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
                 LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, ACCUMULATE_DQ: tl.constexpr,
-                DQ_TMA_REDUCE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                DQ_TMA_REDUCE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     for m0 in tl.range(start, end, BLOCK_M):
         q = q_desc.load([m0, 0])
         do = do_desc.load([m0, 0])
@@ -99,6 +104,8 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, DQ_ACC, stride_dq_acc, L
         if HAS_SOFTCAP:
             tanh_t = tanh(s_t)
             s_t = tanh_t * softcap_log2
+        if HAS_ALIBI:
+            s_t += alibi_bias(rows[None, :], cols[:, None], alibi_slope_log2, seqlen_q, seqlen_k)
         p_t = tl.exp2(s_t - lse_log2[None, :])
         if MASKED == 1:  # every tile of this loop
             keep = visible(rows[None, :], cols[:, None], seqlen_q, seqlen_k, window_left, window_right,
@@ -109,8 +116,14 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, DQ_ACC, stride_dq_acc, L
                 keep = visible(rows[None, :], cols[:, None], seqlen_q, seqlen_k, window_left, window_right,
                                LEFT_BOUNDED, RIGHT_BOUNDED)
                 p_t = tl.where(keep, p_t, 0.0)
-        dv += mma(narrow(p_t, do.dtype), do, DOT_PRECISION, UPCAST_DOT)
+        if HAS_DROPOUT:  # the output saw the kept probabilities times dropout_rescale
+            keep_t = dropout_keep(rows[None, :], cols[:, None], dropout_seed, head, batch, drop_threshold)
+            dv += mma(narrow(tl.where(keep_t, p_t * dropout_rescale, 0.0), do.dtype), do, DOT_PRECISION, UPCAST_DOT)
+        else:
+            dv += mma(narrow(p_t, do.dtype), do, DOT_PRECISION, UPCAST_DOT)
         dp_t = mma(v, tl.trans(do), DOT_PRECISION, UPCAST_DOT)
+        if HAS_DROPOUT:
+            dp_t = tl.where(keep_t, dp_t * dropout_rescale, 0.0)
         ds_t = p_t * (dp_t - delta[None, :])
         if HAS_SOFTCAP:
             ds_t = ds_t * (1.0 - tanh_t * tanh_t)
@@ -129,19 +142,20 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, DQ_ACC, stride_dq_acc, L
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, DQ_ACC, LSE_LOG2, DELTA, CU_SEQLENS_Q, CU_SEQLENS_K,
+    Q, K, V, DO, DK, DV, DQ_ACC, LSE_LOG2, DELTA, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES, DROPOUT_SEED,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     stride_dqab, stride_dqas, stride_dqah,
-    stride_lse_b, stride_lse_h,
+    stride_lse_b, stride_lse_h, stride_alibi_b,
     seqlen_q, seqlen_k, num_seqs,
-    softmax_scale, qk_scale, softcap_log2, window_left, window_right,
+    softmax_scale, qk_scale, softcap_log2, window_left, window_right, drop_threshold, dropout_rescale,
     seqlen_q_bucket, seqlen_k_bucket,  # autotune keys only
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     IS_VARLEN: tl.constexpr, SEQS_PAD: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, DQ_TMA_REDUCE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, ONE_LOOP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     # Key tiles first to last: under a causal mask the first keys are seen by the most queries.
     batch, pid_n, kv_head = program_tile(num_seqs, CU_SEQLENS_K, BLOCK_N, SEQS_PAD, False, IS_VARLEN)
@@ -164,6 +178,9 @@ def _bwd_dkdv_kernel(
     start, un_lo, un_hi, end = query_range(n0, seqlen_q, seqlen_k, window_left, window_right,
                                            BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
     lse_base = batch * stride_lse_b + q_start
+    dropout_seed = 0
+    if HAS_DROPOUT:
+        dropout_seed = tl.load(DROPOUT_SEED)
     # Never software-pipelined: the loop creates descriptors, which the pipeliner cannot predicate. It
     # would try when a query length of 1 (specialised as a constant) folds the inner loops away.
     for g in tl.range(GROUP, num_stages=1):
@@ -174,6 +191,9 @@ def _bwd_dkdv_kernel(
                                   stride_dos, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
         lse_ptr = LSE_LOG2 + lse_base + head * stride_lse_h
         delta_ptr = DELTA + lse_base + head * stride_lse_h
+        alibi_slope_log2 = 0.0
+        if HAS_ALIBI:
+            alibi_slope_log2 = tl.load(ALIBI_SLOPES + batch * stride_alibi_b + head) * 1.4426950408889634
         dq_acc = DQ_ACC
         dq_desc = q_desc  # a placeholder unless the TMA reduction is used
         if ACCUMULATE_DQ:
@@ -183,21 +203,29 @@ def _bwd_dkdv_kernel(
         if ONE_LOOP:  # one software pipeline per program: the edge tiles mask inside it
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_acc, stride_dqas, lse_ptr, delta_ptr,
                                  cols, start, end, un_lo, un_hi, qk_scale, softcap_log2, seqlen_q, seqlen_k,
-                                 window_left, window_right, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HAS_SOFTCAP, 2,
-                                 LEFT_BOUNDED, RIGHT_BOUNDED, ACCUMULATE_DQ, DQ_TMA_REDUCE, DOT_PRECISION, UPCAST_DOT)
+                                 window_left, window_right, alibi_slope_log2, dropout_seed, head, batch, drop_threshold,
+                                 dropout_rescale, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HAS_SOFTCAP, 2,
+                                 LEFT_BOUNDED, RIGHT_BOUNDED, ACCUMULATE_DQ, DQ_TMA_REDUCE, DOT_PRECISION, UPCAST_DOT,
+                                 HAS_ALIBI, HAS_DROPOUT)
         else:
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_acc, stride_dqas, lse_ptr, delta_ptr,
                                  cols, start, un_lo, un_lo, un_hi, qk_scale, softcap_log2, seqlen_q, seqlen_k,
-                                 window_left, window_right, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HAS_SOFTCAP, 1,
-                                 LEFT_BOUNDED, RIGHT_BOUNDED, ACCUMULATE_DQ, DQ_TMA_REDUCE, DOT_PRECISION, UPCAST_DOT)
+                                 window_left, window_right, alibi_slope_log2, dropout_seed, head, batch, drop_threshold,
+                                 dropout_rescale, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HAS_SOFTCAP, 1,
+                                 LEFT_BOUNDED, RIGHT_BOUNDED, ACCUMULATE_DQ, DQ_TMA_REDUCE, DOT_PRECISION, UPCAST_DOT,
+                                 HAS_ALIBI, HAS_DROPOUT)
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_acc, stride_dqas, lse_ptr, delta_ptr,
                                  cols, un_lo, un_hi, un_lo, un_hi, qk_scale, softcap_log2, seqlen_q, seqlen_k,
-                                 window_left, window_right, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HAS_SOFTCAP, 0,
-                                 LEFT_BOUNDED, RIGHT_BOUNDED, ACCUMULATE_DQ, DQ_TMA_REDUCE, DOT_PRECISION, UPCAST_DOT)
+                                 window_left, window_right, alibi_slope_log2, dropout_seed, head, batch, drop_threshold,
+                                 dropout_rescale, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HAS_SOFTCAP, 0,
+                                 LEFT_BOUNDED, RIGHT_BOUNDED, ACCUMULATE_DQ, DQ_TMA_REDUCE, DOT_PRECISION, UPCAST_DOT,
+                                 HAS_ALIBI, HAS_DROPOUT)
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_acc, stride_dqas, lse_ptr, delta_ptr,
                                  cols, un_hi, end, un_lo, un_hi, qk_scale, softcap_log2, seqlen_q, seqlen_k,
-                                 window_left, window_right, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HAS_SOFTCAP, 1,
-                                 LEFT_BOUNDED, RIGHT_BOUNDED, ACCUMULATE_DQ, DQ_TMA_REDUCE, DOT_PRECISION, UPCAST_DOT)
+                                 window_left, window_right, alibi_slope_log2, dropout_seed, head, batch, drop_threshold,
+                                 dropout_rescale, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HAS_SOFTCAP, 1,
+                                 LEFT_BOUNDED, RIGHT_BOUNDED, ACCUMULATE_DQ, DQ_TMA_REDUCE, DOT_PRECISION, UPCAST_DOT,
+                                 HAS_ALIBI, HAS_DROPOUT)
     dk_desc = rows_descriptor(DK + batch * stride_dkb + k_start * stride_dks + kv_head * stride_dkh, seqlen_k,
                               stride_dks, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
     dv_desc = rows_descriptor(DV + batch * stride_dvb + k_start * stride_dvs + kv_head * stride_dvh, seqlen_k,
@@ -209,9 +237,11 @@ def _bwd_dkdv_kernel(
 @triton.jit
 def _dq_tiles(dq, q, do, lse_log2, delta, k_desc, v_desc, rows, start, end, un_lo, un_hi,
               qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
+              alibi_slope_log2, dropout_seed, head, batch, drop_threshold, dropout_rescale,
               BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
               LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+              DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+              HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     """All key tiles in one software pipeline; tiles outside [un_lo, un_hi) are masked. The mask is a
     select on every tile (its condition also admits the unmasked middle): one pipeline fill per program
     instead of three loops' three, and, measured on the H200, faster than masking under a branch."""
@@ -222,12 +252,17 @@ def _dq_tiles(dq, q, do, lse_log2, delta, k_desc, v_desc, rows, start, end, un_l
         if HAS_SOFTCAP:
             tanh_s = tanh(s)
             s = tanh_s * softcap_log2
+        if HAS_ALIBI:
+            s += alibi_bias(rows[:, None], (n0 + tl.arange(0, BLOCK_N))[None, :], alibi_slope_log2, seqlen_q, seqlen_k)
         p = tl.exp2(s - lse_log2[:, None])
         cols = n0 + tl.arange(0, BLOCK_N)
         keep = visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right,
                        LEFT_BOUNDED, RIGHT_BOUNDED) | ((n0 >= un_lo) & (n0 < un_hi))
         p = tl.where(keep, p, 0.0)
         dp = mma(do, tl.trans(v), DOT_PRECISION, UPCAST_DOT)
+        if HAS_DROPOUT:
+            keep = dropout_keep(rows[:, None], cols[None, :], dropout_seed, head, batch, drop_threshold)
+            dp = tl.where(keep, dp * dropout_rescale, 0.0)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             ds = ds * (1.0 - tanh_s * tanh_s)
@@ -237,18 +272,18 @@ def _dq_tiles(dq, q, do, lse_log2, delta, k_desc, v_desc, rows, start, end, un_l
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, DQ, LSE_LOG2, DELTA, CU_SEQLENS_Q, CU_SEQLENS_K, O, LSE, DLSE,
+    Q, K, V, DO, DQ, LSE_LOG2, DELTA, CU_SEQLENS_Q, CU_SEQLENS_K, O, LSE, DLSE, ALIBI_SLOPES, DROPOUT_SEED,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh, stride_ob, stride_os, stride_oh,
-    stride_lse_b, stride_lse_h,
+    stride_lse_b, stride_lse_h, stride_alibi_b,
     seqlen_q, seqlen_k, num_seqs,
-    softmax_scale, qk_scale, softcap_log2, window_left, window_right,
+    softmax_scale, qk_scale, softcap_log2, window_left, window_right, drop_threshold, dropout_rescale,
     seqlen_q_bucket, seqlen_k_bucket,  # autotune keys only
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     IS_VARLEN: tl.constexpr, SEQS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    HAS_DLSE: tl.constexpr,
+    HAS_DLSE: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     batch, pid_m, head = program_tile(num_seqs, CU_SEQLENS_Q, BLOCK_M, SEQS_PAD, True, IS_VARLEN)
     if batch >= num_seqs:
@@ -278,11 +313,18 @@ def _bwd_dq_kernel(
                                  batch * stride_lse_b + q_start + head * stride_lse_h + rows, rows < seqlen_q,
                                  HAS_DLSE)
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    alibi_slope_log2 = 0.0
+    if HAS_ALIBI:
+        alibi_slope_log2 = tl.load(ALIBI_SLOPES + batch * stride_alibi_b + head) * 1.4426950408889634
+    dropout_seed = 0
+    if HAS_DROPOUT:
+        dropout_seed = tl.load(DROPOUT_SEED)
     start, un_lo, un_hi, end = key_range(m0, seqlen_q, seqlen_k, window_left, window_right,
                                          BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
     dq = _dq_tiles(dq, q, do, lse_log2, delta, k_desc, v_desc, rows, start, end, un_lo, un_hi,
                    qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
-                   BLOCK_N, HAS_SOFTCAP, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
+                   alibi_slope_log2, dropout_seed, head, batch, drop_threshold, dropout_rescale,
+                   BLOCK_N, HAS_SOFTCAP, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT, HAS_ALIBI, HAS_DROPOUT)
     dq_desc = rows_descriptor(DQ + batch * stride_dqb + q_start * stride_dqs + head * stride_dqh, seqlen_q,
                               stride_dqs, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
     dq_desc.store([m0, 0], narrow(dq * softmax_scale, DQ.dtype.element_ty))
@@ -290,14 +332,15 @@ def _bwd_dq_kernel(
 
 # One kernel, two autotuned launchers: the dQ-accumulating variant has its own config space, and its
 # dQ buffer must start from zero for every timed run (each adds its shares into it).
-_bwd_dkdv_tuned = tuned(_bwd_dkdv_kernel, "bwd_dkdv", extra_key=("ACCUMULATE_DQ",))
-_bwd_fused_tuned = tuned(_bwd_dkdv_kernel, "bwd_fused", extra_key=("ACCUMULATE_DQ",), reset_to_zero=("DQ_ACC",))
-_bwd_dq_tuned = tuned(_bwd_dq_kernel, "bwd_dq")
+_bwd_dkdv_tuned = tuned(_bwd_dkdv_kernel, "bwd_dkdv", extra_key=("ACCUMULATE_DQ", "HAS_ALIBI", "HAS_DROPOUT"))
+_bwd_fused_tuned = tuned(_bwd_dkdv_kernel, "bwd_fused", extra_key=("ACCUMULATE_DQ", "HAS_ALIBI", "HAS_DROPOUT"),
+                         reset_to_zero=("DQ_ACC",))
+_bwd_dq_tuned = tuned(_bwd_dq_kernel, "bwd_dq", extra_key=("HAS_ALIBI", "HAS_DROPOUT"))
 
 
 def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, window_left, window_right,
                        softcap, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                       deterministic=True):
+                       deterministic=True, alibi_slopes=None, dropout_p=0.0, dropout_seed=None):
     """Launch the backward kernels; returns (dq, dk, dv) shaped like (q, k, v).
 
     Args:
@@ -306,6 +349,8 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
         deterministic: True: the dQ kernel recomputes the tiles (7 tile matmuls, bit-identical
             results). False: the dK/dV kernel also adds each tile's dQ share into an fp32 buffer
             (5 matmuls; TMA reductions on the GPU, whose order varies from run to run).
+        alibi_slopes, dropout_p, dropout_seed: as given to attention_forward (the same seed
+            regenerates its dropout mask).
     """
     is_varlen = cu_seqlens_q is not None
     q, k, v, out, grad_out = (as_descriptor_compatible(t) for t in (q, k, v, out, grad_out))
@@ -332,10 +377,13 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
         GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
         IS_VARLEN=is_varlen, SEQS_PAD=seqs_pad(batch, is_varlen), DOT_PRECISION=dot_precision(q.dtype),
-        UPCAST_DOT=upcast_dot(q.dtype),
+        UPCAST_DOT=upcast_dot(q.dtype), HAS_ALIBI=alibi_slopes is not None, HAS_DROPOUT=dropout_p > 0.0,
     )
     buckets = (next_power_of_2(max(seqlen_q, 1)), next_power_of_2(max(seqlen_k, 1)))
-    scalars = (softmax_scale, qk_scale, softcap_log2, window_left, window_right, *buckets)
+    scalars = (softmax_scale, qk_scale, softcap_log2, window_left, window_right, dropout_threshold(dropout_p),
+               1.0 / (1.0 - dropout_p), *buckets)
+    extras = (alibi_slopes, dropout_seed if dropout_p > 0.0 else None)
+    stride_alibi = alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0
     strides_qkv = (*seq_strides(q, is_varlen), *seq_strides(k, is_varlen), *seq_strides(v, is_varlen),
                    *seq_strides(grad_out, is_varlen))
 
@@ -344,8 +392,8 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
         kernel, config = pick_kernel(q.device, "bwd_dq", _bwd_dq_kernel, _bwd_dq_tuned, head_dim_pad, mask,
                                      buckets[0])
         kernel[lambda meta: tile_grid(meta["BLOCK_M"], seqlen_q, q.shape[0], batch, heads_q, is_varlen)](
-            q, k, v, grad_out, dq, lse_log2, delta, cu_seqlens_q, cu_seqlens_k, out, lse, grad_lse,
-            *strides_qkv, *seq_strides(dq, is_varlen), *seq_strides(out, is_varlen), *strides_lse,
+            q, k, v, grad_out, dq, lse_log2, delta, cu_seqlens_q, cu_seqlens_k, out, lse, grad_lse, *extras,
+            *strides_qkv, *seq_strides(dq, is_varlen), *seq_strides(out, is_varlen), *strides_lse, stride_alibi,
             seqlen_q, seqlen_k, batch, *scalars, **common, HAS_DLSE=grad_lse is not None, **config,
         )
     else:
@@ -360,9 +408,9 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
     kind, tuned_kernel = ("bwd_dkdv", _bwd_dkdv_tuned) if deterministic else ("bwd_fused", _bwd_fused_tuned)
     kernel, config = pick_kernel(q.device, kind, _bwd_dkdv_kernel, tuned_kernel, head_dim_pad, mask, buckets[0])
     kernel[lambda meta: tile_grid(meta["BLOCK_N"], seqlen_k, k.shape[0], batch, heads_kv, is_varlen)](
-        q, k, v, grad_out, dk, dv, dq_acc, lse_log2, delta, cu_seqlens_q, cu_seqlens_k,
+        q, k, v, grad_out, dk, dv, dq_acc, lse_log2, delta, cu_seqlens_q, cu_seqlens_k, *extras,
         *strides_qkv, *seq_strides(dk, is_varlen), *seq_strides(dv, is_varlen),
-        *(seq_strides(dq_acc, is_varlen) if dq_acc is not None else (0, 0, 0)), *strides_lse,
+        *(seq_strides(dq_acc, is_varlen) if dq_acc is not None else (0, 0, 0)), *strides_lse, stride_alibi,
         seqlen_q, seqlen_k, batch, *scalars, **common, ACCUMULATE_DQ=not deterministic,
         DQ_TMA_REDUCE=not INTERPRETED, ONE_LOOP=deterministic and head_dim_pad >= ONE_LOOP_DKDV_HEAD_DIM,
         **config,

@@ -21,9 +21,10 @@ import triton.language as tl
 
 from .launch import (as_descriptor_compatible, dot_precision, ensure_allocator, new_output, seq_strides, seqs_pad,
                      tile_grid, upcast_dot)
+from .reference import dropout_threshold
 from .sizes import next_power_of_2, pad_head_dim
-from .tile_ops import (attention_logits, key_range, logit_scale, narrow, online_softmax_step, program_tile,
-                       rows_descriptor, sequence_bounds)
+from .tile_ops import (alibi_bias, attention_logits, dropout_keep, key_range, logit_scale, narrow,
+                       online_softmax_step, program_tile, rows_descriptor, sequence_bounds)
 from .tuning import pick_kernel, table_mask, tuned
 
 LOG2E = 1.4426950408889634
@@ -32,35 +33,45 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _fwd_tiles(acc, row_max, row_sum, q, k_desc, v_desc, rows, start, end,
                qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
+               alibi_slope_log2, dropout_seed, head, batch, drop_threshold,
                BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
                LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               UPCAST_DOT: tl.constexpr):
+               UPCAST_DOT: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     for n0 in tl.range(start, end, BLOCK_N):
         k = k_desc.load([n0, 0])
         v = v_desc.load([n0, 0])
-        s = attention_logits(q, k, rows, n0 + tl.arange(0, BLOCK_N), qk_scale, softcap_log2, seqlen_q, seqlen_k,
+        cols = n0 + tl.arange(0, BLOCK_N)
+        s = attention_logits(q, k, rows, cols, qk_scale, softcap_log2, seqlen_q, seqlen_k,
                              window_left, window_right, HAS_SOFTCAP, MASKED, LEFT_BOUNDED, RIGHT_BOUNDED,
                              DOT_PRECISION, UPCAST_DOT)
-        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, s, logit_scale(qk_scale, HAS_SOFTCAP), v,
-                                                    MASKED, DOT_PRECISION, UPCAST_DOT)
+        scale = logit_scale(qk_scale, HAS_SOFTCAP)
+        if HAS_ALIBI:  # the bias is in log2 units: the logits go there first
+            s = s * scale + alibi_bias(rows[:, None], cols[None, :], alibi_slope_log2, seqlen_q, seqlen_k)
+            scale = 1.0
+        keep = None
+        if HAS_DROPOUT:
+            keep = dropout_keep(rows[:, None], cols[None, :], dropout_seed, head, batch, drop_threshold)
+        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, s, scale, v, MASKED, DOT_PRECISION,
+                                                    UPCAST_DOT, keep)
     return acc, row_max, row_sum
 
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K,
+    Q, K, V, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES, DROPOUT_SEED,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
-    stride_lse_b, stride_lse_h,
+    stride_lse_b, stride_lse_h, stride_alibi_b,
     seqlen_q, seqlen_k, num_seqs,
-    qk_scale, softcap_log2, window_left, window_right,
+    qk_scale, softcap_log2, window_left, window_right, drop_threshold, dropout_rescale,
     seqlen_q_bucket, seqlen_k_bucket,  # autotune keys only
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     IS_VARLEN: tl.constexpr, SEQS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     batch, pid_m, head = program_tile(num_seqs, CU_SEQLENS_Q, BLOCK_M, SEQS_PAD, True, IS_VARLEN)
     if batch >= num_seqs:
@@ -85,28 +96,43 @@ def _attn_fwd_kernel(
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     q = q_desc.load([m0, 0])
+    alibi_slope_log2 = 0.0
+    if HAS_ALIBI:
+        alibi_slope_log2 = tl.load(ALIBI_SLOPES + batch * stride_alibi_b + head) * 1.4426950408889634
+    dropout_seed = 0
+    if HAS_DROPOUT:
+        dropout_seed = tl.load(DROPOUT_SEED)
 
     start, un_lo, un_hi, end = key_range(m0, seqlen_q, seqlen_k, window_left, window_right,
                                          BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
     acc, row_max, row_sum = _fwd_tiles(acc, row_max, row_sum, q, k_desc, v_desc, rows, start, un_lo,
                                        qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
-                                       BLOCK_N, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
+                                       alibi_slope_log2, dropout_seed, head, batch, drop_threshold,
+                                       BLOCK_N, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT,
+                                       HAS_ALIBI, HAS_DROPOUT)
     acc, row_max, row_sum = _fwd_tiles(acc, row_max, row_sum, q, k_desc, v_desc, rows, un_lo, un_hi,
                                        qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
-                                       BLOCK_N, HAS_SOFTCAP, False, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
+                                       alibi_slope_log2, dropout_seed, head, batch, drop_threshold,
+                                       BLOCK_N, HAS_SOFTCAP, False, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT,
+                                       HAS_ALIBI, HAS_DROPOUT)
     acc, row_max, row_sum = _fwd_tiles(acc, row_max, row_sum, q, k_desc, v_desc, rows, un_hi, end,
                                        qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
-                                       BLOCK_N, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
+                                       alibi_slope_log2, dropout_seed, head, batch, drop_threshold,
+                                       BLOCK_N, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT,
+                                       HAS_ALIBI, HAS_DROPOUT)
 
     # A row that saw no key: output 0 and lse = -inf (log of an empty sum).
     empty = row_sum == 0.0
-    acc = acc / tl.where(empty, 1.0, row_sum)[:, None]
+    if HAS_DROPOUT:
+        acc = acc * (dropout_rescale / tl.where(empty, 1.0, row_sum))[:, None]
+    else:
+        acc = acc / tl.where(empty, 1.0, row_sum)[:, None]
     lse = tl.where(empty, float("-inf"), (row_max + tl.log2(row_sum)) * 0.6931471805599453)
     o_desc.store([m0, 0], narrow(acc, O.dtype.element_ty))
     tl.store(LSE + batch * stride_lse_b + q_start + head * stride_lse_h + rows, lse, mask=rows < seqlen_q)
 
 
-_attn_fwd_tuned = tuned(_attn_fwd_kernel, "fwd")
+_attn_fwd_tuned = tuned(_attn_fwd_kernel, "fwd", extra_key=("HAS_ALIBI", "HAS_DROPOUT"))
 
 
 def log2_scales(softmax_scale: float, softcap: float) -> tuple[float, float]:
@@ -121,7 +147,8 @@ def log2_scales(softmax_scale: float, softcap: float) -> tuple[float, float]:
 
 
 def attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap,
-                      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, gluon=False):
+                      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, gluon=False,
+                      alibi_slopes=None, dropout_p=0.0, dropout_seed=None):
     """Launch the forward kernel on validated inputs.
 
     Args:
@@ -130,6 +157,9 @@ def attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap
         window_left, window_right: -1 = unbounded; causal is window_right = 0.
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) offsets for varlen inputs, with max_seqlen_q/_k.
         gluon: run the Hopper Gluon kernel (flash_fwd_hopper.py) where it covers the inputs.
+        alibi_slopes: None, or fp32 (heads_q,) / (batch, heads_q) contiguous.
+        dropout_p: probability of dropping each attention probability; > 0 needs dropout_seed, an
+            int64 (1,) tensor on q's device (read by the kernel: no host sync).
     Returns:
         out like q; lse fp32 (batch, heads_q, seqlen_q), or (heads_q, total_q) for varlen.
     """
@@ -157,10 +187,11 @@ def attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap
     qk_scale, softcap_log2 = log2_scales(softmax_scale, softcap)
     head_dim_pad = pad_head_dim(head_dim)
     ensure_allocator(q.device)
+    has_alibi, has_dropout = alibi_slopes is not None, dropout_p > 0.0
     if gluon:
         from . import flash_fwd_hopper
 
-        if flash_fwd_hopper.supports(q, cu_seqlens_q, head_dim_pad):
+        if flash_fwd_hopper.supports(q, cu_seqlens_q, head_dim_pad, has_alibi, has_dropout):
             flash_fwd_hopper.launch_forward(q, k, v, out, lse, qk_scale, softcap_log2, window_left, window_right,
                                             softcap, head_dim_pad,
                                             [s for t in (q, k, v, out) for s in seq_strides(t, False)], strides_lse)
@@ -169,14 +200,15 @@ def attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap
     kernel, config = pick_kernel(q.device, "fwd", _attn_fwd_kernel, _attn_fwd_tuned, head_dim_pad,
                                  table_mask(window_left, window_right, softcap), seqlen_q_bucket)
     kernel[lambda meta: tile_grid(meta["BLOCK_M"], seqlen_q, q.shape[0], batch, heads_q, is_varlen)](
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed if has_dropout else None,
         *(stride for t in (q, k, v, out) for stride in seq_strides(t, is_varlen)), *strides_lse,
+        alibi_slopes.stride(0) if has_alibi and alibi_slopes.dim() == 2 else 0,
         seqlen_q, seqlen_k, batch,
-        qk_scale, softcap_log2, window_left, window_right,
+        qk_scale, softcap_log2, window_left, window_right, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p),
         seqlen_q_bucket, next_power_of_2(max(seqlen_k, 1)),
         GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
         IS_VARLEN=is_varlen, SEQS_PAD=seqs_pad(batch, is_varlen), DOT_PRECISION=dot_precision(q.dtype),
-        UPCAST_DOT=upcast_dot(q.dtype), **config,
+        UPCAST_DOT=upcast_dot(q.dtype), HAS_ALIBI=has_alibi, HAS_DROPOUT=has_dropout, **config,
     )
     return out, lse

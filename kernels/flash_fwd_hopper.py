@@ -248,10 +248,12 @@ CONFIGS = {64: (128, 2), 128: (128, 2), 256: (64, 2)}
 FASTER_HEAD_DIMS = (128, 256)
 
 
-def supports(q, cu_seqlens_q, head_dim_pad):
+def supports(q, cu_seqlens_q, head_dim_pad, has_alibi, has_dropout):
     """Whether this kernel takes these inputs (the caller has chosen the Gluon path for the device):
-    dense, 16-bit, a padded head_dim where it is the faster forward."""
-    return cu_seqlens_q is None and q.dtype in (torch.float16, torch.bfloat16) and head_dim_pad in FASTER_HEAD_DIMS
+    dense, 16-bit, a padded head_dim where it is the faster forward, no ALiBi and no dropout (the tl
+    kernel has them)."""
+    return (cu_seqlens_q is None and q.dtype in (torch.float16, torch.bfloat16) and head_dim_pad in FASTER_HEAD_DIMS
+            and not has_alibi and not has_dropout)
 
 
 def shared_layouts(block_n, head_dim_pad, dtype):

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from .masking import normalize_window
-from .reference import attention_tiled
+from .reference import attention_probabilities, attention_tiled, dropout_keep_mask
 from .sizes import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, MIN_HEAD_DIM, cdiv
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -166,6 +166,40 @@ def kernel_inputs(q, k, v):
                  for t in (q, k, v))
 
 
+def check_dropout_and_alibi(q, batch, dropout_p, alibi_slopes, softcap, return_attn_probs):
+    """Validate flash-attn's dropout_p, alibi_slopes and return_attn_probs; returns (dropout_p as a
+    float, alibi_slopes contiguous, as the kernels index them).
+
+    Args:
+        q: (..., heads_q, head_dim); batch: the number of sequences.
+    """
+    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1) (0.0 in eval), got {dropout_p!r}")
+    if dropout_p > 0.0 and softcap > 0.0:
+        raise ValueError("dropout_p > 0 with softcap > 0: softcap does not support dropout (as in flash-attn)")
+    if alibi_slopes is not None:
+        heads_q = q.shape[-2]
+        if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
+            got = alibi_slopes.dtype if isinstance(alibi_slopes, torch.Tensor) else type(alibi_slopes).__name__
+            raise ValueError(f"alibi_slopes must be an fp32 tensor, got {got}")
+        if tuple(alibi_slopes.shape) not in ((heads_q,), (batch, heads_q)):
+            raise ValueError(f"alibi_slopes must have shape (heads_q,) = ({heads_q},) or (batch, heads_q) = "
+                             f"({batch}, {heads_q}), got {tuple(alibi_slopes.shape)}")
+        if alibi_slopes.device != q.device:
+            raise ValueError(f"alibi_slopes is on {alibi_slopes.device}, q on {q.device}")
+        alibi_slopes = alibi_slopes.contiguous()
+    if not isinstance(return_attn_probs, bool):
+        raise ValueError(f"return_attn_probs must be a bool, got {return_attn_probs!r}")
+    return float(dropout_p), alibi_slopes
+
+
+def draw_dropout_seed(device):
+    """The 64-bit Philox key of one dropout call, an int64 (1,) tensor on ``device``, drawn from torch's
+    default generator there: torch.manual_seed makes the masks reproducible, and the kernels read the
+    key on the device (no host sync)."""
+    return torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64, device=device)
+
+
 def autocast_inputs(*tensors):
     """Under torch.autocast, run attention in the autocast dtype (as SDPA does)."""
     device_type = tensors[0].device.type
@@ -182,26 +216,30 @@ def autocast_inputs(*tensors):
 # cu_seqlens_q/_k None means dense (batch, seqlen, heads, head_dim).
 
 def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
-                  cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
-                  window_left: int, window_right: int, softcap: float,
+                  cu_seqlens_k: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+                  dropout_seed: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
+                  window_left: int, window_right: int, softcap: float, dropout_p: float,
                   deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     # ``deterministic`` only shapes the backward; it rides along so that autograd hands it back.
     from .flash_fwd import attention_forward
 
     return attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap,
                              cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             gluon=kernel_impl(q.device) == "gluon")
+                             gluon=kernel_impl(q.device) == "gluon", alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                             dropout_seed=dropout_seed)
 
 
 def _backward_impl(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
-                   cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
-                   softmax_scale: float, window_left: int, window_right: int,
-                   softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   cu_seqlens_k: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+                   dropout_seed: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                   softmax_scale: float, window_left: int, window_right: int, softcap: float, dropout_p: float,
+                   deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from .flash_bwd import attention_backward
 
     return attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, window_left, window_right,
-                              softcap, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic)
+                              softcap, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic,
+                              alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed)
 
 
 _flash_attn_fwd = torch.library.custom_op("flashformer::flash_attn_fwd", _forward_impl, mutates_args=())
@@ -209,8 +247,8 @@ _flash_attn_bwd = torch.library.custom_op("flashformer::flash_attn_bwd", _backwa
 
 
 @_flash_attn_fwd.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
-      softcap, deterministic):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, max_seqlen_q, max_seqlen_k, softmax_scale,
+      window_left, window_right, softcap, dropout_p, deterministic):
     lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else (q.shape[0], q.shape[2], q.shape[1])
     return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
 
@@ -221,22 +259,22 @@ def _(grad_out, grad_lse, q, k, v, out, lse, *args):
 
 
 def _save_for_backward(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, *params = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, *params = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed)
     ctx.params = params
 
 
 def _gradients(ctx, grad_out, grad_lse, backward=_flash_attn_bwd):
     # The op's registered backward always calls the op: AOT autograd traces it with fake tensors,
     # and torch 2.11's is_compiling() is False there (the kernels' launchers would see fakes).
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    q, k, v, out, lse, *offsets_slopes_seed = ctx.saved_tensors
     if grad_out is None:  # only lse was used
         grad_out = torch.zeros_like(out)
     # Layouts are the launcher's business (it copies only what TMA cannot address); no grad_lse
     # (the common case) skips its read instead of materialising zeros.
-    dq, dk, dv = backward(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.params)
-    return dq, dk, dv, *([None] * 9)
+    dq, dk, dv = backward(grad_out, grad_lse, q, k, v, out, lse, *offsets_slopes_seed, *ctx.params)
+    return dq, dk, dv, *([None] * 12)
 
 
 _flash_attn_fwd.register_autograd(_gradients, setup_context=_save_for_backward)
@@ -262,24 +300,71 @@ def _triton_attention(*inputs):
     return _FlashAttention.apply(*inputs)
 
 
-def attention_with_lse(q, k, v, softmax_scale, window_left, window_right, softcap, deterministic=True):
-    """Dispatch validated dense inputs to the chosen path; returns (out, lse), both differentiable."""
+def attention_with_lse(q, k, v, softmax_scale, window_left, window_right, softcap, deterministic=True,
+                       alibi_slopes=None, dropout_p=0.0, dropout_seed=None):
+    """Dispatch validated dense inputs to the chosen path; returns (out, lse), both differentiable.
+    ``dropout_seed`` (draw_dropout_seed) is needed when dropout_p > 0."""
     if kernel_impl(q.device) != "torch":
-        return _triton_attention(q, k, v, None, None, 0, 0, softmax_scale, window_left, window_right, softcap,
-                                 deterministic)
-    return attention_tiled(q, k, v, softmax_scale, window_left, window_right, softcap)
+        return _triton_attention(q, k, v, None, None, alibi_slopes, dropout_seed, 0, 0, softmax_scale, window_left,
+                                 window_right, softcap, dropout_p, deterministic)
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.expand(q.shape[0], q.shape[2])
+    return attention_tiled(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
+                           _seed_value(dropout_p, dropout_seed))
 
 
-def _varlen_tiled(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right, softcap):
+def _seed_value(dropout_p, dropout_seed):
+    """The PyTorch path's seed as an int (a device read where the seed lives on a GPU)."""
+    return int(dropout_seed.item()) if dropout_p > 0.0 else 0
+
+
+def _varlen_tiled(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right, softcap,
+                  alibi_slopes, dropout_p, dropout_seed):
     """The PyTorch varlen path: the tiled reference on each sequence; lse (heads, total_q)."""
     outs, lses = [], []
     bounds = zip(cu_seqlens_q.tolist(), cu_seqlens_q[1:].tolist(), cu_seqlens_k.tolist(), cu_seqlens_k[1:].tolist())
-    for q0, q1, k0, k1 in bounds:
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.expand(cu_seqlens_q.numel() - 1, q.shape[1])
+    seed = _seed_value(dropout_p, dropout_seed)
+    for b, (q0, q1, k0, k1) in enumerate(bounds):
         out, lse = attention_tiled(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale, window_left,
-                                   window_right, softcap)
+                                   window_right, softcap, None if alibi_slopes is None else alibi_slopes[b:b + 1],
+                                   dropout_p, seed, batch_start=b)
         outs.append(out[0])
         lses.append(lse[0])
     return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+@torch.no_grad()
+def attention_probs_dmask(q, k, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
+                          dropout_seed, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+    """flash-attn's S_dmask for return_attn_probs: the softmax probabilities (batch, heads_q, seqlen_q,
+    seqlen_k) fp32, those dropout dropped negated (its encoding; a dropped 0 reads -0.0). Materialises
+    the score matrix (a testing aid, as in flash-attn), with the mask the kernels drew from the same
+    seed. Varlen inputs give (batch, heads_q, max_seqlen_q, max_seqlen_k), zero past each sequence."""
+    if cu_seqlens_q is None:
+        batch, max_seqlen_q, max_seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        chunks = [(0, batch, q, k)]
+    else:
+        batch = cu_seqlens_q.numel() - 1
+        bounds = zip(cu_seqlens_q.tolist(), cu_seqlens_q[1:].tolist(), cu_seqlens_k.tolist(), cu_seqlens_k[1:].tolist())
+        chunks = [(b, b + 1, q[None, q0:q1], k[None, k0:k1]) for b, (q0, q1, k0, k1) in enumerate(bounds)]
+    heads_q = q.shape[-2]
+    probs = q.new_zeros((batch, heads_q, max_seqlen_q, max_seqlen_k), dtype=torch.float32)
+    slopes = None if alibi_slopes is None else alibi_slopes.expand(batch, heads_q)
+    seed = _seed_value(dropout_p, dropout_seed)
+    for b0, b1, q_chunk, k_chunk in chunks:
+        seqlen_q, seqlen_k = q_chunk.shape[1], k_chunk.shape[1]
+        p, _ = attention_probabilities(q_chunk.float(), k_chunk.float(), softmax_scale, False,
+                                       (window_left, window_right), softcap, None if slopes is None else slopes[b0:b1])
+        if dropout_p > 0.0:
+            keep = dropout_keep_mask(seed, dropout_p, torch.arange(b0, b1, device=q.device).view(-1, 1, 1, 1),
+                                     torch.arange(heads_q, device=q.device).view(-1, 1, 1),
+                                     torch.arange(seqlen_q, device=q.device).view(-1, 1),
+                                     torch.arange(seqlen_k, device=q.device))
+            p = torch.where(keep, p, -p)
+        probs[b0:b1, :, :seqlen_q, :seqlen_k] = p
+    return probs
 
 
 # Value checks of cu_seqlens read the device (a host sync, tens of µs with the launch queue drained). A
@@ -340,7 +425,8 @@ def _max_seqlen(name, given, longest):
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, causal=False,
                            softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False,
-                           deterministic=True, check_lengths=None, block_table=None):
+                           deterministic=True, check_lengths=None, block_table=None, dropout_p=0.0,
+                           alibi_slopes=None, return_attn_probs=False):
     """Exact attention over sequences packed along the token dim, flash-attn's varlen API.
 
     No attention crosses a sequence boundary; every option of flash_attn_func applies per sequence
@@ -353,7 +439,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
             [cu[b], cu[b + 1]). Same batch for q and k.
         max_seqlen_q, max_seqlen_k: longest sequence lengths; None reads them from the offsets (a
             host sync on CUDA). The Triton kernels take them for tuning only.
-        causal, softmax_scale, window_size, softcap, return_lse, deterministic: as flash_attn_func.
+        causal, softmax_scale, window_size, softcap, return_lse, deterministic, dropout_p,
+            alibi_slopes, return_attn_probs: as flash_attn_func; ALiBi's distance and dropout's mask
+            coordinates are per sequence.
         check_lengths: whether the offsets' values are checked (start 0, end at the token count,
             non-decreasing, max_seqlen_q/_k at least the longest); their type, shape and device
             always are. None (the default): when they are read anyway (a max_seqlen left None, or
@@ -363,7 +451,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
         block_table: flash-attn's paged K/V for varlen; not supported (an error): use
             flash_attn_with_kvcache, whose caches may be paged.
     Returns:
-        out (total_q, heads_q, head_dim_v), or (out, lse) with lse (heads_q, total_q) fp32.
+        out (total_q, heads_q, head_dim_v), or (out, lse) with lse (heads_q, total_q) fp32, or with
+        return_attn_probs (out, lse, S_dmask), S_dmask (batch, heads_q, max_seqlen_q, max_seqlen_k).
     """
     if block_table is not None:
         raise ValueError("block_table (paged K/V) is not supported by flash_attn_varlen_func; "
@@ -385,16 +474,24 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
                          f"{cu_seqlens_k.numel() - 1} sequences")
     max_seqlen_q = _max_seqlen("max_seqlen_q", max_seqlen_q, longest_q)
     max_seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k, longest_k)
+    dropout_p, alibi_slopes = check_dropout_and_alibi(q, cu_seqlens_q.numel() - 1, dropout_p, alibi_slopes, softcap,
+                                                      return_attn_probs)
     head_dim_v = v.shape[-1]
     q, k, v = kernel_inputs(*autocast_inputs(q, k, v))
     window_left, window_right = normalize_window(causal, window_size)
+    dropout_seed = draw_dropout_seed(q.device) if dropout_p > 0.0 else None
     if triton_path:
-        out, lse = _triton_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                                   window_left, window_right, float(softcap), deterministic)
+        out, lse = _triton_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, max_seqlen_q,
+                                     max_seqlen_k, softmax_scale, window_left, window_right, float(softcap), dropout_p,
+                                     deterministic)
     else:
         out, lse = _varlen_tiled(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right,
-                                 float(softcap))
+                                 float(softcap), alibi_slopes, dropout_p, dropout_seed)
     out = out[..., :head_dim_v]
+    if return_attn_probs:
+        return out, lse, attention_probs_dmask(q, k, softmax_scale, window_left, window_right, float(softcap),
+                                               alibi_slopes, dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k,
+                                               max_seqlen_q, max_seqlen_k)
     return (out, lse) if return_lse else out
 
 
@@ -412,8 +509,9 @@ def _check_deterministic(deterministic):
 
 
 def flash_attn_func(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                    return_lse=False, deterministic=True):
-    """Exact attention, flash-attn's dense API.
+                    return_lse=False, deterministic=True, dropout_p=0.0, alibi_slopes=None, return_attn_probs=False):
+    """Exact attention, flash-attn's dense API (the options after ``q, k, v`` by keyword: their order
+    is not flash-attn's).
 
     Args:
         q, k: (batch, seqlen_q / seqlen_k, heads_q / heads_kv, head_dim); v: (batch, seqlen_k, heads_kv,
@@ -426,22 +524,38 @@ def flash_attn_func(q, k, v, causal=False, softmax_scale=None, window_size=(-1, 
         causal: mask aligned bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q.
         softmax_scale: defaults to head_dim ** -0.5 (q's head_dim before any padding).
         window_size: (left, right) sliding window, -1 = unbounded on that side.
-        softcap: if > 0, scores become softcap * tanh(scores / softcap) before masking.
+        softcap: if > 0, scores become softcap * tanh(scores / softcap) before masking (and before
+            ALiBi's bias). Not with dropout_p > 0 (flash-attn forbids it too).
         return_lse: also return lse (batch, heads_q, seqlen_q), fp32, natural log; -inf for a row
-            that sees no key (its output is 0).
+            that sees no key (its output is 0). return_attn_probs returns it too.
         deterministic: True (the default): the backward gives bit-identical gradients run after run.
             False: a faster backward (5 tile matmuls instead of 7) that adds dQ in whatever order the
             GPU's reductions arrive, as flash-attn does by default. The PyTorch path ignores it.
+        dropout_p: probability of dropping each attention probability (the kept ones are scaled by
+            1 / (1 - dropout_p)); pass 0.0 in eval. The mask comes from Philox keyed by a seed drawn
+            from torch's generator on q's device (torch.manual_seed reproduces it) and is regenerated
+            in the backward; the Triton and PyTorch paths drop the same elements.
+        alibi_slopes: None, or fp32 (heads_q,) or (batch, heads_q): adds -slope * |i + seqlen_k -
+            seqlen_q - j| to the score of query i and key j. No gradient flows into the slopes.
+        return_attn_probs: return (out, lse, S_dmask) as flash-attn does: S_dmask (batch, heads_q,
+            seqlen_q, seqlen_k) fp32 holds the softmax probabilities, the dropped ones negated. It
+            materialises seqlen_q x seqlen_k: for testing and debugging.
     Returns:
-        out (batch, seqlen_q, heads_q, head_dim_v), or (out, lse).
+        out (batch, seqlen_q, heads_q, head_dim_v), or (out, lse), or (out, lse, S_dmask).
     """
     softmax_scale, window_size = check_attention_args(q, k, v, 1, softmax_scale, window_size, softcap)
+    dropout_p, alibi_slopes = check_dropout_and_alibi(q, q.shape[0], dropout_p, alibi_slopes, softcap,
+                                                      return_attn_probs)
     head_dim_v = v.shape[-1]
     q, k, v = kernel_inputs(*autocast_inputs(q, k, v))
     window_left, window_right = normalize_window(causal, window_size)
+    dropout_seed = draw_dropout_seed(q.device) if dropout_p > 0.0 else None
     out, lse = attention_with_lse(q, k, v, softmax_scale, window_left, window_right, float(softcap),
-                                  _check_deterministic(deterministic))
+                                  _check_deterministic(deterministic), alibi_slopes, dropout_p, dropout_seed)
     out = out[..., :head_dim_v]
+    if return_attn_probs:
+        return out, lse, attention_probs_dmask(q, k, softmax_scale, window_left, window_right, float(softcap),
+                                               alibi_slopes, dropout_p, dropout_seed)
     return (out, lse) if return_lse else out
 
 

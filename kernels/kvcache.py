@@ -305,8 +305,8 @@ def _describe(x):
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
-                            causal=True, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, num_splits=0,
-                            return_softmax_lse=False, return_lse=False, check_lengths=None):
+                            causal=True, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
+                            num_splits=0, return_softmax_lse=False, return_lse=False, check_lengths=None):
     """Attention of new query tokens over a KV cache, appending new keys/values first (flash-attn's API,
     its arguments in its order; causal defaults to True here, False there).
 
@@ -352,11 +352,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             path, which reads the lengths anyway, checks them all. True: everything, at one host sync
             per call. False: as None, and an error on the PyTorch path rather than a read of device
             values.
+        alibi_slopes: flash-attn's argument, accepted as None only: the decoding kernel has no ALiBi
+            (flash_attn_func and flash_attn_varlen_func do).
     Returns:
         out (batch, seqlen_q, heads_q, head_dim), or (out, lse) with lse (batch, heads_q, seqlen_q)
         fp32, -inf for a row that sees no cache entry (its output is 0).
     """
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v}
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes: flash_attn_with_kvcache has no ALiBi (flash_attn_func and "
+                         "flash_attn_varlen_func do); pass None")
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new keys and values to append) or both left None")
     if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors.values()):

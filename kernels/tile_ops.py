@@ -193,6 +193,26 @@ def attention_logits(q, k, rows, cols, qk_scale, softcap_log2, seqlen_q, seqlen_
 
 
 @triton.jit
+def alibi_bias(rows, cols, slope_log2, seqlen_q, seqlen_k):
+    """ALiBi's bias in log2 units, -slope * |i + seqlen_k - seqlen_q - j| (flash-attn's bottom-right
+    alignment), for query ``rows`` and key ``cols`` (broadcast 2-D index tensors; either layout)."""
+    return (tl.abs(rows + (seqlen_k - seqlen_q) - cols).to(tl.float32)) * -slope_log2
+
+
+@triton.jit
+def dropout_keep(rows, cols, seed, head, batch, drop_threshold):
+    """Bool tile: whether element (row, col) of (batch, head) survives dropout (broadcast 2-D index
+    tensors; either layout). One Philox4x32-10 draw per element under the call's 64-bit seed, with the
+    element's coordinates (col, row, head, batch) as the counter: any tiling, in the forward or the
+    backward, regenerates the same mask, and reference.dropout_keep_mask computes it in PyTorch. An
+    element is kept iff the draw's top 31 bits reach ``drop_threshold`` = dropout_p * 2**31."""
+    rows, cols = tl.broadcast(rows, cols)
+    zeros = cols * 0
+    draw, _, _, _ = tl.philox(seed, cols, rows, zeros + head.to(tl.int32), zeros + batch.to(tl.int32))
+    return (draw >> 1).to(tl.int32) >= drop_threshold
+
+
+@triton.jit
 def logit_scale(qk_scale, HAS_SOFTCAP: tl.constexpr):
     """What attention_logits' logits are multiplied by to be in log2 units."""
     if HAS_SOFTCAP:
@@ -202,11 +222,13 @@ def logit_scale(qk_scale, HAS_SOFTCAP: tl.constexpr):
 
 @triton.jit
 def online_softmax_step(acc, row_max, row_sum, s, scale, v, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        UPCAST_DOT: tl.constexpr):
+                        UPCAST_DOT: tl.constexpr, keep=None):
     """Fold one tile of logits s (M, N), in log2 units once multiplied by ``scale`` (> 0), and values v
     (N, D) into the running (acc, max, sum). The scale is applied to the tile's row maxima and inside
     exp2's argument (one fused multiply-add per logit), never to the tile itself: a scaled copy would
-    cost a multiply per logit, since the maximum and the exponent both read it."""
+    cost a multiply per logit, since the maximum and the exponent both read it. ``keep`` (bool (M, N),
+    dropout's mask) drops probabilities from acc only: the sum normalises by all of them, and the
+    caller applies 1 / (1 - dropout_p)."""
     new_max = tl.maximum(row_max, tl.max(s, 1) * scale)
     if MASKED:
         # A row with no visible key so far keeps max = -inf: shift by 0 to avoid inf - inf.
@@ -216,5 +238,7 @@ def online_softmax_step(acc, row_max, row_sum, s, scale, v, MASKED: tl.constexpr
     p = tl.exp2(s * scale - new_max_safe[:, None])
     alpha = tl.exp2(row_max - new_max_safe)
     row_sum = row_sum * alpha + tl.sum(p, 1)
+    if keep is not None:
+        p = tl.where(keep, p, 0.0)
     acc = acc * alpha[:, None] + mma(narrow(p, v.dtype), v, DOT_PRECISION, UPCAST_DOT)
     return acc, new_max, row_sum

@@ -22,10 +22,11 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from flashformer.kernels import cross_entropy, decode, flash_bwd, flash_fwd, flash_fwd_hopper
 from flashformer.kernels.sizes import pad_head_dim
 
-FP32_POINTERS = {"LSE", "DELTA", "LSE_LOG2", "DLSE", "LSE_PART", "O_PART", "DQ_ACC", "LOSSES", "TOKEN_SCALE"}
-INT64_POINTERS = {"TARGETS"}
+FP32_POINTERS = {"LSE", "DELTA", "LSE_LOG2", "DLSE", "LSE_PART", "O_PART", "DQ_ACC", "LOSSES", "TOKEN_SCALE",
+                 "ALIBI_SLOPES"}
+INT64_POINTERS = {"TARGETS", "DROPOUT_SEED"}
 INT32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K", "BLOCK_TABLE"}
-FLOAT_SCALARS = {"qk_scale", "softcap_log2", "softmax_scale", "softcap"}
+FLOAT_SCALARS = {"qk_scale", "softcap_log2", "softmax_scale", "softcap", "dropout_rescale"}
 
 
 def compile_for_hopper(kernel, constexprs, num_warps, num_stages, maxnreg=None, dtype="bf16"):
@@ -62,12 +63,13 @@ def resource_usage(compiled):
 
 
 def attention_constexprs(head_dim, block_m, block_n, causal=True, window=False, softcap=False, varlen=False, group=1,
-                         accumulate_dq=False, has_dlse=False):
+                         accumulate_dq=False, has_dlse=False, alibi=False, dropout=False):
     return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=pad_head_dim(head_dim), BLOCK_M=block_m,
                 BLOCK_N=block_n, LEFT_BOUNDED=window, RIGHT_BOUNDED=causal or window, HAS_SOFTCAP=softcap,
                 IS_VARLEN=varlen, SEQS_PAD=16 if varlen else 1, ACCUMULATE_DQ=accumulate_dq,
                 DQ_TMA_REDUCE=accumulate_dq, DOT_PRECISION="tf32", UPCAST_DOT=False, HAS_DLSE=has_dlse,
-                ONE_LOOP=not accumulate_dq and pad_head_dim(head_dim) >= flash_bwd.ONE_LOOP_DKDV_HEAD_DIM)
+                ONE_LOOP=not accumulate_dq and pad_head_dim(head_dim) >= flash_bwd.ONE_LOOP_DKDV_HEAD_DIM,
+                HAS_ALIBI=alibi, HAS_DROPOUT=dropout)
 
 
 def gluon_forward_constexprs(head_dim, causal=True, window=False, softcap=False, group=1):
@@ -108,6 +110,19 @@ CASES = {
                                 dict(attention_constexprs(64, 32, 128, causal=False, group=2, accumulate_dq=True),
                                      seqlen_q=1), 8, 2),
     "bwd_dq-d128-causal": (flash_bwd._bwd_dq_kernel, attention_constexprs(128, 128, 64, has_dlse=True), 8, 2),
+    # ALiBi and dropout (Philox per element) in every kernel family and dK/dV loop shape
+    "fwd-d128-causal-alibi-dropout": (flash_fwd._attn_fwd_kernel,
+                                      attention_constexprs(128, 128, 64, alibi=True, dropout=True), 8, 3),
+    "fwd-d64-varlen-dropout": (flash_fwd._attn_fwd_kernel, attention_constexprs(64, 128, 64, varlen=True, dropout=True),
+                               4, 3),
+    "bwd_dkdv-d128-gqa-alibi-dropout": (flash_bwd._bwd_dkdv_kernel,
+                                        attention_constexprs(128, 32, 128, group=4, alibi=True, dropout=True), 8, 2),
+    "bwd_dkdv-d64-three-loops-alibi-dropout": (flash_bwd._bwd_dkdv_kernel,
+                                               attention_constexprs(64, 32, 128, alibi=True, dropout=True), 8, 2),
+    "bwd_fused-d64-alibi-dropout": (flash_bwd._bwd_dkdv_kernel,
+                                    attention_constexprs(64, 64, 128, accumulate_dq=True, alibi=True, dropout=True), 8, 2),
+    "bwd_dq-d128-alibi-dropout": (flash_bwd._bwd_dq_kernel,
+                                  attention_constexprs(128, 128, 64, alibi=True, dropout=True), 8, 2),
     # the register-capped candidates of kernels/tuning.py (two programs per SM)
     "fwd-d128-two-per-sm": (flash_fwd._attn_fwd_kernel, attention_constexprs(128, 128, 64), 8, 2, 128),
     "bwd_dq-d128-two-per-sm": (flash_bwd._bwd_dq_kernel, attention_constexprs(128, 128, 32), 8, 2, 128),

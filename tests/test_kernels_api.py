@@ -128,11 +128,15 @@ def _entry_point_calls(device):
         return torch.autograd.grad(out, leaves, torch.ones_like(out))
 
     calls = []
+    slopes = torch.rand(4, device=device)
     for deterministic in (True, False):
         calls.append(functools.partial(grads, flash_attn_func, q, k, v, causal=True, deterministic=deterministic))
         calls.append(functools.partial(grads, flash_attn_varlen_func, packed_q, packed_k, packed_v,
                                        cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
                                        max_seqlen_k=max(lengths), deterministic=deterministic))
+        # dropout's seed is drawn and read on the device
+        calls.append(functools.partial(grads, flash_attn_func, q, k, v, causal=True, deterministic=deterministic,
+                                       dropout_p=0.1, alibi_slopes=slopes))
     qkv = torch.stack((q, k.repeat(1, 1, 2, 1), v.repeat(1, 1, 2, 1)), dim=2)
     kv = torch.stack((k, v), dim=2)
     calls.append(functools.partial(grads, flash_attn_qkvpacked_func, qkv, causal=True))
