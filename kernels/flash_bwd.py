@@ -297,7 +297,7 @@ _bwd_dq_tuned = tuned(_bwd_dq_kernel, "bwd_dq")
 
 def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, window_left, window_right,
                        softcap, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                       deterministic=True):
+                       deterministic=True, gluon=False):
     """Launch the backward kernels; returns (dq, dk, dv) shaped like (q, k, v).
 
     Args:
@@ -306,6 +306,8 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
         deterministic: True: the dQ kernel recomputes the tiles (7 tile matmuls, bit-identical
             results). False: the dK/dV kernel also adds each tile's dQ share into an fp32 buffer
             (5 matmuls; TMA reductions on the GPU, whose order varies from run to run).
+        gluon: with deterministic=True, compute dK and dV with the Hopper Gluon kernel
+            (flash_bwd_hopper.py) where it covers the inputs; dQ stays with the dQ kernel.
     """
     is_varlen = cu_seqlens_q is not None
     q, k, v, out, grad_out = (as_descriptor_compatible(t) for t in (q, k, v, out, grad_out))
@@ -356,6 +358,15 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK=PREPROCESS_BLOCK, IS_VARLEN=is_varlen,
             SEQS_PAD=seqs_pad(batch, is_varlen), HAS_DLSE=grad_lse is not None,
         )
+    if deterministic and gluon:
+        from . import flash_bwd_hopper
+
+        if flash_bwd_hopper.supports(q, cu_seqlens_q, head_dim_pad):
+            flash_bwd_hopper.launch_dkdv(q, k, v, grad_out, dk, dv, lse_log2, delta, softmax_scale, qk_scale,
+                                         softcap_log2, window_left, window_right, softcap, head_dim_pad,
+                                         [s for t in (q, k, v, grad_out, dk, dv) for s in seq_strides(t, False)],
+                                         strides_lse)
+            return dq, dk, dv
     dq_acc = None if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kind, tuned_kernel = ("bwd_dkdv", _bwd_dkdv_tuned) if deterministic else ("bwd_fused", _bwd_fused_tuned)
     kernel, config = pick_kernel(q.device, kind, _bwd_dkdv_kernel, tuned_kernel, head_dim_pad, mask, buckets[0])

@@ -1,0 +1,283 @@
+"""FlashAttention backward's dK/dV pass for Hopper (sm_90) in Gluon: flash_bwd.py's dK/dV kernel,
+scheduled by hand as FlashAttention-3 does it.
+
+A program owns BLOCK_N = 128 keys of one kv head and walks the query tiles that see them, for every
+query head of its GQA group (one loop inside the program: deterministic, no atomics):
+
+* warp specialisation: a producer warp streams Q and dO tiles by TMA into a ring of NUM_STAGES
+  shared-memory slots ("ready" and "empty" mbarriers per slot and tensor); two consumer warpgroups of
+  64 keys each accumulate dK and dV in registers, with ~232 registers each (setmaxnreg);
+* within a consumer, for query tile i: S^T = K Q^T and dP^T = V dO^T are issued back to back as
+  asynchronous wgmma; the consumer waits for S^T alone and forms P^T while dP^T is still on the
+  tensor cores, issues dV += P^T dO, then waits for dP^T (dV left in flight) and forms dS^T before
+  dK += dS^T Q. P^T and dS^T stay in registers as the A operands;
+* across consumers: each releases a slot on its own, so the two drift apart and one's products
+  overlap the other's exponentials.
+
+dQ and the row statistics (delta, lse in log2 units) come from flash_bwd.py's deterministic dQ kernel,
+launched first. The semantics are flash_bwd.py's: bottom-right causal, windows, softcap, GQA; keys
+past seqlen_k (zeros read by TMA) get p = 0 and so dS = 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                             warpgroup_mma_wait)
+
+from .flash_fwd_hopper import _mma_layout, _rows_descriptor
+from .launch import ensure_allocator
+from .tile_ops import query_range, tanh, visible
+
+CONSUMER_WARPS = gl.constexpr(4)
+CONSUMER_KEYS = gl.constexpr(64)
+NUM_CONSUMERS = 2
+BLOCK_N = NUM_CONSUMERS * CONSUMER_KEYS.value
+
+
+@gluon.jit
+def _heads_descriptor(base, heads, rows, stride_heads, stride_rows, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      HEAD_DIM_PAD: gl.constexpr, LAYOUT: gl.constexpr):
+    """TMA view of ``heads`` consecutive heads, (heads, rows, HEAD_DIM) from ``base``, in (1, BLOCK,
+    HEAD_DIM_PAD) tiles that read zeros past the ends: one descriptor serves every query head of a GQA
+    group (a descriptor rebuilt per head would be rewritten while TMA copies may still read it)."""
+    return tma.make_tensor_descriptor(base, [heads, rows, HEAD_DIM], [stride_heads, stride_rows, 1],
+                                      [1, BLOCK, HEAD_DIM_PAD], LAYOUT)
+
+
+@gluon.jit
+def _load_partition(q_base, do_base, k_base, v_base, stride_qh, stride_qs, stride_doh, stride_dos, stride_ks,
+                    stride_vs, seqlen_q, seqlen_k, q_smem, do_smem, k_smem, v_smem, kv_bars, q_ready, do_ready,
+                    q_empty, do_empty, n0, start, tiles_per_head,
+                    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+                    BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, QO_TMA: gl.constexpr, KV_SMEM: gl.constexpr):
+    q_desc = _heads_descriptor(q_base, GROUP, seqlen_q, stride_qh, stride_qs, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, QO_TMA)
+    do_desc = _heads_descriptor(do_base, GROUP, seqlen_q, stride_doh, stride_dos, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
+                                QO_TMA)
+    k_desc = _rows_descriptor(k_base, seqlen_k, stride_ks, CONSUMER_KEYS, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
+    v_desc = _rows_descriptor(v_base, seqlen_k, stride_vs, CONSUMER_KEYS, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
+    for c in gl.static_range(2):
+        bar = kv_bars.index(c)
+        mbarrier.expect(bar, 2 * k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [n0 + c * CONSUMER_KEYS, 0], bar, k_smem.index(c))
+        tma.async_copy_global_to_shared(v_desc, [n0 + c * CONSUMER_KEYS, 0], bar, v_smem.index(c))
+    for i in range(GROUP * tiles_per_head):
+        stage = i % NUM_STAGES
+        head = i // tiles_per_head
+        m0 = start + (i - head * tiles_per_head) * BLOCK_M
+        # The slot's previous use (tile i - NUM_STAGES) must be released by both consumers first.
+        free_phase = ((i // NUM_STAGES) & 1) ^ 1
+        mbarrier.wait(q_empty.index(stage), free_phase, pred=i >= NUM_STAGES)
+        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [head, m0, 0], q_ready.index(stage), _tma_view(q_smem.index(stage)))
+        mbarrier.wait(do_empty.index(stage), free_phase, pred=i >= NUM_STAGES)
+        mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [head, m0, 0], do_ready.index(stage), _tma_view(do_smem.index(stage)))
+
+
+@gluon.jit
+def _tma_view(tile):
+    """A (rows, cols) shared-memory tile as the (1, rows, cols) box of a heads descriptor."""
+    return tile.reshape([1, tile.shape[0], tile.shape[1]])
+
+
+@gluon.jit
+def _consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks, stride_dvs, lse_group, delta_group,
+                       stride_lse_h, q_smem, do_smem, k_smem, v_smem, kv_bars, q_ready, do_ready,
+                       q_empty, do_empty, n0, start, un_lo, un_hi, tiles_per_head, seqlen_q, seqlen_k, softmax_scale,
+                       qk_scale, softcap_log2, window_left, window_right,
+                       GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+                       BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, LEFT_BOUNDED: gl.constexpr,
+                       RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr, KV_SMEM: gl.constexpr):
+    ST_LAYOUT: gl.constexpr = _mma_layout(BLOCK_M, CONSUMER_WARPS)
+    DKV_LAYOUT: gl.constexpr = _mma_layout(HEAD_DIM_PAD, CONSUMER_WARPS)
+    A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=DKV_LAYOUT, k_width=2)
+    KEYS: gl.constexpr = gl.SliceLayout(1, ST_LAYOUT)
+    QUERIES: gl.constexpr = gl.SliceLayout(0, ST_LAYOUT)
+    ROW_VECTOR: gl.constexpr = gl.BlockedLayout([1], [32], [CONSUMER_WARPS], [0])
+    dtype: gl.constexpr = q_smem.dtype
+    k_tile = k_smem.index(CONSUMER)
+    v_tile = v_smem.index(CONSUMER)
+    key0 = n0 + CONSUMER * CONSUMER_KEYS
+    cols = gl.expand_dims(key0 + gl.arange(0, CONSUMER_KEYS, layout=KEYS), 1)
+    dk = gl.zeros([CONSUMER_KEYS, HEAD_DIM_PAD], gl.float32, DKV_LAYOUT)
+    dv = gl.zeros([CONSUMER_KEYS, HEAD_DIM_PAD], gl.float32, DKV_LAYOUT)
+    st_zero = gl.zeros([CONSUMER_KEYS, BLOCK_M], gl.float32, ST_LAYOUT)
+
+    mbarrier.wait(kv_bars.index(CONSUMER), 0)
+    for i in range(GROUP * tiles_per_head):
+        stage = i % NUM_STAGES
+        phase = (i // NUM_STAGES) & 1
+        head = i // tiles_per_head
+        m0 = start + (i - head * tiles_per_head) * BLOCK_M
+        q_tile = q_smem.index(stage)
+        do_tile = do_smem.index(stage)
+        # Loaded one row per thread, then spread to S^T's columns: pointers in S^T's layout would hold
+        # 64-bit addresses for each of a thread's columns.
+        row_offsets = gl.arange(0, BLOCK_M, layout=ROW_VECTOR)
+        in_seq = m0 + row_offsets < seqlen_q
+        stats_offset = head * stride_lse_h + m0
+
+        mbarrier.wait(q_ready.index(stage), phase)
+        s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        mbarrier.wait(do_ready.index(stage), phase)
+        dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        # Rows past the end: lse = +inf, so p = 0 and they add nothing. lse and delta are loaded where
+        # they are used, never live together beside the four accumulators.
+        lse_log2 = gl.convert_layout(gl.load(lse_group + stats_offset + row_offsets, mask=in_seq, other=float("inf")),
+                                     QUERIES)
+        s_t = warpgroup_mma_wait(1, deps=[s_t])
+        s_t = s_t * qk_scale
+        if HAS_SOFTCAP:
+            tanh_t = tanh(s_t)
+            s_t = tanh_t * softcap_log2
+        p_t = gl.exp2(s_t - gl.expand_dims(lse_log2, 0))
+        if (m0 < un_lo) | (m0 >= un_hi):
+            rows = m0 + gl.arange(0, BLOCK_M, layout=QUERIES)
+            keep = visible(gl.expand_dims(rows, 0), cols, seqlen_q, seqlen_k, window_left, window_right,
+                           LEFT_BOUNDED, RIGHT_BOUNDED)
+            p_t = gl.where(keep, p_t, 0.0)
+        p_op = gl.convert_layout(p_t.to(dtype), A_LAYOUT)
+        dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
+        delta = gl.convert_layout(gl.load(delta_group + stats_offset + row_offsets, mask=in_seq, other=0.0), QUERIES)
+        dv, dp_t, p_op = warpgroup_mma_wait(0, deps=[dv, dp_t, p_op])
+        ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+        if HAS_SOFTCAP:
+            ds_t = ds_t * (1.0 - tanh_t * tanh_t)
+        ds_op = gl.convert_layout(ds_t.to(dtype), A_LAYOUT)
+        dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
+        dk, ds_op = warpgroup_mma_wait(0, deps=[dk, ds_op])
+        mbarrier.arrive(q_empty.index(stage), count=1)
+        mbarrier.arrive(do_empty.index(stage), count=1)
+
+    # K and V are read by no product any more: their tiles stage this consumer's dK and dV.
+    k_tile.store((dk * softmax_scale).to(dtype))
+    v_tile.store(dv.to(dtype))
+    fence_async_shared()
+    dk_desc = _rows_descriptor(dk_base, seqlen_k, stride_dks, CONSUMER_KEYS, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
+    dv_desc = _rows_descriptor(dv_base, seqlen_k, stride_dvs, CONSUMER_KEYS, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
+    tma.async_copy_shared_to_global(dk_desc, [key0, 0], k_tile)
+    tma.async_copy_shared_to_global(dv_desc, [key0, 0], v_tile)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _attn_bwd_dkdv_hopper_kernel(
+    Q, K, V, DO, DK, DV, LSE_LOG2, DELTA,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
+    stride_lse_b, stride_lse_h,
+    seqlen_q, seqlen_k,
+    softmax_scale, qk_scale, softcap_log2, window_left, window_right,
+    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+    QO_SMEM: gl.constexpr, QO_TMA: gl.constexpr, KV_SMEM: gl.constexpr,
+):
+    gl.static_assert(BLOCK_N == 2 * CONSUMER_KEYS)
+    dtype: gl.constexpr = Q.dtype.element_ty
+    n0 = gl.program_id(0) * BLOCK_N
+    kv_head = gl.program_id(1).to(gl.int64)
+    batch = gl.program_id(2).to(gl.int64)
+    head0 = kv_head * GROUP
+    q_base = Q + batch * stride_qb + head0 * stride_qh
+    do_base = DO + batch * stride_dob + head0 * stride_doh
+    k_base = K + batch * stride_kb + kv_head * stride_kh
+    v_base = V + batch * stride_vb + kv_head * stride_vh
+    dk_base = DK + batch * stride_dkb + kv_head * stride_dkh
+    dv_base = DV + batch * stride_dvb + kv_head * stride_dvh
+    lse_group = LSE_LOG2 + batch * stride_lse_b + head0 * stride_lse_h
+    delta_group = DELTA + batch * stride_lse_b + head0 * stride_lse_h
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM_PAD], QO_SMEM)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM_PAD], QO_SMEM)
+    k_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_KEYS, HEAD_DIM_PAD], KV_SMEM)
+    v_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_KEYS, HEAD_DIM_PAD], KV_SMEM)
+    kv_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(2):
+        mbarrier.init(kv_bars.index(c), count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)
+        mbarrier.init(do_empty.index(i), count=2)
+    start, un_lo, un_hi, end = query_range(n0, seqlen_q, seqlen_k, window_left, window_right,
+                                           BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
+    tiles_per_head = (end - start) // BLOCK_M
+    gl.warp_specialize([
+        (_consume_partition, (0, dk_base, dv_base, stride_dks, stride_dvs, lse_group, delta_group, stride_lse_h,
+                              q_smem, do_smem, k_smem, v_smem, kv_bars, q_ready, do_ready, q_empty, do_empty, n0,
+                              start, un_lo, un_hi, tiles_per_head, seqlen_q, seqlen_k, softmax_scale, qk_scale,
+                              softcap_log2, window_left, window_right, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M,
+                              NUM_STAGES, LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP, KV_SMEM)),
+        (_consume_partition, (1, dk_base, dv_base, stride_dks, stride_dvs, lse_group, delta_group, stride_lse_h,
+                              q_smem, do_smem, k_smem, v_smem, kv_bars, q_ready, do_ready, q_empty, do_empty, n0,
+                              start, un_lo, un_hi, tiles_per_head, seqlen_q, seqlen_k, softmax_scale, qk_scale,
+                              softcap_log2, window_left, window_right, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M,
+                              NUM_STAGES, LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP, KV_SMEM)),
+        (_load_partition, (q_base, do_base, k_base, v_base, stride_qh, stride_qs, stride_doh, stride_dos, stride_ks,
+                           stride_vs, seqlen_q, seqlen_k, q_smem, do_smem, k_smem, v_smem, kv_bars, q_ready, do_ready,
+                           q_empty, do_empty, n0, start, tiles_per_head, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M,
+                           NUM_STAGES, QO_TMA, KV_SMEM)),
+    ], [CONSUMER_WARPS, 1], [240, 24])
+
+
+# (BLOCK_M, NUM_STAGES) per padded head_dim, FlashAttention-3's tile: two stages of Q and dO tiles
+# plus both consumers' K and V tiles take 66-132 KB of shared memory. Registers bound BLOCK_M: a
+# consumer holds S^T and dP^T (64 x BLOCK_M fp32 each) beside dK and dV (64 x head_dim fp32 each).
+# At head_dim 128 that leaves ptxas a few loop-invariant scalars to spill (~250 B, reloaded a few
+# times per query tile); softcap's tanh tile (64 x BLOCK_M more) needs BLOCK_M = 32 there.
+CONFIGS = {64: (64, 2), 128: (64, 2)}
+SOFTCAP_BLOCK_M = {64: 64, 128: 32}
+
+
+def config(head_dim_pad, softcap):
+    """(BLOCK_M, NUM_STAGES) for a padded head_dim, with or without softcap."""
+    block_m, num_stages = CONFIGS[head_dim_pad]
+    return (SOFTCAP_BLOCK_M[head_dim_pad] if softcap > 0.0 else block_m), num_stages
+
+
+def supports(q, cu_seqlens_q, head_dim_pad):
+    """Whether this kernel takes these inputs (the caller has chosen the Gluon path for the device):
+    dense, 16-bit, a padded head_dim with a config (dK and dV of 256 columns do not fit the registers)."""
+    return cu_seqlens_q is None and q.dtype in (torch.float16, torch.bfloat16) and head_dim_pad in CONFIGS
+
+
+def shared_layouts(block_m, head_dim_pad, dtype):
+    """NVMMA (swizzled) layouts: a Q/dO tile, the same tile as the box of a heads descriptor, a K/V tile."""
+    gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return (gl.NVMMASharedLayout.get_default_for([block_m, head_dim_pad], gl_dtype),
+            gl.NVMMASharedLayout.get_default_for([1, block_m, head_dim_pad], gl_dtype),
+            gl.NVMMASharedLayout.get_default_for([CONSUMER_KEYS.value, head_dim_pad], gl_dtype))
+
+
+def launch_dkdv(q, k, v, grad_out, dk, dv, lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left,
+                window_right, softcap, head_dim_pad, strides, strides_lse, block_m=None, num_stages=None):
+    """Launch the kernel on dense (batch, seqlen, heads, head_dim) inputs the caller has validated;
+    ``strides`` are (batch, seq, head) strides of q, k, v, grad_out, dk, dv; lse_log2 and delta as the
+    dQ kernel wrote them."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    default_m, default_stages = config(head_dim_pad, softcap)
+    block_m, num_stages = block_m or default_m, num_stages or default_stages
+    qo_smem, qo_tma, kv_smem = shared_layouts(block_m, head_dim_pad, q.dtype)
+    ensure_allocator(q.device)  # the in-kernel TMA descriptors' scratch
+    grid = (triton.cdiv(seqlen_k, BLOCK_N), heads_kv, batch)
+    _attn_bwd_dkdv_hopper_kernel[grid](
+        q, k, v, grad_out, dk, dv, lse_log2, delta, *strides, *strides_lse, seqlen_q, seqlen_k,
+        softmax_scale, qk_scale, softcap_log2, window_left, window_right,
+        GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, NUM_STAGES=num_stages,
+        LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
+        QO_SMEM=qo_smem, QO_TMA=qo_tma, KV_SMEM=kv_smem, num_warps=CONSUMER_WARPS.value,
+    )
