@@ -4,13 +4,14 @@ scheduled by hand as FlashAttention-3 does it.
 A program owns BLOCK_N = 128 keys of one kv head and walks the query tiles that see them, for every
 query head of its GQA group (one loop inside the program: deterministic, no atomics):
 
-* warp specialisation: a producer warp streams Q and dO tiles by TMA into a ring of NUM_STAGES
-  shared-memory slots ("ready" and "empty" mbarriers per slot and tensor); two consumer warpgroups of
-  64 keys each accumulate dK and dV in registers, with ~232 registers each (setmaxnreg);
-* within a consumer, for query tile i: S^T = K Q^T and dP^T = V dO^T are issued back to back as
-  asynchronous wgmma; the consumer waits for S^T alone and forms P^T while dP^T is still on the
-  tensor cores, issues dV += P^T dO, then waits for dP^T (dV left in flight) and forms dS^T before
-  dK += dS^T Q. P^T and dS^T stay in registers as the A operands;
+* warp specialisation: a producer warp (24 registers) streams Q and dO tiles by TMA into a ring of
+  NUM_STAGES shared-memory slots ("ready" and "empty" mbarriers per slot and tensor); two consumer
+  warpgroups of 64 keys each accumulate dK and dV in registers, with 240 registers each (setmaxnreg);
+* within a consumer, for query tile i: S^T = K Q^T and dP^T - delta = V dO^T - delta (its accumulator
+  starts at -delta) are issued back to back as asynchronous wgmma; the consumer waits for S^T alone
+  and forms P^T while dP^T is still on the tensor cores, then dV += P^T dO, dS^T = P^T (dP^T - delta)
+  and dK += dS^T Q, P^T and dS^T in registers as the A operands. Each product's register operand is
+  waited for before its registers are reused;
 * across consumers: each releases a slot on its own, so the two drift apart and one's products
   overlap the other's exponentials.
 
@@ -85,6 +86,14 @@ def _tma_view(tile):
 
 
 @gluon.jit
+def _distinct_registers(x):
+    """``x`` with every element in a register of its own. A wgmma accumulator that repeats values (a
+    broadcast row) gets register copies emitted right before the product, where ptxas then waits for
+    the products in flight."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks, stride_dvs, lse_group, delta_group,
                        stride_lse_h, q_smem, do_smem, k_smem, v_smem, kv_bars, q_ready, do_ready,
                        q_empty, do_empty, n0, start, un_lo, un_hi, tiles_per_head, seqlen_q, seqlen_k, softmax_scale,
@@ -121,12 +130,16 @@ def _consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks, str
         in_seq = m0 + row_offsets < seqlen_q
         stats_offset = head * stride_lse_h + m0
 
+        # dP^T's accumulator starts at -delta, so the product is dP^T - delta: no delta row vector stays
+        # live beside the four accumulator tiles. It is filled before S^T is issued: ptxas serialises
+        # the two products if registers are written between them.
+        delta = gl.convert_layout(gl.load(delta_group + stats_offset + row_offsets, mask=in_seq, other=0.0), QUERIES)
+        dp_t = _distinct_registers(st_zero - gl.expand_dims(delta, 0))
         mbarrier.wait(q_ready.index(stage), phase)
         s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         mbarrier.wait(do_ready.index(stage), phase)
-        dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-        # Rows past the end: lse = +inf, so p = 0 and they add nothing. lse and delta are loaded where
-        # they are used, never live together beside the four accumulators.
+        dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), dp_t, is_async=True)
+        # Rows past the end: lse = +inf, so p = 0 and they add nothing.
         lse_log2 = gl.convert_layout(gl.load(lse_group + stats_offset + row_offsets, mask=in_seq, other=float("inf")),
                                      QUERIES)
         s_t = warpgroup_mma_wait(1, deps=[s_t])
@@ -142,9 +155,8 @@ def _consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks, str
             p_t = gl.where(keep, p_t, 0.0)
         p_op = gl.convert_layout(p_t.to(dtype), A_LAYOUT)
         dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
-        delta = gl.convert_layout(gl.load(delta_group + stats_offset + row_offsets, mask=in_seq, other=0.0), QUERIES)
         dv, dp_t, p_op = warpgroup_mma_wait(0, deps=[dv, dp_t, p_op])
-        ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+        ds_t = p_t * dp_t
         if HAS_SOFTCAP:
             ds_t = ds_t * (1.0 - tanh_t * tanh_t)
         ds_op = gl.convert_layout(ds_t.to(dtype), A_LAYOUT)
@@ -235,8 +247,8 @@ def _attn_bwd_dkdv_hopper_kernel(
 # (BLOCK_M, NUM_STAGES) per padded head_dim, FlashAttention-3's tile: two stages of Q and dO tiles
 # plus both consumers' K and V tiles take 66-132 KB of shared memory. Registers bound BLOCK_M: a
 # consumer holds S^T and dP^T (64 x BLOCK_M fp32 each) beside dK and dV (64 x head_dim fp32 each).
-# At head_dim 128 that leaves ptxas a few loop-invariant scalars to spill (~250 B, reloaded a few
-# times per query tile); softcap's tanh tile (64 x BLOCK_M more) needs BLOCK_M = 32 there.
+# At head_dim 128 that leaves ptxas a few scalars to spill (under 128 B, stored before the query loop
+# and reloaded after it); softcap's tanh tile (64 x BLOCK_M more) needs BLOCK_M = 32 there.
 CONFIGS = {64: (64, 2), 128: (64, 2)}
 SOFTCAP_BLOCK_M = {64: 64, 128: 32}
 

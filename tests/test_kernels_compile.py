@@ -61,9 +61,10 @@ def test_nondeterministic_backward_reduces_dq_through_tma(report):
 
 
 # The Gluon dK/dV kernel at BLOCK_M = 64 and padded head_dim 128 (flash_bwd_hopper.CONFIGS): its four
-# accumulators take 192 of a consumer's 240 registers, and ptxas spills a few loop-invariant scalars.
-GLUON_BACKWARD_SPILL_BOUND = {"gluon-bwd_dkdv-d128-causal-gqa": 320, "gluon-bwd_dkdv-d128-full": 320,
-                              "gluon-bwd_dkdv-d80-window": 320}
+# accumulators take 192 of a consumer's 240 registers, and ptxas spills a few scalars, stored before the
+# query loop and reloaded after it (about one reload per query tile).
+GLUON_BACKWARD_SPILL_BOUND = {"gluon-bwd_dkdv-d128-causal-gqa": 128, "gluon-bwd_dkdv-d128-full": 128,
+                              "gluon-bwd_dkdv-d80-window": 128}
 
 
 def test_gluon_kernels_overlap_softmax_with_the_tensor_cores(report):
