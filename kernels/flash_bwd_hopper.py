@@ -1,8 +1,9 @@
 """FlashAttention backward's dK/dV pass for Hopper (sm_90) in Gluon: flash_bwd.py's dK/dV kernel,
 scheduled by hand as FlashAttention-3 does it.
 
-A program owns BLOCK_N = 128 keys of one kv head and walks the query tiles that see them, for every
-query head of its GQA group (one loop inside the program: deterministic, no atomics):
+A program owns BLOCK_N = 128 keys of one kv head (64 at head_dim 256, see SPLIT_HEAD_DIM_ABOVE) and
+walks the query tiles that see them, for every query head of its GQA group (one loop inside the
+program: deterministic, no atomics):
 
 * warp specialisation: a producer warp (24 registers) streams Q and dO tiles by TMA into a ring of
   NUM_STAGES shared-memory slots ("ready" and "empty" mbarriers per slot and tensor); two consumer
@@ -35,8 +36,10 @@ from .tile_ops import query_range, tanh, visible
 
 CONSUMER_WARPS = gl.constexpr(4)
 CONSUMER_KEYS = gl.constexpr(64)
-NUM_CONSUMERS = 2
-BLOCK_N = NUM_CONSUMERS * CONSUMER_KEYS.value
+# Above this padded head_dim a consumer's dK and dV (64 x head_dim fp32 each) do not fit its registers:
+# both consumers then take the same 64 keys and each accumulates one half of dK's and dV's columns,
+# both computing the whole S^T and dP^T (1.5x the matrix products of the 128-key program).
+SPLIT_HEAD_DIM_ABOVE = 128
 
 
 @gluon.jit
@@ -54,13 +57,14 @@ def _load_partition(q_base, do_base, k_base, v_base, stride_qh, stride_qs, strid
                     stride_vs, seqlen_q, seqlen_k, q_smem, do_smem, k_smem, v_smem, kv_bars, q_ready, do_ready,
                     q_empty, do_empty, n0, start, tiles_per_head,
                     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
-                    BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, QO_TMA: gl.constexpr, KV_SMEM: gl.constexpr):
+                    BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_HEAD_DIM: gl.constexpr,
+                    QO_TMA: gl.constexpr, KV_SMEM: gl.constexpr):
     q_desc = _heads_descriptor(q_base, GROUP, seqlen_q, stride_qh, stride_qs, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, QO_TMA)
     do_desc = _heads_descriptor(do_base, GROUP, seqlen_q, stride_doh, stride_dos, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
                                 QO_TMA)
     k_desc = _rows_descriptor(k_base, seqlen_k, stride_ks, CONSUMER_KEYS, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
     v_desc = _rows_descriptor(v_base, seqlen_k, stride_vs, CONSUMER_KEYS, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
-    for c in gl.static_range(2):
+    for c in gl.static_range(1 if SPLIT_HEAD_DIM else 2):
         bar = kv_bars.index(c)
         mbarrier.expect(bar, 2 * k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [n0 + c * CONSUMER_KEYS, 0], bar, k_smem.index(c))
@@ -95,28 +99,33 @@ def _distinct_registers(x):
 
 @gluon.jit
 def _consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks, stride_dvs, lse_group, delta_group,
-                       stride_lse_h, q_smem, do_smem, k_smem, v_smem, kv_bars, q_ready, do_ready,
+                       stride_lse_h, q_smem, do_smem, k_smem, v_smem, kv_bars, done_bar, q_ready, do_ready,
                        q_empty, do_empty, n0, start, un_lo, un_hi, tiles_per_head, seqlen_q, seqlen_k, softmax_scale,
                        qk_scale, softcap_log2, window_left, window_right,
                        GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
                        BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, LEFT_BOUNDED: gl.constexpr,
-                       RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr, KV_SMEM: gl.constexpr):
+                       RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr, SPLIT_HEAD_DIM: gl.constexpr,
+                       KV_SMEM: gl.constexpr):
+    # The consumer's keys and its columns of dK and dV.
+    TILE: gl.constexpr = 0 if SPLIT_HEAD_DIM else CONSUMER
+    OUT_DIM: gl.constexpr = HEAD_DIM_PAD // 2 if SPLIT_HEAD_DIM else HEAD_DIM_PAD
+    OUT_COL: gl.constexpr = CONSUMER * OUT_DIM if SPLIT_HEAD_DIM else 0
     ST_LAYOUT: gl.constexpr = _mma_layout(BLOCK_M, CONSUMER_WARPS)
-    DKV_LAYOUT: gl.constexpr = _mma_layout(HEAD_DIM_PAD, CONSUMER_WARPS)
+    DKV_LAYOUT: gl.constexpr = _mma_layout(OUT_DIM, CONSUMER_WARPS)
     A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=DKV_LAYOUT, k_width=2)
     KEYS: gl.constexpr = gl.SliceLayout(1, ST_LAYOUT)
     QUERIES: gl.constexpr = gl.SliceLayout(0, ST_LAYOUT)
     ROW_VECTOR: gl.constexpr = gl.BlockedLayout([1], [32], [CONSUMER_WARPS], [0])
     dtype: gl.constexpr = q_smem.dtype
-    k_tile = k_smem.index(CONSUMER)
-    v_tile = v_smem.index(CONSUMER)
-    key0 = n0 + CONSUMER * CONSUMER_KEYS
+    k_tile = k_smem.index(TILE)
+    v_tile = v_smem.index(TILE)
+    key0 = n0 + TILE * CONSUMER_KEYS
     cols = gl.expand_dims(key0 + gl.arange(0, CONSUMER_KEYS, layout=KEYS), 1)
-    dk = gl.zeros([CONSUMER_KEYS, HEAD_DIM_PAD], gl.float32, DKV_LAYOUT)
-    dv = gl.zeros([CONSUMER_KEYS, HEAD_DIM_PAD], gl.float32, DKV_LAYOUT)
+    dk = gl.zeros([CONSUMER_KEYS, OUT_DIM], gl.float32, DKV_LAYOUT)
+    dv = gl.zeros([CONSUMER_KEYS, OUT_DIM], gl.float32, DKV_LAYOUT)
     st_zero = gl.zeros([CONSUMER_KEYS, BLOCK_M], gl.float32, ST_LAYOUT)
 
-    mbarrier.wait(kv_bars.index(CONSUMER), 0)
+    mbarrier.wait(kv_bars.index(TILE), 0)
     for i in range(GROUP * tiles_per_head):
         stage = i % NUM_STAGES
         phase = (i // NUM_STAGES) & 1
@@ -154,25 +163,31 @@ def _consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks, str
                            LEFT_BOUNDED, RIGHT_BOUNDED)
             p_t = gl.where(keep, p_t, 0.0)
         p_op = gl.convert_layout(p_t.to(dtype), A_LAYOUT)
-        dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
+        dv = warpgroup_mma(p_op, do_tile.slice(OUT_COL, OUT_DIM, dim=1), dv, is_async=True)
         dv, dp_t, p_op = warpgroup_mma_wait(0, deps=[dv, dp_t, p_op])
         ds_t = p_t * dp_t
         if HAS_SOFTCAP:
             ds_t = ds_t * (1.0 - tanh_t * tanh_t)
         ds_op = gl.convert_layout(ds_t.to(dtype), A_LAYOUT)
-        dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
+        dk = warpgroup_mma(ds_op, q_tile.slice(OUT_COL, OUT_DIM, dim=1), dk, is_async=True)
         dk, ds_op = warpgroup_mma_wait(0, deps=[dk, ds_op])
         mbarrier.arrive(q_empty.index(stage), count=1)
         mbarrier.arrive(do_empty.index(stage), count=1)
 
-    # K and V are read by no product any more: their tiles stage this consumer's dK and dV.
-    k_tile.store((dk * softmax_scale).to(dtype))
-    v_tile.store(dv.to(dtype))
+    # K and V are read by no product any more (with a split head_dim: by neither consumer, once both
+    # have arrived): their tiles stage this consumer's dK and dV.
+    if SPLIT_HEAD_DIM:
+        mbarrier.arrive(done_bar, count=1)
+        mbarrier.wait(done_bar, 0)
+    dk_out = k_tile.slice(OUT_COL, OUT_DIM, dim=1)
+    dv_out = v_tile.slice(OUT_COL, OUT_DIM, dim=1)
+    dk_out.store((dk * softmax_scale).to(dtype))
+    dv_out.store(dv.to(dtype))
     fence_async_shared()
-    dk_desc = _rows_descriptor(dk_base, seqlen_k, stride_dks, CONSUMER_KEYS, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
-    dv_desc = _rows_descriptor(dv_base, seqlen_k, stride_dvs, CONSUMER_KEYS, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
-    tma.async_copy_shared_to_global(dk_desc, [key0, 0], k_tile)
-    tma.async_copy_shared_to_global(dv_desc, [key0, 0], v_tile)
+    dk_desc = _rows_descriptor(dk_base, seqlen_k, stride_dks, CONSUMER_KEYS, HEAD_DIM, OUT_DIM, KV_SMEM)
+    dv_desc = _rows_descriptor(dv_base, seqlen_k, stride_dvs, CONSUMER_KEYS, HEAD_DIM, OUT_DIM, KV_SMEM)
+    tma.async_copy_shared_to_global(dk_desc, [key0, OUT_COL], dk_out)
+    tma.async_copy_shared_to_global(dv_desc, [key0, OUT_COL], dv_out)
     tma.store_wait(0)
 
 
@@ -191,9 +206,10 @@ def _attn_bwd_dkdv_hopper_kernel(
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-    QO_SMEM: gl.constexpr, QO_TMA: gl.constexpr, KV_SMEM: gl.constexpr,
+    SPLIT_HEAD_DIM: gl.constexpr, QO_SMEM: gl.constexpr, QO_TMA: gl.constexpr, KV_SMEM: gl.constexpr,
 ):
-    gl.static_assert(BLOCK_N == 2 * CONSUMER_KEYS)
+    KV_TILES: gl.constexpr = 1 if SPLIT_HEAD_DIM else 2
+    gl.static_assert(BLOCK_N == KV_TILES * CONSUMER_KEYS)
     dtype: gl.constexpr = Q.dtype.element_ty
     n0 = gl.program_id(0) * BLOCK_N
     kv_head = gl.program_id(1).to(gl.int64)
@@ -209,15 +225,17 @@ def _attn_bwd_dkdv_hopper_kernel(
     delta_group = DELTA + batch * stride_lse_b + head0 * stride_lse_h
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM_PAD], QO_SMEM)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM_PAD], QO_SMEM)
-    k_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_KEYS, HEAD_DIM_PAD], KV_SMEM)
-    v_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_KEYS, HEAD_DIM_PAD], KV_SMEM)
-    kv_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_smem = gl.allocate_shared_memory(dtype, [KV_TILES, CONSUMER_KEYS, HEAD_DIM_PAD], KV_SMEM)
+    v_smem = gl.allocate_shared_memory(dtype, [KV_TILES, CONSUMER_KEYS, HEAD_DIM_PAD], KV_SMEM)
+    kv_bars = gl.allocate_shared_memory(gl.int64, [KV_TILES, 1], mbarrier.MBarrierLayout())
+    done_bars = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     do_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for c in gl.static_range(2):
+    for c in gl.static_range(KV_TILES):
         mbarrier.init(kv_bars.index(c), count=1)
+    mbarrier.init(done_bars.index(0), count=2)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=1)
@@ -228,29 +246,31 @@ def _attn_bwd_dkdv_hopper_kernel(
     tiles_per_head = (end - start) // BLOCK_M
     gl.warp_specialize([
         (_consume_partition, (0, dk_base, dv_base, stride_dks, stride_dvs, lse_group, delta_group, stride_lse_h,
-                              q_smem, do_smem, k_smem, v_smem, kv_bars, q_ready, do_ready, q_empty, do_empty, n0,
+                              q_smem, do_smem, k_smem, v_smem, kv_bars, done_bars.index(0), q_ready, do_ready, q_empty,
+                              do_empty, n0,
                               start, un_lo, un_hi, tiles_per_head, seqlen_q, seqlen_k, softmax_scale, qk_scale,
                               softcap_log2, window_left, window_right, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M,
-                              NUM_STAGES, LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP, KV_SMEM)),
+                              NUM_STAGES, LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP, SPLIT_HEAD_DIM, KV_SMEM)),
         (_consume_partition, (1, dk_base, dv_base, stride_dks, stride_dvs, lse_group, delta_group, stride_lse_h,
-                              q_smem, do_smem, k_smem, v_smem, kv_bars, q_ready, do_ready, q_empty, do_empty, n0,
+                              q_smem, do_smem, k_smem, v_smem, kv_bars, done_bars.index(0), q_ready, do_ready, q_empty,
+                              do_empty, n0,
                               start, un_lo, un_hi, tiles_per_head, seqlen_q, seqlen_k, softmax_scale, qk_scale,
                               softcap_log2, window_left, window_right, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M,
-                              NUM_STAGES, LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP, KV_SMEM)),
+                              NUM_STAGES, LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP, SPLIT_HEAD_DIM, KV_SMEM)),
         (_load_partition, (q_base, do_base, k_base, v_base, stride_qh, stride_qs, stride_doh, stride_dos, stride_ks,
                            stride_vs, seqlen_q, seqlen_k, q_smem, do_smem, k_smem, v_smem, kv_bars, q_ready, do_ready,
                            q_empty, do_empty, n0, start, tiles_per_head, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M,
-                           NUM_STAGES, QO_TMA, KV_SMEM)),
+                           NUM_STAGES, SPLIT_HEAD_DIM, QO_TMA, KV_SMEM)),
     ], [CONSUMER_WARPS, 1], [240, 24])
 
 
 # (BLOCK_M, NUM_STAGES) per padded head_dim, FlashAttention-3's tile: two stages of Q and dO tiles
-# plus both consumers' K and V tiles take 66-132 KB of shared memory. Registers bound BLOCK_M: a
-# consumer holds S^T and dP^T (64 x BLOCK_M fp32 each) beside dK and dV (64 x head_dim fp32 each).
-# At head_dim 128 that leaves ptxas a few scalars to spill (under 128 B, stored before the query loop
-# and reloaded after it); softcap's tanh tile (64 x BLOCK_M more) needs BLOCK_M = 32 there.
-CONFIGS = {64: (64, 2), 128: (64, 2)}
-SOFTCAP_BLOCK_M = {64: 64, 128: 32}
+# plus the K and V tiles take 66-196 KB of shared memory. Registers bound BLOCK_M: a consumer holds
+# S^T and dP^T (64 x BLOCK_M fp32 each) beside its dK and dV columns (64 x 128 fp32 each at head_dim
+# 128 and 256). There ptxas spills a few scalars (under 128 B, stored before the query loop and
+# reloaded after it); softcap's tanh tile (64 x BLOCK_M more) needs BLOCK_M = 32.
+CONFIGS = {64: (64, 2), 128: (64, 2), 256: (64, 2)}
+SOFTCAP_BLOCK_M = {64: 64, 128: 32, 256: 32}
 
 
 def config(head_dim_pad, softcap):
@@ -259,9 +279,18 @@ def config(head_dim_pad, softcap):
     return (SOFTCAP_BLOCK_M[head_dim_pad] if softcap > 0.0 else block_m), num_stages
 
 
+def block_n(head_dim_pad):
+    """Keys per program: 64 per consumer, or 64 shared by both when they split the head_dim."""
+    return CONSUMER_KEYS.value * (1 if split_head_dim(head_dim_pad) else 2)
+
+
+def split_head_dim(head_dim_pad):
+    return head_dim_pad > SPLIT_HEAD_DIM_ABOVE
+
+
 def supports(q, cu_seqlens_q, head_dim_pad):
     """Whether this kernel takes these inputs (the caller has chosen the Gluon path for the device):
-    dense, 16-bit, a padded head_dim with a config (dK and dV of 256 columns do not fit the registers)."""
+    dense, 16-bit, a padded head_dim with a config."""
     return cu_seqlens_q is None and q.dtype in (torch.float16, torch.bfloat16) and head_dim_pad in CONFIGS
 
 
@@ -284,12 +313,13 @@ def launch_dkdv(q, k, v, grad_out, dk, dv, lse_log2, delta, softmax_scale, qk_sc
     block_m, num_stages = block_m or default_m, num_stages or default_stages
     qo_smem, qo_tma, kv_smem = shared_layouts(block_m, head_dim_pad, q.dtype)
     ensure_allocator(q.device)  # the in-kernel TMA descriptors' scratch
-    grid = (triton.cdiv(seqlen_k, BLOCK_N), heads_kv, batch)
+    keys = block_n(head_dim_pad)
+    grid = (triton.cdiv(seqlen_k, keys), heads_kv, batch)
     _attn_bwd_dkdv_hopper_kernel[grid](
         q, k, v, grad_out, dk, dv, lse_log2, delta, *strides, *strides_lse, seqlen_q, seqlen_k,
         softmax_scale, qk_scale, softcap_log2, window_left, window_right,
         GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, NUM_STAGES=num_stages,
+        BLOCK_M=block_m, BLOCK_N=keys, NUM_STAGES=num_stages,
         LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
-        QO_SMEM=qo_smem, QO_TMA=qo_tma, KV_SMEM=kv_smem, num_warps=CONSUMER_WARPS.value,
+        SPLIT_HEAD_DIM=split_head_dim(head_dim_pad), QO_SMEM=qo_smem, QO_TMA=qo_tma, KV_SMEM=kv_smem, num_warps=CONSUMER_WARPS.value,
     )

@@ -28,13 +28,14 @@ from flashformer.kernels.flash_fwd import attention_forward
 from flashformer.kernels.sizes import pad_head_dim
 
 # BLOCK_M candidates per padded head_dim (None: flash_bwd_hopper.config's choice)
-CANDIDATES = {64: [None, 128], 128: [None, 32], 256: [None]}
+CANDIDATES = {64: [None, 128], 128: [None, 32], 256: [None, 32]}
 
 # Odd shapes for --check: (seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, window, softcap)
 CHECK_CASES = [(113, 203, 8, 2, 128, True, (-1, -1), 0.0), (239, 1, 8, 8, 64, False, (-1, -1), 0.0),
                (1023, 1024, 8, 1, 128, True, (-1, -1), 0.0), (200, 57, 8, 2, 80, False, (32, 8), 0.0),
                (128, 217, 8, 8, 64, True, (17, -1), 5.0), (1000, 1000, 8, 8, 256, False, (-1, -1), 15.0),
-               (300, 77, 8, 4, 128, False, (-1, -1), 0.0), (4096, 4096, 4, 4, 128, True, (-1, -1), 0.0)]
+               (300, 77, 8, 4, 128, False, (-1, -1), 0.0), (333, 517, 8, 2, 256, True, (-1, -1), 0.0),
+               (150, 150, 4, 4, 192, False, (40, 3), 0.0), (4096, 4096, 4, 4, 128, True, (-1, -1), 0.0)]
 
 
 @contextlib.contextmanager

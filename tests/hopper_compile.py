@@ -85,8 +85,10 @@ def gluon_backward_constexprs(head_dim, causal=True, window=False, softcap=False
     block_m = block_m or default_m
     qo_smem, qo_tma, kv_smem = flash_bwd_hopper.shared_layouts(block_m, head_dim_pad, torch.bfloat16)
     return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m,
-                BLOCK_N=flash_bwd_hopper.BLOCK_N, NUM_STAGES=num_stages, LEFT_BOUNDED=window,
-                RIGHT_BOUNDED=causal or window, HAS_SOFTCAP=softcap, QO_SMEM=qo_smem, QO_TMA=qo_tma, KV_SMEM=kv_smem)
+                BLOCK_N=flash_bwd_hopper.block_n(head_dim_pad), NUM_STAGES=num_stages, LEFT_BOUNDED=window,
+                RIGHT_BOUNDED=causal or window, HAS_SOFTCAP=softcap,
+                SPLIT_HEAD_DIM=flash_bwd_hopper.split_head_dim(head_dim_pad), QO_SMEM=qo_smem, QO_TMA=qo_tma,
+                KV_SMEM=kv_smem)
 
 
 GLUON_FORWARD = flash_fwd_hopper._attn_fwd_hopper_kernel
@@ -99,12 +101,16 @@ CASES = {
                                          flash_fwd_hopper.CONSUMER_WARPS.value, 1),
     "gluon-fwd-d80": (GLUON_FORWARD, gluon_forward_constexprs(80), flash_fwd_hopper.CONSUMER_WARPS.value, 1),
     "gluon-fwd-d256": (GLUON_FORWARD, gluon_forward_constexprs(256, causal=False), flash_fwd_hopper.CONSUMER_WARPS.value, 1),
-    # every Gluon backward configuration (flash_bwd_hopper.config): head_dim 64 and 128, softcap's tile
+    # every Gluon backward configuration (flash_bwd_hopper.config): head_dim 64, 128, 256 (split), softcap's tile
     "gluon-bwd_dkdv-d128-causal-gqa": (GLUON_DKDV, gluon_backward_constexprs(128, group=4), GLUON_WARPS, 1),
     "gluon-bwd_dkdv-d128-full": (GLUON_DKDV, gluon_backward_constexprs(128, causal=False), GLUON_WARPS, 1),
     "gluon-bwd_dkdv-d128-window-softcap": (GLUON_DKDV, gluon_backward_constexprs(128, window=True, softcap=True),
                                            GLUON_WARPS, 1),
     "gluon-bwd_dkdv-d80-window": (GLUON_DKDV, gluon_backward_constexprs(80, window=True, group=2), GLUON_WARPS, 1),
+    "gluon-bwd_dkdv-d256-causal-gqa": (GLUON_DKDV, gluon_backward_constexprs(256, group=2), GLUON_WARPS, 1),
+    "gluon-bwd_dkdv-d256-full-softcap": (GLUON_DKDV, gluon_backward_constexprs(256, causal=False, softcap=True),
+                                         GLUON_WARPS, 1),
+    "gluon-bwd_dkdv-d192-window": (GLUON_DKDV, gluon_backward_constexprs(192, window=True), GLUON_WARPS, 1),
     "gluon-bwd_dkdv-d64-causal-gqa": (GLUON_DKDV, gluon_backward_constexprs(64, group=4), GLUON_WARPS, 1),
     "gluon-bwd_dkdv-d64-window-softcap": (GLUON_DKDV, gluon_backward_constexprs(64, window=True, softcap=True),
                                           GLUON_WARPS, 1),
