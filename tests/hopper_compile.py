@@ -91,7 +91,18 @@ def gluon_backward_constexprs(head_dim, causal=True, window=False, softcap=False
                 KV_SMEM=kv_smem)
 
 
+def gluon_dq_constexprs(head_dim, causal=True, window=False, softcap=False, group=1):
+    head_dim_pad = pad_head_dim(head_dim)
+    block_n = flash_bwd_hopper.DQ_BLOCK_N[head_dim_pad]
+    q_smem, _, _ = flash_bwd_hopper.shared_layouts(64, head_dim_pad, torch.bfloat16)
+    _, kv_smem = flash_fwd_hopper.shared_layouts(block_n, head_dim_pad, torch.bfloat16)
+    return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=flash_bwd_hopper.DQ_BLOCK_M,
+                BLOCK_N=block_n, NUM_STAGES=flash_bwd_hopper.DQ_NUM_STAGES, LEFT_BOUNDED=window,
+                RIGHT_BOUNDED=causal or window, HAS_SOFTCAP=softcap, Q_SMEM=q_smem, KV_SMEM=kv_smem)
+
+
 GLUON_FORWARD = flash_fwd_hopper._attn_fwd_hopper_kernel
+GLUON_DQ = flash_bwd_hopper._attn_bwd_dq_hopper_kernel
 GLUON_DKDV = flash_bwd_hopper._attn_bwd_dkdv_hopper_kernel
 GLUON_WARPS = flash_fwd_hopper.CONSUMER_WARPS.value
 CASES = {
@@ -111,6 +122,12 @@ CASES = {
     "gluon-bwd_dkdv-d256-full-softcap": (GLUON_DKDV, gluon_backward_constexprs(256, causal=False, softcap=True),
                                          GLUON_WARPS, 1),
     "gluon-bwd_dkdv-d192-window": (GLUON_DKDV, gluon_backward_constexprs(192, window=True), GLUON_WARPS, 1),
+    "gluon-bwd_dq-d128-causal-gqa": (GLUON_DQ, gluon_dq_constexprs(128, group=4), GLUON_WARPS, 1),
+    "gluon-bwd_dq-d128-window-softcap": (GLUON_DQ, gluon_dq_constexprs(128, window=True, softcap=True), GLUON_WARPS, 1),
+    "gluon-bwd_dq-d64-full": (GLUON_DQ, gluon_dq_constexprs(64, causal=False), GLUON_WARPS, 1),
+    "gluon-bwd_dq-d64-softcap-gqa": (GLUON_DQ, gluon_dq_constexprs(64, softcap=True, group=2), GLUON_WARPS, 1),
+    "gluon-bwd_dq-d256-causal": (GLUON_DQ, gluon_dq_constexprs(256), GLUON_WARPS, 1),
+    "gluon-bwd_dq-d256-full-softcap": (GLUON_DQ, gluon_dq_constexprs(256, causal=False, softcap=True), GLUON_WARPS, 1),
     "gluon-bwd_dkdv-d64-causal-gqa": (GLUON_DKDV, gluon_backward_constexprs(64, group=4), GLUON_WARPS, 1),
     "gluon-bwd_dkdv-d64-window-softcap": (GLUON_DKDV, gluon_backward_constexprs(64, window=True, softcap=True),
                                           GLUON_WARPS, 1),
