@@ -55,11 +55,11 @@ def _heads_descriptor(base, heads, rows, stride_heads, stride_rows, BLOCK: gl.co
 
 @gluon.jit
 def _dkdv_load_partition(q_base, do_base, k_base, v_base, stride_qh, stride_qs, stride_doh, stride_dos, stride_ks,
-                    stride_vs, seqlen_q, seqlen_k, q_smem, do_smem, k_smem, v_smem, kv_bars, q_ready, do_ready,
-                    q_empty, do_empty, n0, start, tiles_per_head,
-                    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
-                    BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_HEAD_DIM: gl.constexpr,
-                    QO_TMA: gl.constexpr, KV_SMEM: gl.constexpr):
+                         stride_vs, seqlen_q, seqlen_k, q_smem, do_smem, k_smem, v_smem, kv_bars, q_ready, do_ready,
+                         q_empty, do_empty, n0, start, tiles_per_head,
+                         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+                         BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_HEAD_DIM: gl.constexpr,
+                         QO_TMA: gl.constexpr, KV_SMEM: gl.constexpr):
     q_desc = _heads_descriptor(q_base, GROUP, seqlen_q, stride_qh, stride_qs, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, QO_TMA)
     do_desc = _heads_descriptor(do_base, GROUP, seqlen_q, stride_doh, stride_dos, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
                                 QO_TMA)
@@ -78,10 +78,12 @@ def _dkdv_load_partition(q_base, do_base, k_base, v_base, stride_qh, stride_qs, 
         free_phase = ((i // NUM_STAGES) & 1) ^ 1
         mbarrier.wait(q_empty.index(stage), free_phase, pred=i >= NUM_STAGES)
         mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [head, m0, 0], q_ready.index(stage), _tma_view(q_smem.index(stage)))
+        tma.async_copy_global_to_shared(q_desc, [head, m0, 0], q_ready.index(stage),
+                                        _tma_view(q_smem.index(stage)))
         mbarrier.wait(do_empty.index(stage), free_phase, pred=i >= NUM_STAGES)
         mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [head, m0, 0], do_ready.index(stage), _tma_view(do_smem.index(stage)))
+        tma.async_copy_global_to_shared(do_desc, [head, m0, 0], do_ready.index(stage),
+                                        _tma_view(do_smem.index(stage)))
 
 
 @gluon.jit
@@ -99,14 +101,14 @@ def _distinct_registers(x):
 
 
 @gluon.jit
-def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks, stride_dvs, lse_group, delta_group,
-                       stride_lse_h, q_smem, do_smem, k_smem, v_smem, kv_bars, done_bar, q_ready, do_ready,
-                       q_empty, do_empty, n0, start, un_lo, un_hi, tiles_per_head, seqlen_q, seqlen_k, softmax_scale,
-                       qk_scale, softcap_log2, window_left, window_right,
-                       GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
-                       BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, LEFT_BOUNDED: gl.constexpr,
-                       RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr, SPLIT_HEAD_DIM: gl.constexpr,
-                       KV_SMEM: gl.constexpr):
+def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks, stride_dvs, lse_group,
+                            delta_group, stride_lse_h, q_smem, do_smem, k_smem, v_smem, kv_bars, done_bar, q_ready,
+                            do_ready, q_empty, do_empty, n0, start, un_lo, un_hi, tiles_per_head, seqlen_q, seqlen_k,
+                            softmax_scale, qk_scale, softcap_log2, window_left, window_right,
+                            GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+                            BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, LEFT_BOUNDED: gl.constexpr,
+                            RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr, SPLIT_HEAD_DIM: gl.constexpr,
+                            KV_SMEM: gl.constexpr):
     # The consumer's keys and its columns of dK and dV.
     TILE: gl.constexpr = 0 if SPLIT_HEAD_DIM else CONSUMER
     OUT_DIM: gl.constexpr = HEAD_DIM_PAD // 2 if SPLIT_HEAD_DIM else HEAD_DIM_PAD
@@ -143,15 +145,16 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
         # dP^T's accumulator starts at -delta, so the product is dP^T - delta: no delta row vector stays
         # live beside the four accumulator tiles. It is filled before S^T is issued: ptxas serialises
         # the two products if registers are written between them.
-        delta = gl.convert_layout(gl.load(delta_group + stats_offset + row_offsets, mask=in_seq, other=0.0), QUERIES)
+        delta = gl.convert_layout(gl.load(delta_group + stats_offset + row_offsets, mask=in_seq, other=0.0),
+                                  QUERIES)
         dp_t = _distinct_registers(st_zero - gl.expand_dims(delta, 0))
         mbarrier.wait(q_ready.index(stage), phase)
         s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         mbarrier.wait(do_ready.index(stage), phase)
         dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), dp_t, is_async=True)
         # Rows past the end: lse = +inf, so p = 0 and they add nothing.
-        lse_log2 = gl.convert_layout(gl.load(lse_group + stats_offset + row_offsets, mask=in_seq, other=float("inf")),
-                                     QUERIES)
+        lse_log2 = gl.convert_layout(
+            gl.load(lse_group + stats_offset + row_offsets, mask=in_seq, other=float("inf")), QUERIES)
         s_t = warpgroup_mma_wait(1, deps=[s_t])
         s_t = s_t * qk_scale
         if HAS_SOFTCAP:
@@ -166,6 +169,7 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
         p_op = gl.convert_layout(p_t.to(dtype), A_LAYOUT)
         dv = warpgroup_mma(p_op, do_tile.slice(OUT_COL, OUT_DIM, dim=1), dv, is_async=True)
         dv, dp_t, p_op = warpgroup_mma_wait(0, deps=[dv, dp_t, p_op])
+        mbarrier.arrive(do_empty.index(stage), count=1)
         ds_t = p_t * dp_t
         if HAS_SOFTCAP:
             ds_t = ds_t * (1.0 - tanh_t * tanh_t)
@@ -173,7 +177,6 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
         dk = warpgroup_mma(ds_op, q_tile.slice(OUT_COL, OUT_DIM, dim=1), dk, is_async=True)
         dk, ds_op = warpgroup_mma_wait(0, deps=[dk, ds_op])
         mbarrier.arrive(q_empty.index(stage), count=1)
-        mbarrier.arrive(do_empty.index(stage), count=1)
 
     # K and V are read by no product any more (with a split head_dim: by neither consumer, once both
     # have arrived): their tiles stage this consumer's dK and dV.
@@ -246,22 +249,22 @@ def _attn_bwd_dkdv_hopper_kernel(
                                            BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
     tiles_per_head = (end - start) // BLOCK_M
     gl.warp_specialize([
-        (_dkdv_consume_partition, (0, dk_base, dv_base, stride_dks, stride_dvs, lse_group, delta_group, stride_lse_h,
-                              q_smem, do_smem, k_smem, v_smem, kv_bars, done_bars.index(0), q_ready, do_ready, q_empty,
-                              do_empty, n0,
-                              start, un_lo, un_hi, tiles_per_head, seqlen_q, seqlen_k, softmax_scale, qk_scale,
-                              softcap_log2, window_left, window_right, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M,
-                              NUM_STAGES, LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP, SPLIT_HEAD_DIM, KV_SMEM)),
-        (_dkdv_consume_partition, (1, dk_base, dv_base, stride_dks, stride_dvs, lse_group, delta_group, stride_lse_h,
-                              q_smem, do_smem, k_smem, v_smem, kv_bars, done_bars.index(0), q_ready, do_ready, q_empty,
-                              do_empty, n0,
-                              start, un_lo, un_hi, tiles_per_head, seqlen_q, seqlen_k, softmax_scale, qk_scale,
-                              softcap_log2, window_left, window_right, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M,
-                              NUM_STAGES, LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP, SPLIT_HEAD_DIM, KV_SMEM)),
-        (_dkdv_load_partition, (q_base, do_base, k_base, v_base, stride_qh, stride_qs, stride_doh, stride_dos, stride_ks,
-                           stride_vs, seqlen_q, seqlen_k, q_smem, do_smem, k_smem, v_smem, kv_bars, q_ready, do_ready,
-                           q_empty, do_empty, n0, start, tiles_per_head, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M,
-                           NUM_STAGES, SPLIT_HEAD_DIM, QO_TMA, KV_SMEM)),
+        (_dkdv_consume_partition, (0, dk_base, dv_base, stride_dks, stride_dvs, lse_group, delta_group,
+                                   stride_lse_h, q_smem, do_smem, k_smem, v_smem, kv_bars, done_bars.index(0),
+                                   q_ready, do_ready, q_empty, do_empty, n0, start, un_lo, un_hi, tiles_per_head,
+                                   seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2, window_left,
+                                   window_right, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, NUM_STAGES, LEFT_BOUNDED,
+                                   RIGHT_BOUNDED, HAS_SOFTCAP, SPLIT_HEAD_DIM, KV_SMEM)),
+        (_dkdv_consume_partition, (1, dk_base, dv_base, stride_dks, stride_dvs, lse_group, delta_group,
+                                   stride_lse_h, q_smem, do_smem, k_smem, v_smem, kv_bars, done_bars.index(0),
+                                   q_ready, do_ready, q_empty, do_empty, n0, start, un_lo, un_hi, tiles_per_head,
+                                   seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2, window_left,
+                                   window_right, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, NUM_STAGES, LEFT_BOUNDED,
+                                   RIGHT_BOUNDED, HAS_SOFTCAP, SPLIT_HEAD_DIM, KV_SMEM)),
+        (_dkdv_load_partition, (q_base, do_base, k_base, v_base, stride_qh, stride_qs, stride_doh, stride_dos,
+                                stride_ks, stride_vs, seqlen_q, seqlen_k, q_smem, do_smem, k_smem, v_smem, kv_bars,
+                                q_ready, do_ready, q_empty, do_empty, n0, start, tiles_per_head, GROUP, HEAD_DIM,
+                                HEAD_DIM_PAD, BLOCK_M, NUM_STAGES, SPLIT_HEAD_DIM, QO_TMA, KV_SMEM)),
     ], [CONSUMER_WARPS, 1], [240, 24])
 
 
@@ -449,11 +452,12 @@ def block_n(head_dim_pad):
 
 
 def split_head_dim(head_dim_pad):
+    """Whether the dK/dV consumers split the head_dim (SPLIT_HEAD_DIM_ABOVE)."""
     return head_dim_pad > SPLIT_HEAD_DIM_ABOVE
 
 
 def supports(q, cu_seqlens_q, head_dim_pad):
-    """Whether this kernel takes these inputs (the caller has chosen the Gluon path for the device):
+    """Whether these kernels take these inputs (the caller has chosen the Gluon path for the device):
     dense, 16-bit, a padded head_dim with a config."""
     return cu_seqlens_q is None and q.dtype in (torch.float16, torch.bfloat16) and head_dim_pad in CONFIGS
 
@@ -468,9 +472,9 @@ def shared_layouts(block_m, head_dim_pad, dtype):
 
 def launch_dkdv(q, k, v, grad_out, dk, dv, lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left,
                 window_right, softcap, head_dim_pad, strides, strides_lse, block_m=None, num_stages=None):
-    """Launch the kernel on dense (batch, seqlen, heads, head_dim) inputs the caller has validated;
-    ``strides`` are (batch, seq, head) strides of q, k, v, grad_out, dk, dv; lse_log2 and delta as the
-    dQ kernel wrote them."""
+    """Launch the dK/dV kernel on dense (batch, seqlen, heads, head_dim) inputs the caller has validated;
+    ``strides`` are (batch, seq, head) strides of q, k, v, grad_out, dk, dv; lse_log2 and delta as
+    flash_bwd's preprocess wrote them."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     default_m, default_stages = config(head_dim_pad, softcap)
@@ -485,7 +489,8 @@ def launch_dkdv(q, k, v, grad_out, dk, dv, lse_log2, delta, softmax_scale, qk_sc
         GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_M=block_m, BLOCK_N=keys, NUM_STAGES=num_stages,
         LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
-        SPLIT_HEAD_DIM=split_head_dim(head_dim_pad), QO_SMEM=qo_smem, QO_TMA=qo_tma, KV_SMEM=kv_smem, num_warps=CONSUMER_WARPS.value,
+        SPLIT_HEAD_DIM=split_head_dim(head_dim_pad), QO_SMEM=qo_smem, QO_TMA=qo_tma, KV_SMEM=kv_smem,
+        num_warps=CONSUMER_WARPS.value,
     )
 
 
