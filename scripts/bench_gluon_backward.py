@@ -1,11 +1,12 @@
-"""The Hopper Gluon dK/dV backward's tile shapes side by side with the tl backward and SDPA cuDNN (one H200 run).
+"""The Hopper Gluon backward (dQ and dK/dV kernels) beside the tl backward and SDPA cuDNN (one H200 run).
 
---check first compares dq/dk/dv of every BLOCK_M candidate (and of the whole Gluon path through
-flash_attn_func, lse gradient included) with fp64 autograd on odd shapes, by flash-attn's rule: at
-most twice the tl backward's error. Then, for every head_dim / causal / seqlen cell (batch * seqlen =
---tokens, heads * head_dim = 2048, 8 heads at head_dim 256), it times the backward alone (out, lse and
-dO given) with do_bench: TFLOP/s at 2.5x the forward's FLOPs. The markdown table comes last; the cells
-go to --out as JSON. Head dims the Gluon kernel does not cover (256) time the tl path under "gluon".
+--check first compares dq/dk/dv of every dK/dV BLOCK_M candidate (and of the whole Gluon path
+through flash_attn_func, lse gradient included) with fp64 autograd on odd shapes, outputs
+NaN-poisoned, by flash-attn's rule: at most twice the tl backward's error. Then, for every
+head_dim / causal / seqlen cell (batch * seqlen = --tokens, heads * head_dim = 2048, 8 heads at
+head_dim 256), it times the backward alone (out, lse and dO given) with do_bench: TFLOP/s at 2.5x the
+forward's FLOPs, and the Gluon path's three launches (preprocess, dQ, dK/dV) alone in ms. The
+markdown table comes last; the cells go to --out as JSON.
 
     python scripts/bench_gluon_backward.py --check --head-dims 64 128 256 --seqlens 1024 4096 16384
 """
@@ -24,7 +25,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashformer.kernels import attention_materialized, flash_attn_func, force_kernel_impl, launch
 from flashformer.kernels import flash_bwd, flash_bwd_hopper
-from flashformer.kernels.flash_fwd import attention_forward
+from flashformer.kernels.flash_fwd import attention_forward, log2_scales
+from flashformer.kernels.launch import seq_strides
 from flashformer.kernels.sizes import pad_head_dim
 
 # BLOCK_M candidates per padded head_dim (None: flash_bwd_hopper.config's choice)
@@ -122,6 +124,28 @@ def gluon_path_gradients(q, k, v, grad_out, grad_lse, opts):
         return torch.autograd.grad((out, lse), inputs, (grad_out, grad_lse))
 
 
+def gluon_launches(q, k, v, out, lse, grad_out, causal):
+    """Closures launching the Gluon backward's three kernels one by one (preprocess, dQ, dK/dV)."""
+    head_dim = q.shape[-1]
+    head_dim_pad = pad_head_dim(head_dim)
+    scale = head_dim ** -0.5
+    qk_scale, softcap_log2 = log2_scales(scale, 0.0)
+    lse_log2, delta = torch.empty_like(lse), torch.empty_like(lse)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    window_right = 0 if causal else -1
+    strides_lse = lse.stride()[:2]
+    common = (lse_log2, delta, scale, qk_scale, softcap_log2, -1, window_right, 0.0, head_dim_pad)
+    preprocess = functools.partial(flash_bwd._preprocess, out, grad_out, lse, None, delta, lse_log2, None, q.shape[0],
+                                   q.shape[1], strides_lse, head_dim, head_dim_pad, False)
+    preprocess()
+    return {"preprocess": preprocess,
+            "dq": functools.partial(flash_bwd_hopper.launch_dq, q, k, v, grad_out, dq, *common,
+                                    [s for t in (q, k, v, grad_out, dq) for s in seq_strides(t, False)], strides_lse),
+            "dkdv": functools.partial(flash_bwd_hopper.launch_dkdv, q, k, v, grad_out, dk, dv, *common,
+                                      [s for t in (q, k, v, grad_out, dk, dv) for s in seq_strides(t, False)],
+                                      strides_lse)}
+
+
 def sdpa_backward(q, k, v, grad_out, causal):
     """A closure running SDPA cuDNN's backward alone (its forward done once here)."""
     inputs = [t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v)]
@@ -157,7 +181,8 @@ def main(argv=None):
                 tl_grads = backward(q, k, v, out, lse, grad_out, causal, (-1, -1), 0.0, False)
                 cell = {"head_dim": head_dim, "causal": causal, "seqlen": seqlen, "batch": batch, "gluon": {},
                         "gluon_covers": flash_bwd_hopper.supports(q, None, head_dim_pad)}
-                timings = {"tl": lambda: backward(q, k, v, out, lse, grad_out, causal, (-1, -1), 0.0, False)}
+                timings = {"tl": functools.partial(backward, q, k, v, out, lse, grad_out, causal, (-1, -1), 0.0,
+                                                   False)}
                 try:
                     timings["cudnn"] = sdpa_backward(q, k, v, grad_out, causal)
                 except Exception as error:
@@ -179,14 +204,21 @@ def main(argv=None):
                     ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
                     target = cell["gluon"][name] if name in cell["gluon"] else cell
                     target[f"{name}_tflops" if target is cell else "tflops"] = flops / ms / 1e9
+                if cell["gluon_covers"]:
+                    try:
+                        cell["gluon_ms"] = {name: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+                                            for name, fn in gluon_launches(q, k, v, out, lse, grad_out, causal).items()}
+                    except Exception as error:
+                        cell["gluon_ms"] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
                 cells.append(cell)
                 print(json.dumps(cell), flush=True)
                 del q, k, v, grad_out, out, lse, tl_grads
                 torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(cells, f, indent=1)
-    print("| head_dim | causal | seqlen | cuDNN | tl | gluon candidates (TFLOP/s, max diff vs tl) | best/cuDNN | best/tl |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| head_dim | causal | seqlen | cuDNN | tl | gluon candidates (TFLOP/s, max diff vs tl) | best/cuDNN "
+          "| best/tl | gluon ms: preprocess / dQ / dK,dV |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for cell in cells:
         cands = {n: c for n, c in cell["gluon"].items() if "tflops" in c}
         best = max((c["tflops"] for c in cands.values()), default=0.0)
@@ -198,7 +230,16 @@ def main(argv=None):
         cudnn = cell.get("cudnn_tflops", float("nan"))
         print(f"| {cell['head_dim']} | {'yes' if cell['causal'] else 'no'} | {cell['seqlen']} | {cudnn:.0f} | "
               f"{cell['tl_tflops']:.0f} | {text}{' failed: ' + ','.join(errors) if errors else ''} | "
-              f"{best / cudnn:.2f} | {best / cell['tl_tflops']:.2f} |")
+              f"{best / cudnn:.2f} | {best / cell['tl_tflops']:.2f} | {launch_times(cell.get('gluon_ms'))} |")
+
+
+def launch_times(times):
+    """'a / b / c' ms of the Gluon path's launches, the error text, or '-'."""
+    if not times:
+        return "-"
+    if "error" in times:
+        return times["error"][:80]
+    return " / ".join(f"{times[name]:.3f}" for name in ("preprocess", "dq", "dkdv"))
 
 
 if __name__ == "__main__":
