@@ -13,6 +13,9 @@ Two launches:
    dK and dV in registers (one loop, or three at head_dim <= 64: ONE_LOOP_DKDV_HEAD_DIM). Looping over
    the group inside the program (instead of atomics across programs) keeps GQA deterministic.
 
+On the Gluon path (sm_90) the deterministic backward is ``_bwd_preprocess``, then flash_bwd_hopper.py's
+dQ and dK/dV kernels, where they cover the inputs (dense, 16-bit).
+
 With deterministic=False there is no dQ kernel: ``_bwd_preprocess`` computes the statistics, and the
 dK/dV program also forms each query tile's dQ share dS K and adds it to an fp32 buffer (a TMA
 reduction on the GPU, pointer atomics in the interpreter), saving the dQ kernel's two recomputed
@@ -338,9 +341,21 @@ _bwd_fused_tuned = tuned(_bwd_dkdv_kernel, "bwd_fused", extra_key=("ACCUMULATE_D
 _bwd_dq_tuned = tuned(_bwd_dq_kernel, "bwd_dq", extra_key=("HAS_ALIBI", "HAS_DROPOUT"))
 
 
+def _preprocess(out, grad_out, lse, grad_lse, delta, lse_log2, cu_seqlens_q, batch, seqlen_q, strides_lse, head_dim,
+                head_dim_pad, is_varlen):
+    """Launch ``_bwd_preprocess``: every row's delta and lse_log2."""
+    _bwd_preprocess[tile_grid(PREPROCESS_BLOCK, seqlen_q, out.shape[0], batch, out.shape[-2], is_varlen)](
+        out, grad_out, lse, grad_lse, delta, lse_log2, cu_seqlens_q,
+        *seq_strides(out, is_varlen), *seq_strides(grad_out, is_varlen), *strides_lse,
+        seqlen_q, batch,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK=PREPROCESS_BLOCK, IS_VARLEN=is_varlen,
+        SEQS_PAD=seqs_pad(batch, is_varlen), HAS_DLSE=grad_lse is not None,
+    )
+
+
 def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, window_left, window_right,
                        softcap, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                       deterministic=True, alibi_slopes=None, dropout_p=0.0, dropout_seed=None):
+                       deterministic=True, alibi_slopes=None, dropout_p=0.0, dropout_seed=None, gluon=False):
     """Launch the backward kernels; returns (dq, dk, dv) shaped like (q, k, v).
 
     Args:
@@ -351,6 +366,8 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
             (5 matmuls; TMA reductions on the GPU, whose order varies from run to run).
         alibi_slopes, dropout_p, dropout_seed: as given to attention_forward (the same seed
             regenerates its dropout mask).
+        gluon: with deterministic=True, run the Hopper Gluon kernels (flash_bwd_hopper.py: dQ, then
+            dK/dV, after the preprocess forms the row statistics) where they cover the inputs.
     """
     is_varlen = cu_seqlens_q is not None
     q, k, v, out, grad_out = (as_descriptor_compatible(t) for t in (q, k, v, out, grad_out))
@@ -387,6 +404,21 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
     strides_qkv = (*seq_strides(q, is_varlen), *seq_strides(k, is_varlen), *seq_strides(v, is_varlen),
                    *seq_strides(grad_out, is_varlen))
 
+    if deterministic and gluon:
+        from . import flash_bwd_hopper
+
+        if flash_bwd_hopper.supports(q, cu_seqlens_q, head_dim_pad, alibi_slopes is not None, dropout_p > 0.0):
+            _preprocess(out, grad_out, lse, grad_lse, delta, lse_log2, cu_seqlens_q, batch, seqlen_q, strides_lse,
+                        head_dim, head_dim_pad, is_varlen)
+            launch_args = (lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left, window_right,
+                           softcap, head_dim_pad)
+            flash_bwd_hopper.launch_dq(q, k, v, grad_out, dq, *launch_args,
+                                       [s for t in (q, k, v, grad_out, dq) for s in seq_strides(t, False)],
+                                       strides_lse)
+            flash_bwd_hopper.launch_dkdv(q, k, v, grad_out, dk, dv, *launch_args,
+                                         [s for t in (q, k, v, grad_out, dk, dv) for s in seq_strides(t, False)],
+                                         strides_lse)
+            return dq, dk, dv
     mask = table_mask(window_left, window_right, softcap)
     if deterministic:  # the dQ kernel also writes delta and lse_log2
         kernel, config = pick_kernel(q.device, "bwd_dq", _bwd_dq_kernel, _bwd_dq_tuned, head_dim_pad, mask,
@@ -397,13 +429,8 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
             seqlen_q, seqlen_k, batch, *scalars, **common, HAS_DLSE=grad_lse is not None, **config,
         )
     else:
-        _bwd_preprocess[tile_grid(PREPROCESS_BLOCK, seqlen_q, out.shape[0], batch, heads_q, is_varlen)](
-            out, grad_out, lse, grad_lse, delta, lse_log2, cu_seqlens_q,
-            *seq_strides(out, is_varlen), *seq_strides(grad_out, is_varlen), *strides_lse,
-            seqlen_q, batch,
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK=PREPROCESS_BLOCK, IS_VARLEN=is_varlen,
-            SEQS_PAD=seqs_pad(batch, is_varlen), HAS_DLSE=grad_lse is not None,
-        )
+        _preprocess(out, grad_out, lse, grad_lse, delta, lse_log2, cu_seqlens_q, batch, seqlen_q, strides_lse,
+                    head_dim, head_dim_pad, is_varlen)
     dq_acc = None if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kind, tuned_kernel = ("bwd_dkdv", _bwd_dkdv_tuned) if deterministic else ("bwd_fused", _bwd_fused_tuned)
     kernel, config = pick_kernel(q.device, kind, _bwd_dkdv_kernel, tuned_kernel, head_dim_pad, mask, buckets[0])

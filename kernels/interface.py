@@ -2,8 +2,8 @@
 
 The one place that decides which implementation runs is ``kernel_impl``:
 
-* ``"gluon"``: the Triton path with the Hopper kernels written in Gluon (flash_fwd_hopper.py) for the
-  inputs they cover, the ``tl`` kernels for the rest. Runs on sm_90 devices with a Triton version the
+* ``"gluon"``: the Triton path with the Hopper kernels written in Gluon (flash_fwd_hopper.py,
+  flash_bwd_hopper.py) for the inputs they cover, the ``tl`` kernels for the rest. Runs on sm_90 devices with a Triton version the
   Gluon kernels were tested on (GLUON_TRITON_VERSIONS); the default there (the H200 runs the kernel suite
   over both paths).
 * ``"triton"``: our portable Triton kernels (flash_fwd.py / flash_bwd.py). Chosen on CUDA devices,
@@ -239,7 +239,8 @@ def _backward_impl(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: 
 
     return attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, window_left, window_right,
                               softcap, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic,
-                              alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed)
+                              alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                              gluon=kernel_impl(q.device) == "gluon")
 
 
 _flash_attn_fwd = torch.library.custom_op("flashformer::flash_attn_fwd", _forward_impl, mutates_args=())

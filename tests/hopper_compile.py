@@ -19,7 +19,7 @@ from triton.compiler import ASTSource
 
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from flashformer.kernels import cross_entropy, decode, flash_bwd, flash_fwd, flash_fwd_hopper
+from flashformer.kernels import cross_entropy, decode, flash_bwd, flash_bwd_hopper, flash_fwd, flash_fwd_hopper
 from flashformer.kernels.sizes import pad_head_dim
 
 FP32_POINTERS = {"LSE", "DELTA", "LSE_LOG2", "DLSE", "LSE_PART", "O_PART", "DQ_ACC", "LOSSES", "TOKEN_SCALE",
@@ -81,7 +81,32 @@ def gluon_forward_constexprs(head_dim, causal=True, window=False, softcap=False,
                 HAS_SOFTCAP=softcap, Q_SMEM=q_smem, KV_SMEM=kv_smem)
 
 
+def gluon_backward_constexprs(head_dim, causal=True, window=False, softcap=False, group=1, block_m=None):
+    head_dim_pad = pad_head_dim(head_dim)
+    default_m, num_stages = flash_bwd_hopper.config(head_dim_pad, 1.0 if softcap else 0.0)
+    block_m = block_m or default_m
+    qo_smem, qo_tma, kv_smem = flash_bwd_hopper.shared_layouts(block_m, head_dim_pad, torch.bfloat16)
+    return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m,
+                BLOCK_N=flash_bwd_hopper.block_n(head_dim_pad), NUM_STAGES=num_stages, LEFT_BOUNDED=window,
+                RIGHT_BOUNDED=causal or window, HAS_SOFTCAP=softcap,
+                SPLIT_HEAD_DIM=flash_bwd_hopper.split_head_dim(head_dim_pad), QO_SMEM=qo_smem, QO_TMA=qo_tma,
+                KV_SMEM=kv_smem)
+
+
+def gluon_dq_constexprs(head_dim, causal=True, window=False, softcap=False, group=1):
+    head_dim_pad = pad_head_dim(head_dim)
+    block_n = flash_bwd_hopper.DQ_BLOCK_N[head_dim_pad]
+    q_smem, _, _ = flash_bwd_hopper.shared_layouts(64, head_dim_pad, torch.bfloat16)
+    _, kv_smem = flash_fwd_hopper.shared_layouts(block_n, head_dim_pad, torch.bfloat16)
+    return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=flash_bwd_hopper.DQ_BLOCK_M,
+                BLOCK_N=block_n, NUM_STAGES=flash_bwd_hopper.DQ_NUM_STAGES, LEFT_BOUNDED=window,
+                RIGHT_BOUNDED=causal or window, HAS_SOFTCAP=softcap, Q_SMEM=q_smem, KV_SMEM=kv_smem)
+
+
 GLUON_FORWARD = flash_fwd_hopper._attn_fwd_hopper_kernel
+GLUON_DQ = flash_bwd_hopper._attn_bwd_dq_hopper_kernel
+GLUON_DKDV = flash_bwd_hopper._attn_bwd_dkdv_hopper_kernel
+GLUON_WARPS = flash_fwd_hopper.CONSUMER_WARPS.value
 CASES = {
     "gluon-fwd-d128-causal": (GLUON_FORWARD, gluon_forward_constexprs(128), flash_fwd_hopper.CONSUMER_WARPS.value, 1),
     "gluon-fwd-d128-full": (GLUON_FORWARD, gluon_forward_constexprs(128, causal=False), flash_fwd_hopper.CONSUMER_WARPS.value, 1),
@@ -89,6 +114,25 @@ CASES = {
                                          flash_fwd_hopper.CONSUMER_WARPS.value, 1),
     "gluon-fwd-d80": (GLUON_FORWARD, gluon_forward_constexprs(80), flash_fwd_hopper.CONSUMER_WARPS.value, 1),
     "gluon-fwd-d256": (GLUON_FORWARD, gluon_forward_constexprs(256, causal=False), flash_fwd_hopper.CONSUMER_WARPS.value, 1),
+    # every Gluon backward configuration (flash_bwd_hopper.config): head_dim 64, 128, 256 (split), softcap's tile
+    "gluon-bwd_dkdv-d128-causal-gqa": (GLUON_DKDV, gluon_backward_constexprs(128, group=4), GLUON_WARPS, 1),
+    "gluon-bwd_dkdv-d128-full": (GLUON_DKDV, gluon_backward_constexprs(128, causal=False), GLUON_WARPS, 1),
+    "gluon-bwd_dkdv-d128-window-softcap": (GLUON_DKDV, gluon_backward_constexprs(128, window=True, softcap=True),
+                                           GLUON_WARPS, 1),
+    "gluon-bwd_dkdv-d80-window": (GLUON_DKDV, gluon_backward_constexprs(80, window=True, group=2), GLUON_WARPS, 1),
+    "gluon-bwd_dkdv-d256-causal-gqa": (GLUON_DKDV, gluon_backward_constexprs(256, group=2), GLUON_WARPS, 1),
+    "gluon-bwd_dkdv-d256-full-softcap": (GLUON_DKDV, gluon_backward_constexprs(256, causal=False, softcap=True),
+                                         GLUON_WARPS, 1),
+    "gluon-bwd_dkdv-d192-window": (GLUON_DKDV, gluon_backward_constexprs(192, window=True), GLUON_WARPS, 1),
+    "gluon-bwd_dq-d128-causal-gqa": (GLUON_DQ, gluon_dq_constexprs(128, group=4), GLUON_WARPS, 1),
+    "gluon-bwd_dq-d128-window-softcap": (GLUON_DQ, gluon_dq_constexprs(128, window=True, softcap=True), GLUON_WARPS, 1),
+    "gluon-bwd_dq-d64-full": (GLUON_DQ, gluon_dq_constexprs(64, causal=False), GLUON_WARPS, 1),
+    "gluon-bwd_dq-d64-softcap-gqa": (GLUON_DQ, gluon_dq_constexprs(64, softcap=True, group=2), GLUON_WARPS, 1),
+    "gluon-bwd_dq-d256-causal": (GLUON_DQ, gluon_dq_constexprs(256), GLUON_WARPS, 1),
+    "gluon-bwd_dq-d256-full-softcap": (GLUON_DQ, gluon_dq_constexprs(256, causal=False, softcap=True), GLUON_WARPS, 1),
+    "gluon-bwd_dkdv-d64-causal-gqa": (GLUON_DKDV, gluon_backward_constexprs(64, group=4), GLUON_WARPS, 1),
+    "gluon-bwd_dkdv-d64-window-softcap": (GLUON_DKDV, gluon_backward_constexprs(64, window=True, softcap=True),
+                                          GLUON_WARPS, 1),
     "fwd-d128-causal": (flash_fwd._attn_fwd_kernel, attention_constexprs(128, 128, 64), 8, 3),
     "fwd-d64-window-softcap-gqa": (flash_fwd._attn_fwd_kernel,
                                    attention_constexprs(64, 128, 64, window=True, softcap=True, group=4), 4, 3),

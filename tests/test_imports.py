@@ -48,6 +48,7 @@ LAYERS = [
     ("kernels: argument checks, path choice, autograd", ["flashformer.kernels.interface"]),
     ("kernels: backward, decoding", ["flashformer.kernels.flash_bwd", "flashformer.kernels.decode"]),
     ("kernels: forward", ["flashformer.kernels.flash_fwd"]),
+    ("kernels: Hopper backward in Gluon", ["flashformer.kernels.flash_bwd_hopper"]),
     ("kernels: Hopper forward in Gluon", ["flashformer.kernels.flash_fwd_hopper"]),
     ("kernels: tile-shape policy, launch mechanics", ["flashformer.kernels.tuning", "flashformer.kernels.launch"]),
     ("kernels: tile helpers, PyTorch reference, packing",

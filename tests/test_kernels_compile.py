@@ -60,12 +60,23 @@ def test_nondeterministic_backward_reduces_dq_through_tma(report):
         assert case.get("tma_reduce", False) == name.startswith("bwd_fused"), (name, case)
 
 
+# The Gluon dK/dV kernel at BLOCK_M = 64 and padded head_dim 128 or 256 (flash_bwd_hopper.CONFIGS): its
+# four accumulators take 192 of a consumer's 240 registers, and ptxas spills a few scalars, stored
+# before the query loop and reloaded after it (about one reload per query tile); at 256 also the
+# 64-bit shared-memory descriptors of the 16 k-steps of S^T and dP^T (reloaded once per query tile).
+GLUON_BACKWARD_SPILL_BOUND = {"gluon-bwd_dkdv-d128-causal-gqa": 128, "gluon-bwd_dkdv-d128-full": 128,
+                              "gluon-bwd_dkdv-d80-window": 128, "gluon-bwd_dkdv-d256-causal-gqa": 640,
+                              "gluon-bwd_dkdv-d192-window": 640, "gluon-bwd_dkdv-d256-full-softcap": 128}
+
+
 def test_gluon_kernels_overlap_softmax_with_the_tensor_cores(report):
-    """The Hopper Gluon forward leaves P V in flight while the next tile's softmax runs (a wgmma wait
-    with a group outstanding), hands its warp partitions their registers (setmaxnreg), spills nothing
-    and fits the shared memory; the tl kernels, as Triton 3.6 compiles them, wait on every product."""
+    """The Hopper Gluon kernels leave a product in flight while the exponentials run (a wgmma wait
+    with a group outstanding: P V in the forward, dP^T in the dK/dV backward), hand their warp
+    partitions their registers (setmaxnreg), spill nothing (or the few scalars above) and fit the
+    shared memory; the tl kernels, as Triton 3.6 compiles them, wait on every product."""
     gluon = {name: case for name, case in report.items() if name.startswith("gluon-")}
-    assert gluon
+    assert gluon and any(name.startswith("gluon-bwd") for name in gluon)
     for name, case in gluon.items():
-        assert case["async_wgmma_wait"] and case["setmaxnreg"] and case["spill_bytes"] == 0, (name, case)
+        assert case["async_wgmma_wait"] and case["setmaxnreg"], (name, case)
+        assert case["spill_bytes"] <= GLUON_BACKWARD_SPILL_BOUND.get(name, 0), (name, case)
     assert not any(case.get("async_wgmma_wait") for name, case in report.items() if name.startswith("fwd-"))

@@ -1,0 +1,525 @@
+"""FlashAttention backward for Hopper (sm_90) in Gluon: flash_bwd.py's dQ and dK/dV kernels, scheduled
+by hand as FlashAttention-3 does it. flash_bwd.py's preprocess forms the row statistics (delta, lse in
+log2 units) first; then two launches, each a producer warp (24 registers, TMA into a ring of
+NUM_STAGES shared-memory slots with "ready" and "empty" mbarriers per slot and tensor) and two
+consumer warpgroups (240 registers each, setmaxnreg) that release slots on their own, so they drift
+apart and one's products overlap the other's exponentials.
+
+dK/dV: a program owns BLOCK_N = 128 keys of one kv head (64 at head_dim 256, see
+SPLIT_HEAD_DIM_ABOVE) and walks the query tiles that see them, for every query head of its GQA group
+(one loop inside the program: deterministic, no atomics). The producer streams Q and dO tiles; a
+consumer owns 64 keys and, per query tile, issues S^T = K Q^T and dP^T - delta = V dO^T - delta (its
+accumulator starts at -delta) back to back as asynchronous wgmma, waits for S^T alone and forms P^T
+while dP^T is still on the tensor cores, then dV += P^T dO, dS^T = P^T (dP^T - delta) and
+dK += dS^T Q, P^T and dS^T in registers as the A operands.
+
+dQ: the forward's shape. A program owns 128 query rows of one head (64 per consumer); the producer
+streams K and V tiles; per key tile a consumer issues S = Q K^T and dP - delta, forms P under dP, then
+dQ += dS K.
+
+Each product's register operand is waited for before its registers are reused. The semantics are
+flash_bwd.py's: bottom-right causal, windows, softcap, GQA, the lse gradient (through delta); keys
+past seqlen_k and rows past seqlen_q (zeros read by TMA) get p = 0 and so dS = 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                             warpgroup_mma_wait)
+
+from .flash_fwd_hopper import _mma_layout, _rows_descriptor
+from .launch import ensure_allocator
+from .tile_ops import key_range, query_range, tanh, visible
+
+CONSUMER_WARPS = gl.constexpr(4)
+CONSUMER_KEYS = gl.constexpr(64)
+# Above this padded head_dim a consumer's dK and dV (64 x head_dim fp32 each) do not fit its registers:
+# both consumers then take the same 64 keys and each accumulates one half of dK's and dV's columns,
+# both computing the whole S^T and dP^T (1.5x the matrix products of the 128-key program).
+SPLIT_HEAD_DIM_ABOVE = 128
+
+
+@gluon.jit
+def _heads_descriptor(base, heads, rows, stride_heads, stride_rows, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      HEAD_DIM_PAD: gl.constexpr, LAYOUT: gl.constexpr):
+    """TMA view of ``heads`` consecutive heads, (heads, rows, HEAD_DIM) from ``base``, in (1, BLOCK,
+    HEAD_DIM_PAD) tiles that read zeros past the ends: one descriptor serves every query head of a GQA
+    group (a descriptor rebuilt per head would be rewritten while TMA copies may still read it)."""
+    return tma.make_tensor_descriptor(base, [heads, rows, HEAD_DIM], [stride_heads, stride_rows, 1],
+                                      [1, BLOCK, HEAD_DIM_PAD], LAYOUT)
+
+
+@gluon.jit
+def _dkdv_load_partition(q_base, do_base, k_base, v_base, stride_qh, stride_qs, stride_doh, stride_dos, stride_ks,
+                         stride_vs, seqlen_q, seqlen_k, q_smem, do_smem, k_smem, v_smem, kv_bars, q_ready, do_ready,
+                         q_empty, do_empty, n0, start, tiles_per_head,
+                         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+                         BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_HEAD_DIM: gl.constexpr,
+                         QO_TMA: gl.constexpr, KV_SMEM: gl.constexpr):
+    q_desc = _heads_descriptor(q_base, GROUP, seqlen_q, stride_qh, stride_qs, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, QO_TMA)
+    do_desc = _heads_descriptor(do_base, GROUP, seqlen_q, stride_doh, stride_dos, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
+                                QO_TMA)
+    k_desc = _rows_descriptor(k_base, seqlen_k, stride_ks, CONSUMER_KEYS, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
+    v_desc = _rows_descriptor(v_base, seqlen_k, stride_vs, CONSUMER_KEYS, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
+    for c in gl.static_range(1 if SPLIT_HEAD_DIM else 2):
+        bar = kv_bars.index(c)
+        mbarrier.expect(bar, 2 * k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [n0 + c * CONSUMER_KEYS, 0], bar, k_smem.index(c))
+        tma.async_copy_global_to_shared(v_desc, [n0 + c * CONSUMER_KEYS, 0], bar, v_smem.index(c))
+    for i in range(GROUP * tiles_per_head):
+        stage = i % NUM_STAGES
+        head = i // tiles_per_head
+        m0 = start + (i - head * tiles_per_head) * BLOCK_M
+        # The slot's previous use (tile i - NUM_STAGES) must be released by both consumers first.
+        free_phase = ((i // NUM_STAGES) & 1) ^ 1
+        mbarrier.wait(q_empty.index(stage), free_phase, pred=i >= NUM_STAGES)
+        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [head, m0, 0], q_ready.index(stage),
+                                        _tma_view(q_smem.index(stage)))
+        mbarrier.wait(do_empty.index(stage), free_phase, pred=i >= NUM_STAGES)
+        mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [head, m0, 0], do_ready.index(stage),
+                                        _tma_view(do_smem.index(stage)))
+
+
+@gluon.jit
+def _tma_view(tile):
+    """A (rows, cols) shared-memory tile as the (1, rows, cols) box of a heads descriptor."""
+    return tile.reshape([1, tile.shape[0], tile.shape[1]])
+
+
+@gluon.jit
+def _distinct_registers(x):
+    """``x`` with every element in a register of its own. A wgmma accumulator that repeats values (a
+    broadcast row) gets register copies emitted right before the product, where ptxas then waits for
+    the products in flight."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks, stride_dvs, lse_group,
+                            delta_group, stride_lse_h, q_smem, do_smem, k_smem, v_smem, kv_bars, done_bar, q_ready,
+                            do_ready, q_empty, do_empty, n0, start, un_lo, un_hi, tiles_per_head, seqlen_q, seqlen_k,
+                            softmax_scale, qk_scale, softcap_log2, window_left, window_right,
+                            GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+                            BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, LEFT_BOUNDED: gl.constexpr,
+                            RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr, SPLIT_HEAD_DIM: gl.constexpr,
+                            KV_SMEM: gl.constexpr):
+    # The consumer's keys and its columns of dK and dV.
+    TILE: gl.constexpr = 0 if SPLIT_HEAD_DIM else CONSUMER
+    OUT_DIM: gl.constexpr = HEAD_DIM_PAD // 2 if SPLIT_HEAD_DIM else HEAD_DIM_PAD
+    OUT_COL: gl.constexpr = CONSUMER * OUT_DIM if SPLIT_HEAD_DIM else 0
+    ST_LAYOUT: gl.constexpr = _mma_layout(BLOCK_M, CONSUMER_WARPS)
+    DKV_LAYOUT: gl.constexpr = _mma_layout(OUT_DIM, CONSUMER_WARPS)
+    A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=DKV_LAYOUT, k_width=2)
+    KEYS: gl.constexpr = gl.SliceLayout(1, ST_LAYOUT)
+    QUERIES: gl.constexpr = gl.SliceLayout(0, ST_LAYOUT)
+    ROW_VECTOR: gl.constexpr = gl.BlockedLayout([1], [32], [CONSUMER_WARPS], [0])
+    dtype: gl.constexpr = q_smem.dtype
+    k_tile = k_smem.index(TILE)
+    v_tile = v_smem.index(TILE)
+    key0 = n0 + TILE * CONSUMER_KEYS
+    cols = gl.expand_dims(key0 + gl.arange(0, CONSUMER_KEYS, layout=KEYS), 1)
+    dk = gl.zeros([CONSUMER_KEYS, OUT_DIM], gl.float32, DKV_LAYOUT)
+    dv = gl.zeros([CONSUMER_KEYS, OUT_DIM], gl.float32, DKV_LAYOUT)
+    st_zero = gl.zeros([CONSUMER_KEYS, BLOCK_M], gl.float32, ST_LAYOUT)
+
+    mbarrier.wait(kv_bars.index(TILE), 0)
+    for i in range(GROUP * tiles_per_head):
+        stage = i % NUM_STAGES
+        phase = (i // NUM_STAGES) & 1
+        head = i // tiles_per_head
+        m0 = start + (i - head * tiles_per_head) * BLOCK_M
+        q_tile = q_smem.index(stage)
+        do_tile = do_smem.index(stage)
+        # Loaded one row per thread, then spread to S^T's columns: pointers in S^T's layout would hold
+        # 64-bit addresses for each of a thread's columns.
+        row_offsets = gl.arange(0, BLOCK_M, layout=ROW_VECTOR)
+        in_seq = m0 + row_offsets < seqlen_q
+        stats_offset = head * stride_lse_h + m0
+
+        # dP^T's accumulator starts at -delta, so the product is dP^T - delta: no delta row vector stays
+        # live beside the four accumulator tiles. It is filled before S^T is issued: ptxas serialises
+        # the two products if registers are written between them.
+        delta = gl.convert_layout(gl.load(delta_group + stats_offset + row_offsets, mask=in_seq, other=0.0),
+                                  QUERIES)
+        dp_t = _distinct_registers(st_zero - gl.expand_dims(delta, 0))
+        mbarrier.wait(q_ready.index(stage), phase)
+        s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        mbarrier.wait(do_ready.index(stage), phase)
+        dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), dp_t, is_async=True)
+        # Rows past the end: lse = +inf, so p = 0 and they add nothing.
+        lse_log2 = gl.convert_layout(
+            gl.load(lse_group + stats_offset + row_offsets, mask=in_seq, other=float("inf")), QUERIES)
+        s_t = warpgroup_mma_wait(1, deps=[s_t])
+        s_t = s_t * qk_scale
+        if HAS_SOFTCAP:
+            tanh_t = tanh(s_t)
+            s_t = tanh_t * softcap_log2
+        p_t = gl.exp2(s_t - gl.expand_dims(lse_log2, 0))
+        if (m0 < un_lo) | (m0 >= un_hi):
+            rows = m0 + gl.arange(0, BLOCK_M, layout=QUERIES)
+            keep = visible(gl.expand_dims(rows, 0), cols, seqlen_q, seqlen_k, window_left, window_right,
+                           LEFT_BOUNDED, RIGHT_BOUNDED)
+            p_t = gl.where(keep, p_t, 0.0)
+        p_op = gl.convert_layout(p_t.to(dtype), A_LAYOUT)
+        dv = warpgroup_mma(p_op, do_tile.slice(OUT_COL, OUT_DIM, dim=1), dv, is_async=True)
+        dv, dp_t, p_op = warpgroup_mma_wait(0, deps=[dv, dp_t, p_op])
+        mbarrier.arrive(do_empty.index(stage), count=1)
+        ds_t = p_t * dp_t
+        if HAS_SOFTCAP:
+            ds_t = ds_t * (1.0 - tanh_t * tanh_t)
+        ds_op = gl.convert_layout(ds_t.to(dtype), A_LAYOUT)
+        dk = warpgroup_mma(ds_op, q_tile.slice(OUT_COL, OUT_DIM, dim=1), dk, is_async=True)
+        dk, ds_op = warpgroup_mma_wait(0, deps=[dk, ds_op])
+        mbarrier.arrive(q_empty.index(stage), count=1)
+
+    # K and V are read by no product any more (with a split head_dim: by neither consumer, once both
+    # have arrived): their tiles stage this consumer's dK and dV.
+    if SPLIT_HEAD_DIM:
+        mbarrier.arrive(done_bar, count=1)
+        mbarrier.wait(done_bar, 0)
+    dk_out = k_tile.slice(OUT_COL, OUT_DIM, dim=1)
+    dv_out = v_tile.slice(OUT_COL, OUT_DIM, dim=1)
+    dk_out.store((dk * softmax_scale).to(dtype))
+    dv_out.store(dv.to(dtype))
+    fence_async_shared()
+    dk_desc = _rows_descriptor(dk_base, seqlen_k, stride_dks, CONSUMER_KEYS, HEAD_DIM, OUT_DIM, KV_SMEM)
+    dv_desc = _rows_descriptor(dv_base, seqlen_k, stride_dvs, CONSUMER_KEYS, HEAD_DIM, OUT_DIM, KV_SMEM)
+    tma.async_copy_shared_to_global(dk_desc, [key0, OUT_COL], dk_out)
+    tma.async_copy_shared_to_global(dv_desc, [key0, OUT_COL], dv_out)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _attn_bwd_dkdv_hopper_kernel(
+    Q, K, V, DO, DK, DV, LSE_LOG2, DELTA,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
+    stride_lse_b, stride_lse_h,
+    seqlen_q, seqlen_k,
+    softmax_scale, qk_scale, softcap_log2, window_left, window_right,
+    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+    SPLIT_HEAD_DIM: gl.constexpr, QO_SMEM: gl.constexpr, QO_TMA: gl.constexpr, KV_SMEM: gl.constexpr,
+):
+    KV_TILES: gl.constexpr = 1 if SPLIT_HEAD_DIM else 2
+    gl.static_assert(BLOCK_N == KV_TILES * CONSUMER_KEYS)
+    dtype: gl.constexpr = Q.dtype.element_ty
+    n0 = gl.program_id(0) * BLOCK_N
+    kv_head = gl.program_id(1).to(gl.int64)
+    batch = gl.program_id(2).to(gl.int64)
+    head0 = kv_head * GROUP
+    q_base = Q + batch * stride_qb + head0 * stride_qh
+    do_base = DO + batch * stride_dob + head0 * stride_doh
+    k_base = K + batch * stride_kb + kv_head * stride_kh
+    v_base = V + batch * stride_vb + kv_head * stride_vh
+    dk_base = DK + batch * stride_dkb + kv_head * stride_dkh
+    dv_base = DV + batch * stride_dvb + kv_head * stride_dvh
+    lse_group = LSE_LOG2 + batch * stride_lse_b + head0 * stride_lse_h
+    delta_group = DELTA + batch * stride_lse_b + head0 * stride_lse_h
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM_PAD], QO_SMEM)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM_PAD], QO_SMEM)
+    k_smem = gl.allocate_shared_memory(dtype, [KV_TILES, CONSUMER_KEYS, HEAD_DIM_PAD], KV_SMEM)
+    v_smem = gl.allocate_shared_memory(dtype, [KV_TILES, CONSUMER_KEYS, HEAD_DIM_PAD], KV_SMEM)
+    kv_bars = gl.allocate_shared_memory(gl.int64, [KV_TILES, 1], mbarrier.MBarrierLayout())
+    done_bars = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(KV_TILES):
+        mbarrier.init(kv_bars.index(c), count=1)
+    mbarrier.init(done_bars.index(0), count=2)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)
+        mbarrier.init(do_empty.index(i), count=2)
+    start, un_lo, un_hi, end = query_range(n0, seqlen_q, seqlen_k, window_left, window_right,
+                                           BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
+    tiles_per_head = (end - start) // BLOCK_M
+    gl.warp_specialize([
+        (_dkdv_consume_partition, (0, dk_base, dv_base, stride_dks, stride_dvs, lse_group, delta_group,
+                                   stride_lse_h, q_smem, do_smem, k_smem, v_smem, kv_bars, done_bars.index(0),
+                                   q_ready, do_ready, q_empty, do_empty, n0, start, un_lo, un_hi, tiles_per_head,
+                                   seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2, window_left,
+                                   window_right, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, NUM_STAGES, LEFT_BOUNDED,
+                                   RIGHT_BOUNDED, HAS_SOFTCAP, SPLIT_HEAD_DIM, KV_SMEM)),
+        (_dkdv_consume_partition, (1, dk_base, dv_base, stride_dks, stride_dvs, lse_group, delta_group,
+                                   stride_lse_h, q_smem, do_smem, k_smem, v_smem, kv_bars, done_bars.index(0),
+                                   q_ready, do_ready, q_empty, do_empty, n0, start, un_lo, un_hi, tiles_per_head,
+                                   seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2, window_left,
+                                   window_right, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, NUM_STAGES, LEFT_BOUNDED,
+                                   RIGHT_BOUNDED, HAS_SOFTCAP, SPLIT_HEAD_DIM, KV_SMEM)),
+        (_dkdv_load_partition, (q_base, do_base, k_base, v_base, stride_qh, stride_qs, stride_doh, stride_dos,
+                                stride_ks, stride_vs, seqlen_q, seqlen_k, q_smem, do_smem, k_smem, v_smem, kv_bars,
+                                q_ready, do_ready, q_empty, do_empty, n0, start, tiles_per_head, GROUP, HEAD_DIM,
+                                HEAD_DIM_PAD, BLOCK_M, NUM_STAGES, SPLIT_HEAD_DIM, QO_TMA, KV_SMEM)),
+    ], [CONSUMER_WARPS, 1], [240, 24])
+
+
+# Query rows per dQ consumer.
+DQ_ROWS = gl.constexpr(64)
+
+
+@gluon.jit
+def _dq_load_partition(q_base, do_base, k_base, v_base, stride_qs, stride_dos, stride_ks, stride_vs, seqlen_q,
+                       seqlen_k, q_smem, do_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, m0,
+                       start, num_tiles, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
+                       NUM_STAGES: gl.constexpr, Q_SMEM: gl.constexpr, KV_SMEM: gl.constexpr):
+    q_desc = _rows_descriptor(q_base, seqlen_q, stride_qs, DQ_ROWS, HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
+    do_desc = _rows_descriptor(do_base, seqlen_q, stride_dos, DQ_ROWS, HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
+    k_desc = _rows_descriptor(k_base, seqlen_k, stride_ks, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
+    v_desc = _rows_descriptor(v_base, seqlen_k, stride_vs, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
+    for c in gl.static_range(2):
+        bar = q_bars.index(c)
+        mbarrier.expect(bar, 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [m0 + c * DQ_ROWS, 0], bar, q_smem.index(c))
+        tma.async_copy_global_to_shared(do_desc, [m0 + c * DQ_ROWS, 0], bar, do_smem.index(c))
+    for j in range(num_tiles):
+        stage = j % NUM_STAGES
+        n0 = start + j * BLOCK_N
+        free_phase = ((j // NUM_STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(stage), free_phase, pred=j >= NUM_STAGES)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [n0, 0], k_ready.index(stage), k_smem.index(stage))
+        mbarrier.wait(v_empty.index(stage), free_phase, pred=j >= NUM_STAGES)
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [n0, 0], v_ready.index(stage), v_smem.index(stage))
+
+
+@gluon.jit
+def _dq_consume_partition(CONSUMER: gl.constexpr, dq_base, stride_dqs, lse_row, delta_row, q_smem, do_smem, k_smem,
+                          v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, m0, start, un_lo, un_hi, num_tiles,
+                          seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2, window_left, window_right,
+                          HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
+                          NUM_STAGES: gl.constexpr, LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr,
+                          HAS_SOFTCAP: gl.constexpr, Q_SMEM: gl.constexpr):
+    S_LAYOUT: gl.constexpr = _mma_layout(BLOCK_N, CONSUMER_WARPS)
+    DQ_LAYOUT: gl.constexpr = _mma_layout(HEAD_DIM_PAD, CONSUMER_WARPS)
+    A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=DQ_LAYOUT, k_width=2)
+    ROWS: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+    KEYS: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
+    dtype: gl.constexpr = q_smem.dtype
+    q_tile = q_smem.index(CONSUMER)
+    do_tile = do_smem.index(CONSUMER)
+    row0 = m0 + CONSUMER * DQ_ROWS
+    rows = row0 + gl.arange(0, DQ_ROWS, layout=ROWS)
+    # Rows past the end: lse = +inf, so p = 0 and they add nothing.
+    lse_log2 = gl.load(lse_row + rows, mask=rows < seqlen_q, other=float("inf"))
+    delta = gl.load(delta_row + rows, mask=rows < seqlen_q, other=0.0)
+    s_zero = gl.zeros([DQ_ROWS, BLOCK_N], gl.float32, S_LAYOUT)
+    # dP's accumulator starts at -delta (see the dK/dV consumer).
+    minus_delta = s_zero - gl.expand_dims(delta, 1)
+    dq = gl.zeros([DQ_ROWS, HEAD_DIM_PAD], gl.float32, DQ_LAYOUT)
+
+    mbarrier.wait(q_bars.index(CONSUMER), 0)
+    for j in range(num_tiles):
+        stage = j % NUM_STAGES
+        phase = (j // NUM_STAGES) & 1
+        n0 = start + j * BLOCK_N
+        k_tile = k_smem.index(stage)
+        dp = _distinct_registers(minus_delta)
+        mbarrier.wait(k_ready.index(stage), phase)
+        s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(stage), phase)
+        dp = warpgroup_mma(do_tile, v_smem.index(stage).permute((1, 0)), dp, is_async=True)
+        s = warpgroup_mma_wait(1, deps=[s])
+        s = s * qk_scale
+        if HAS_SOFTCAP:
+            tanh_s = tanh(s)
+            s = tanh_s * softcap_log2
+        p = gl.exp2(s - gl.expand_dims(lse_log2, 1))
+        if (n0 < un_lo) | (n0 >= un_hi):
+            cols = n0 + gl.arange(0, BLOCK_N, layout=KEYS)
+            keep = visible(gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), seqlen_q, seqlen_k, window_left,
+                           window_right, LEFT_BOUNDED, RIGHT_BOUNDED)
+            p = gl.where(keep, p, 0.0)
+        dp = warpgroup_mma_wait(0, deps=[dp])
+        mbarrier.arrive(v_empty.index(stage), count=1)
+        ds = p * dp
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - tanh_s * tanh_s)
+        ds_op = gl.convert_layout(ds.to(dtype), A_LAYOUT)
+        dq = warpgroup_mma(ds_op, k_tile, dq, is_async=True)
+        dq, ds_op = warpgroup_mma_wait(0, deps=[dq, ds_op])
+        mbarrier.arrive(k_empty.index(stage), count=1)
+
+    # Q is read by no product any more: its tile stages dQ.
+    q_tile.store((dq * softmax_scale).to(dtype))
+    fence_async_shared()
+    dq_desc = _rows_descriptor(dq_base, seqlen_q, stride_dqs, DQ_ROWS, HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
+    tma.async_copy_shared_to_global(dq_desc, [row0, 0], q_tile)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _attn_bwd_dq_hopper_kernel(
+    Q, K, V, DO, DQ, LSE_LOG2, DELTA,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dqb, stride_dqs, stride_dqh,
+    stride_lse_b, stride_lse_h,
+    seqlen_q, seqlen_k,
+    softmax_scale, qk_scale, softcap_log2, window_left, window_right,
+    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+    Q_SMEM: gl.constexpr, KV_SMEM: gl.constexpr,
+):
+    gl.static_assert(BLOCK_M == 2 * DQ_ROWS)
+    dtype: gl.constexpr = Q.dtype.element_ty
+    pid_m = gl.program_id(0)
+    if RIGHT_BOUNDED:  # the longest programs (most key tiles under a causal mask) first
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    head = gl.program_id(1).to(gl.int64)
+    batch = gl.program_id(2).to(gl.int64)
+    kv_head = head // GROUP
+    m0 = pid_m * BLOCK_M
+    q_base = Q + batch * stride_qb + head * stride_qh
+    do_base = DO + batch * stride_dob + head * stride_doh
+    k_base = K + batch * stride_kb + kv_head * stride_kh
+    v_base = V + batch * stride_vb + kv_head * stride_vh
+    dq_base = DQ + batch * stride_dqb + head * stride_dqh
+    lse_row = LSE_LOG2 + batch * stride_lse_b + head * stride_lse_h
+    delta_row = DELTA + batch * stride_lse_b + head * stride_lse_h
+    q_smem = gl.allocate_shared_memory(dtype, [2, DQ_ROWS, HEAD_DIM_PAD], Q_SMEM)
+    do_smem = gl.allocate_shared_memory(dtype, [2, DQ_ROWS, HEAD_DIM_PAD], Q_SMEM)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM_PAD], KV_SMEM)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM_PAD], KV_SMEM)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(2):
+        mbarrier.init(q_bars.index(c), count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    start, un_lo, un_hi, end = key_range(m0, seqlen_q, seqlen_k, window_left, window_right,
+                                         BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
+    num_tiles = (end - start) // BLOCK_N
+    gl.warp_specialize([
+        (_dq_consume_partition, (0, dq_base, stride_dqs, lse_row, delta_row, q_smem, do_smem, k_smem, v_smem,
+                                 q_bars, k_ready, v_ready, k_empty, v_empty, m0, start, un_lo, un_hi, num_tiles,
+                                 seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2, window_left,
+                                 window_right, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, LEFT_BOUNDED,
+                                 RIGHT_BOUNDED, HAS_SOFTCAP, Q_SMEM)),
+        (_dq_consume_partition, (1, dq_base, stride_dqs, lse_row, delta_row, q_smem, do_smem, k_smem, v_smem,
+                                 q_bars, k_ready, v_ready, k_empty, v_empty, m0, start, un_lo, un_hi, num_tiles,
+                                 seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2, window_left,
+                                 window_right, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, LEFT_BOUNDED,
+                                 RIGHT_BOUNDED, HAS_SOFTCAP, Q_SMEM)),
+        (_dq_load_partition, (q_base, do_base, k_base, v_base, stride_qs, stride_dos, stride_ks, stride_vs, seqlen_q,
+                              seqlen_k, q_smem, do_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
+                              m0, start, num_tiles, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, Q_SMEM, KV_SMEM)),
+    ], [CONSUMER_WARPS, 1], [240, 24])
+
+
+# (BLOCK_M, NUM_STAGES) per padded head_dim, FlashAttention-3's tile: two stages of Q and dO tiles
+# plus the K and V tiles take 66-196 KB of shared memory. Registers bound BLOCK_M: a consumer holds
+# S^T and dP^T (64 x BLOCK_M fp32 each) beside its dK and dV columns (64 x 128 fp32 each at head_dim
+# 128 and 256). There ptxas spills a few scalars (under 128 B, stored before the query loop and
+# reloaded after it); softcap's tanh tile (64 x BLOCK_M more) needs BLOCK_M = 32.
+CONFIGS = {64: (64, 2), 128: (64, 2), 256: (64, 2)}
+SOFTCAP_BLOCK_M = {64: 64, 128: 32, 256: 32}
+
+
+def config(head_dim_pad, softcap):
+    """(BLOCK_M, NUM_STAGES) for a padded head_dim, with or without softcap."""
+    block_m, num_stages = CONFIGS[head_dim_pad]
+    return (SOFTCAP_BLOCK_M[head_dim_pad] if softcap > 0.0 else block_m), num_stages
+
+
+def block_n(head_dim_pad):
+    """Keys per program: 64 per consumer, or 64 shared by both when they split the head_dim."""
+    return CONSUMER_KEYS.value * (1 if split_head_dim(head_dim_pad) else 2)
+
+
+def split_head_dim(head_dim_pad):
+    """Whether the dK/dV consumers split the head_dim (SPLIT_HEAD_DIM_ABOVE)."""
+    return head_dim_pad > SPLIT_HEAD_DIM_ABOVE
+
+
+def supports(q, cu_seqlens_q, head_dim_pad, has_alibi, has_dropout):
+    """Whether these kernels take these inputs (the caller has chosen the Gluon path for the device):
+    dense, 16-bit, a padded head_dim with a config, no ALiBi and no dropout (the tl kernels have them)."""
+    return (cu_seqlens_q is None and q.dtype in (torch.float16, torch.bfloat16) and head_dim_pad in CONFIGS
+            and not has_alibi and not has_dropout)
+
+
+def shared_layouts(block_m, head_dim_pad, dtype):
+    """NVMMA (swizzled) layouts: a Q/dO tile, the same tile as the box of a heads descriptor, a K/V tile."""
+    gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return (gl.NVMMASharedLayout.get_default_for([block_m, head_dim_pad], gl_dtype),
+            gl.NVMMASharedLayout.get_default_for([1, block_m, head_dim_pad], gl_dtype),
+            gl.NVMMASharedLayout.get_default_for([CONSUMER_KEYS.value, head_dim_pad], gl_dtype))
+
+
+def launch_dkdv(q, k, v, grad_out, dk, dv, lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left,
+                window_right, softcap, head_dim_pad, strides, strides_lse, block_m=None, num_stages=None):
+    """Launch the dK/dV kernel on dense (batch, seqlen, heads, head_dim) inputs the caller has validated;
+    ``strides`` are (batch, seq, head) strides of q, k, v, grad_out, dk, dv; lse_log2 and delta as
+    flash_bwd's preprocess wrote them."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    default_m, default_stages = config(head_dim_pad, softcap)
+    block_m, num_stages = block_m or default_m, num_stages or default_stages
+    qo_smem, qo_tma, kv_smem = shared_layouts(block_m, head_dim_pad, q.dtype)
+    ensure_allocator(q.device)  # the in-kernel TMA descriptors' scratch
+    keys = block_n(head_dim_pad)
+    grid = (triton.cdiv(seqlen_k, keys), heads_kv, batch)
+    _attn_bwd_dkdv_hopper_kernel[grid](
+        q, k, v, grad_out, dk, dv, lse_log2, delta, *strides, *strides_lse, seqlen_q, seqlen_k,
+        softmax_scale, qk_scale, softcap_log2, window_left, window_right,
+        GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_M=block_m, BLOCK_N=keys, NUM_STAGES=num_stages,
+        LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
+        SPLIT_HEAD_DIM=split_head_dim(head_dim_pad), QO_SMEM=qo_smem, QO_TMA=qo_tma, KV_SMEM=kv_smem,
+        num_warps=CONSUMER_WARPS.value,
+    )
+
+
+# BLOCK_N (keys per K/V tile) of the dQ kernel per padded head_dim, two stages: the two 64-row Q and dO
+# tiles and the K/V ring within the shared memory (192 KB at head_dim 256), and S, dP (64 x BLOCK_N
+# fp32 each, and softcap's tanh tile) beside dQ (64 x head_dim fp32) in a consumer's registers.
+DQ_BLOCK_N = {64: 64, 128: 64, 256: 32}
+DQ_NUM_STAGES = 2
+DQ_BLOCK_M = 2 * DQ_ROWS.value
+
+
+def launch_dq(q, k, v, grad_out, dq, lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left,
+              window_right, softcap, head_dim_pad, strides, strides_lse, block_n=None):
+    """Launch the dQ kernel on dense inputs the caller has validated; ``strides`` are (batch, seq, head)
+    strides of q, k, v, grad_out, dq; lse_log2 and delta as flash_bwd's preprocess wrote them."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    block_n = block_n or DQ_BLOCK_N[head_dim_pad]
+    gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    q_smem = gl.NVMMASharedLayout.get_default_for([DQ_ROWS.value, head_dim_pad], gl_dtype)
+    kv_smem = gl.NVMMASharedLayout.get_default_for([block_n, head_dim_pad], gl_dtype)
+    ensure_allocator(q.device)
+    grid = (triton.cdiv(seqlen_q, DQ_BLOCK_M), heads_q, batch)
+    _attn_bwd_dq_hopper_kernel[grid](
+        q, k, v, grad_out, dq, lse_log2, delta, *strides, *strides_lse, seqlen_q, seqlen_k,
+        softmax_scale, qk_scale, softcap_log2, window_left, window_right,
+        GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_M=DQ_BLOCK_M, BLOCK_N=block_n, NUM_STAGES=DQ_NUM_STAGES,
+        LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
+        Q_SMEM=q_smem, KV_SMEM=kv_smem, num_warps=CONSUMER_WARPS.value,
+    )

@@ -1,0 +1,246 @@
+"""The Hopper Gluon backward (dQ and dK/dV kernels) beside the tl backward and SDPA cuDNN (one H200 run).
+
+--check first compares dq/dk/dv of every dK/dV BLOCK_M candidate (and of the whole Gluon path
+through flash_attn_func, lse gradient included) with fp64 autograd on odd shapes, outputs
+NaN-poisoned, by flash-attn's rule: at most twice the tl backward's error. Then, for every
+head_dim / causal / seqlen cell (batch * seqlen = --tokens, heads * head_dim = 2048, 8 heads at
+head_dim 256), it times the backward alone (out, lse and dO given) with do_bench: TFLOP/s at 2.5x the
+forward's FLOPs, and the Gluon path's three launches (preprocess, dQ, dK/dV) alone in ms. The
+markdown table comes last; the cells go to --out as JSON.
+
+    python scripts/bench_gluon_backward.py --check --head-dims 64 128 256 --seqlens 1024 4096 16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flashformer.kernels import attention_materialized, flash_attn_func, force_kernel_impl, launch
+from flashformer.kernels import flash_bwd, flash_bwd_hopper
+from flashformer.kernels.flash_fwd import attention_forward, log2_scales
+from flashformer.kernels.launch import seq_strides
+from flashformer.kernels.sizes import pad_head_dim
+
+# BLOCK_M candidates per padded head_dim (None: flash_bwd_hopper.config's choice)
+CANDIDATES = {64: [None, 128], 128: [None, 32], 256: [None, 32]}
+
+# Odd shapes for --check: (seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, window, softcap)
+CHECK_CASES = [(113, 203, 8, 2, 128, True, (-1, -1), 0.0), (239, 1, 8, 8, 64, False, (-1, -1), 0.0),
+               (1023, 1024, 8, 1, 128, True, (-1, -1), 0.0), (200, 57, 8, 2, 80, False, (32, 8), 0.0),
+               (128, 217, 8, 8, 64, True, (17, -1), 5.0), (1000, 1000, 8, 8, 256, False, (-1, -1), 15.0),
+               (300, 77, 8, 4, 128, False, (-1, -1), 0.0), (333, 517, 8, 2, 256, True, (-1, -1), 0.0),
+               (150, 150, 4, 4, 192, False, (40, 3), 0.0), (4096, 4096, 4, 4, 128, True, (-1, -1), 0.0)]
+
+
+@contextlib.contextmanager
+def block_m_override(block_m):
+    """The Gluon dK/dV launch with BLOCK_M = ``block_m`` inside this block (None: its default)."""
+    original = flash_bwd_hopper.launch_dkdv
+    if block_m is not None:
+        flash_bwd_hopper.launch_dkdv = functools.partial(original, block_m=block_m)
+    try:
+        yield
+    finally:
+        flash_bwd_hopper.launch_dkdv = original
+
+
+def window_bounds(causal, window):
+    return window[0], 0 if causal else window[1]
+
+
+def backward(q, k, v, out, lse, grad_out, causal, window, softcap, gluon, block_m=None, grad_lse=None):
+    """(dq, dk, dv) of the deterministic backward, Gluon dK/dV or tl, from a given forward."""
+    window_left, window_right = window_bounds(causal, window)
+    with block_m_override(block_m):
+        return flash_bwd.attention_backward(grad_out, grad_lse, q, k, v, out, lse, q.shape[-1] ** -0.5,
+                                            window_left, window_right, softcap, deterministic=True, gluon=gluon)
+
+
+def max_error(got, ref):
+    return (got.double() - ref).abs().nan_to_num(float("inf")).max().item()
+
+
+def check_candidates():
+    """Every candidate's gradients against fp64 autograd, with outputs NaN-poisoned (a freed buffer
+    handed back by torch's allocator can hold the right answer in rows a kernel never writes)."""
+    launch.POISON_OUTPUTS = True
+    failures = 0
+    try:
+        for seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, window, softcap in CHECK_CASES:
+            torch.manual_seed(seqlen_q * 7 + seqlen_k)
+            q = torch.randn(2, seqlen_q, heads_q, head_dim, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(2, seqlen_k, heads_kv, head_dim, device="cuda", dtype=torch.bfloat16)
+                    for _ in range(2))
+            grad_out = torch.randn_like(q)
+            opts = dict(causal=causal, window_size=window, softcap=softcap)
+            inputs = [t.double().requires_grad_() for t in (q, k, v)]
+            ref_out, ref_lse = attention_materialized(*inputs, **opts)
+            grad_lse = torch.where(torch.isfinite(ref_lse), torch.randn_like(ref_lse), 0.0)
+            refs = torch.autograd.grad((ref_out, ref_lse), inputs, (grad_out.double(), grad_lse))
+            refs = [r.nan_to_num(0.0) for r in refs]  # rows that see no key: lse -inf, gradient 0
+            window_left, window_right = window_bounds(causal, window)
+            out, lse = attention_forward(q, k, v, head_dim ** -0.5, window_left, window_right, softcap)
+            grad_lse = grad_lse.float()
+            tl_grads = backward(q, k, v, out, lse, grad_out, causal, window, softcap, False, grad_lse=grad_lse)
+            tl_errors = [max_error(g, r) for g, r in zip(tl_grads, refs)]
+            label = (f"s{seqlen_q}x{seqlen_k} h{heads_q}:{heads_kv} d{head_dim} causal={causal} w={window} "
+                     f"cap={softcap}")
+            covered = flash_bwd_hopper.supports(q, None, pad_head_dim(head_dim), False, False)
+            runs = [(f"m{block_m or 'default'}", functools.partial(backward, q, k, v, out, lse, grad_out, causal,
+                                                                   window, softcap, True, block_m, grad_lse))
+                    for block_m in (CANDIDATES[pad_head_dim(head_dim)] if covered else [None])]
+            runs.append(("flash_attn_func", functools.partial(gluon_path_gradients, q, k, v, grad_out, grad_lse,
+                                                              opts)))
+            for name, run in runs:
+                try:
+                    grads = run()
+                except Exception as error:  # a candidate that does not compile or fit is reported, not fatal
+                    failures += 1
+                    print(f"check {label} {name}: {type(error).__name__}: {str(error)[:300]} FAIL")
+                    continue
+                errors = [max_error(g, r) for g, r in zip(grads, refs)]
+                ok = all(e <= 2 * t + 1e-5 for e, t in zip(errors, tl_errors))
+                failures += not ok
+                text = ", ".join(f"{n} {e:.2e} (tl {t:.2e})" for n, e, t in zip(("dq", "dk", "dv"), errors, tl_errors))
+                print(f"check {label} {name}{'' if covered else ' (tl fallback)'}: {text} {'ok' if ok else 'FAIL'}")
+    finally:
+        launch.POISON_OUTPUTS = False
+    return failures
+
+
+def gluon_path_gradients(q, k, v, grad_out, grad_lse, opts):
+    """(dq, dk, dv) through flash_attn_func on the Gluon path, out's and lse's gradients both."""
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    with force_kernel_impl("gluon"):
+        out, lse = flash_attn_func(*inputs, return_lse=True, **opts)
+        return torch.autograd.grad((out, lse), inputs, (grad_out, grad_lse))
+
+
+def gluon_launches(q, k, v, out, lse, grad_out, causal):
+    """Closures launching the Gluon backward's three kernels one by one (preprocess, dQ, dK/dV)."""
+    head_dim = q.shape[-1]
+    head_dim_pad = pad_head_dim(head_dim)
+    scale = head_dim ** -0.5
+    qk_scale, softcap_log2 = log2_scales(scale, 0.0)
+    lse_log2, delta = torch.empty_like(lse), torch.empty_like(lse)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    window_right = 0 if causal else -1
+    strides_lse = lse.stride()[:2]
+    common = (lse_log2, delta, scale, qk_scale, softcap_log2, -1, window_right, 0.0, head_dim_pad)
+    preprocess = functools.partial(flash_bwd._preprocess, out, grad_out, lse, None, delta, lse_log2, None, q.shape[0],
+                                   q.shape[1], strides_lse, head_dim, head_dim_pad, False)
+    preprocess()
+    return {"preprocess": preprocess,
+            "dq": functools.partial(flash_bwd_hopper.launch_dq, q, k, v, grad_out, dq, *common,
+                                    [s for t in (q, k, v, grad_out, dq) for s in seq_strides(t, False)], strides_lse),
+            "dkdv": functools.partial(flash_bwd_hopper.launch_dkdv, q, k, v, grad_out, dk, dv, *common,
+                                      [s for t in (q, k, v, grad_out, dk, dv) for s in seq_strides(t, False)],
+                                      strides_lse)}
+
+
+def sdpa_backward(q, k, v, grad_out, causal):
+    """A closure running SDPA cuDNN's backward alone (its forward done once here)."""
+    inputs = [t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v)]
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out = F.scaled_dot_product_attention(*inputs, is_causal=causal)
+    grad = grad_out.transpose(1, 2)
+    return lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--out", default="bench_gluon_backward.json")
+    parser.add_argument("--check", action="store_true", help="first check every candidate on odd shapes")
+    args = parser.parse_args(argv)
+    if args.check:
+        print(f"check failures: {check_candidates()}", flush=True)
+    causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    cells = []
+    for head_dim in args.head_dims:
+        heads = 8 if head_dim == 256 else 2048 // head_dim
+        head_dim_pad = pad_head_dim(head_dim)
+        for causal in causals:
+            for seqlen in args.seqlens:
+                batch = max(1, args.tokens // seqlen)
+                q, k, v, grad_out = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+                                     for _ in range(4))
+                flops = 2.5 * 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+                out, lse = attention_forward(q, k, v, head_dim ** -0.5, -1, 0 if causal else -1, 0.0)
+                tl_grads = backward(q, k, v, out, lse, grad_out, causal, (-1, -1), 0.0, False)
+                cell = {"head_dim": head_dim, "causal": causal, "seqlen": seqlen, "batch": batch, "gluon": {},
+                        "gluon_covers": flash_bwd_hopper.supports(q, None, head_dim_pad, False, False)}
+                timings = {"tl": functools.partial(backward, q, k, v, out, lse, grad_out, causal, (-1, -1), 0.0,
+                                                   False)}
+                try:
+                    timings["cudnn"] = sdpa_backward(q, k, v, grad_out, causal)
+                except Exception as error:
+                    cell["cudnn_error"] = f"{type(error).__name__}: {str(error)[:300]}"
+                for block_m in CANDIDATES[head_dim_pad]:
+                    name = f"m{block_m or 'default'}"
+                    run = functools.partial(backward, q, k, v, out, lse, grad_out, causal, (-1, -1), 0.0, True,
+                                            block_m)
+                    try:
+                        grads = run()
+                    except Exception as error:  # a candidate that does not compile or fit is reported, not fatal
+                        cell["gluon"][name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+                        continue
+                    # against the tl backward: the same out and lse, so only the backward differs
+                    cell["gluon"][name] = {"vs_tl_max": max(max_error(g, t.double()) for g, t in zip(grads, tl_grads)),
+                                           "finite": all(bool(torch.isfinite(g).all()) for g in grads)}
+                    timings[name] = run
+                for name, fn in timings.items():
+                    ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+                    target = cell["gluon"][name] if name in cell["gluon"] else cell
+                    target[f"{name}_tflops" if target is cell else "tflops"] = flops / ms / 1e9
+                if cell["gluon_covers"]:
+                    try:
+                        cell["gluon_ms"] = {name: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+                                            for name, fn in gluon_launches(q, k, v, out, lse, grad_out, causal).items()}
+                    except Exception as error:
+                        cell["gluon_ms"] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+                cells.append(cell)
+                print(json.dumps(cell), flush=True)
+                del q, k, v, grad_out, out, lse, tl_grads
+                torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(cells, f, indent=1)
+    print("| head_dim | causal | seqlen | cuDNN | tl | gluon candidates (TFLOP/s, max diff vs tl) | best/cuDNN "
+          "| best/tl | gluon ms: preprocess / dQ / dK,dV |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for cell in cells:
+        cands = {n: c for n, c in cell["gluon"].items() if "tflops" in c}
+        best = max((c["tflops"] for c in cands.values()), default=0.0)
+        text = ", ".join(f"{n} {c['tflops']:.0f} ({c['vs_tl_max']:.1e}{'' if c['finite'] else ' NONFINITE'})"
+                         for n, c in cands.items())
+        errors = [n for n, c in cell["gluon"].items() if "error" in c]
+        if not cell["gluon_covers"]:
+            text += " (tl fallback)"
+        cudnn = cell.get("cudnn_tflops", float("nan"))
+        print(f"| {cell['head_dim']} | {'yes' if cell['causal'] else 'no'} | {cell['seqlen']} | {cudnn:.0f} | "
+              f"{cell['tl_tflops']:.0f} | {text}{' failed: ' + ','.join(errors) if errors else ''} | "
+              f"{best / cudnn:.2f} | {best / cell['tl_tflops']:.2f} | {launch_times(cell.get('gluon_ms'))} |")
+
+
+def launch_times(times):
+    """'a / b / c' ms of the Gluon path's launches, the error text, or '-'."""
+    if not times:
+        return "-"
+    if "error" in times:
+        return times["error"][:80]
+    return " / ".join(f"{times[name]:.3f}" for name in ("preprocess", "dq", "dkdv"))
+
+
+if __name__ == "__main__":
+    main()
