@@ -39,19 +39,19 @@ def records_kernel_inputs(monkeypatch):
 
 
 @pytest.mark.parametrize("packing", ["qkv", "kv"])
-def test_packed_equals_unpacked_and_reads_views(packing, triton_path, records_kernel_inputs):
+def test_packed_equals_unpacked_and_reads_views(packing, triton_path, records_kernel_inputs, device):
     """The packed call is the unpacked call on views of the packed tensor: same result bit for bit,
     gradient in the packed tensor (stacked dq / dk / dv), no copy before the kernels."""
     opts = dict(causal=True, window_size=(7, -1), softcap=5.0)
     if packing == "qkv":
-        packed = torch.randn(2, 20, 3, 4, 32, dtype=torch.bfloat16)
-        grad_out = torch.randn(2, 20, 4, 32, dtype=torch.bfloat16)
+        packed = torch.randn(2, 20, 3, 4, 32, dtype=torch.bfloat16, device=device)
+        grad_out = torch.randn(2, 20, 4, 32, dtype=torch.bfloat16, device=device)
         out, d_packed = _grads(flash_attn_qkvpacked_func, [packed], grad_out, **opts)
         ref = _grads(flash_attn_func, packed.unbind(2), grad_out, **opts)
         _assert_same((out, *d_packed.unbind(2)), ref)
     else:
-        q = torch.randn(2, 12, 4, 32, dtype=torch.bfloat16)
-        packed = torch.randn(2, 28, 2, 2, 32, dtype=torch.bfloat16)
+        q = torch.randn(2, 12, 4, 32, dtype=torch.bfloat16, device=device)
+        packed = torch.randn(2, 28, 2, 2, 32, dtype=torch.bfloat16, device=device)
         grad_out = torch.randn_like(q)
         out, dq, d_packed = _grads(flash_attn_kvpacked_func, [q, packed], grad_out, **opts)
         ref = _grads(flash_attn_func, [q, *packed.unbind(2)], grad_out, **opts)
@@ -62,14 +62,14 @@ def test_packed_equals_unpacked_and_reads_views(packing, triton_path, records_ke
 
 
 @pytest.mark.parametrize("packing", ["qkv", "kv"])
-def test_varlen_packed_equals_unpacked(packing, triton_path):
+def test_varlen_packed_equals_unpacked(packing, triton_path, device):
     lengths = [5, 0, 19, 1]
-    cu = cu_seqlens_from_lengths(lengths)
+    cu = cu_seqlens_from_lengths(lengths).to(device)
     total = sum(lengths)
     opts = dict(causal=True, return_lse=False)
     if packing == "qkv":
-        packed = torch.randn(total, 3, 2, 32, dtype=torch.float16)
-        grad_out = torch.randn(total, 2, 32, dtype=torch.float16)
+        packed = torch.randn(total, 3, 2, 32, dtype=torch.float16, device=device)
+        grad_out = torch.randn(total, 2, 32, dtype=torch.float16, device=device)
         out, d_packed = _grads(flash_attn_varlen_qkvpacked_func, [packed], grad_out, cu_seqlens=cu,
                                max_seqlen=max(lengths), **opts)
         ref = _grads(flash_attn_varlen_func, packed.unbind(1), grad_out, cu_seqlens_q=cu, cu_seqlens_k=cu,
@@ -77,9 +77,9 @@ def test_varlen_packed_equals_unpacked(packing, triton_path):
         _assert_same((out, *d_packed.unbind(1)), ref)
     else:
         lengths_k = [9, 3, 19, 0]
-        cu_k = cu_seqlens_from_lengths(lengths_k)
-        q = torch.randn(total, 4, 32, dtype=torch.float16)
-        packed = torch.randn(sum(lengths_k), 2, 2, 32, dtype=torch.float16)
+        cu_k = cu_seqlens_from_lengths(lengths_k).to(device)
+        q = torch.randn(total, 4, 32, dtype=torch.float16, device=device)
+        packed = torch.randn(sum(lengths_k), 2, 2, 32, dtype=torch.float16, device=device)
         grad_out = torch.randn_like(q)
         out, dq, d_packed = _grads(flash_attn_varlen_kvpacked_func, [q, packed], grad_out, cu_seqlens_q=cu,
                                    cu_seqlens_k=cu_k, **opts)
@@ -117,26 +117,26 @@ HEAD_DIMS = [(1, 1), (3, 3), (59, 59), (111, 111), (250, 250), (48, 32), (32, 48
 
 
 @pytest.mark.parametrize("head_dim,head_dim_v", HEAD_DIMS)
-def test_any_head_dim_matches_reference(head_dim, head_dim_v, triton_path):
+def test_any_head_dim_matches_reference(head_dim, head_dim_v, triton_path, device):
     """Forward and backward against the fp64 math on the unpadded tensors (which also fixes the default
     softmax_scale at the original head_dim ** -0.5)."""
-    q = torch.randn(2, 17, 4, head_dim, dtype=torch.bfloat16)
-    k = torch.randn(2, 23, 2, head_dim, dtype=torch.bfloat16)
-    v = torch.randn(2, 23, 2, head_dim_v, dtype=torch.bfloat16)
-    grad_out = torch.randn(2, 17, 4, head_dim_v, dtype=torch.bfloat16)
+    q = torch.randn(2, 17, 4, head_dim, dtype=torch.bfloat16, device=device)
+    k = torch.randn(2, 23, 2, head_dim, dtype=torch.bfloat16, device=device)
+    v = torch.randn(2, 23, 2, head_dim_v, dtype=torch.bfloat16, device=device)
+    grad_out = torch.randn(2, 17, 4, head_dim_v, dtype=torch.bfloat16, device=device)
     assert_matches_reference(flash_attn_func, q, k, v, grad_out, causal=True)
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])
-def test_any_head_dim_varlen_matches_reference(impl, monkeypatch):
+def test_any_head_dim_varlen_matches_reference(impl, monkeypatch, device):
     monkeypatch.setenv("FLASHFORMER_KERNEL", impl)
     monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
     lengths = [7, 0, 13]
-    cu = cu_seqlens_from_lengths(lengths)
-    q = torch.randn(sum(lengths), 4, 59, dtype=torch.float16)
-    k = torch.randn(sum(lengths), 2, 59, dtype=torch.float16)
-    v = torch.randn(sum(lengths), 2, 24, dtype=torch.float16)
-    grad_out = torch.randn(sum(lengths), 4, 24, dtype=torch.float16)
+    cu = cu_seqlens_from_lengths(lengths).to(device)
+    q = torch.randn(sum(lengths), 4, 59, dtype=torch.float16, device=device)
+    k = torch.randn(sum(lengths), 2, 59, dtype=torch.float16, device=device)
+    v = torch.randn(sum(lengths), 2, 24, dtype=torch.float16, device=device)
+    grad_out = torch.randn(sum(lengths), 4, 24, dtype=torch.float16, device=device)
     ours = attention_grads(flash_attn_varlen_func, q, k, v, grad_out, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
     assert ours[0].shape == grad_out.shape
     for b in range(len(lengths)):
