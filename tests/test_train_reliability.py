@@ -129,6 +129,9 @@ def test_resume_applies_what_can_change_and_refuses_what_cannot(tmp_path, data_c
     state = torch.load(run / "ckpt-6" / TRAINER_STATE_FILE, weights_only=True)
     assert state["config"]["optim"]["lr"] == 3e-4
     assert all(group["weight_decay"] == 0.0 for group in state["optimizer"]["param_groups"])
+    capsys.readouterr()
+    assert cli_main(["train", "--resume", str(run)]) == 0  # finished: said, not silently done
+    assert "already at step 6 of steps=6: nothing to train" in capsys.readouterr().out
 
 
 def test_leftovers_of_killed_writes_are_cleaned_when_the_run_starts(tmp_path, data_cache):

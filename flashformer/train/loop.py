@@ -241,6 +241,9 @@ class Trainer:
               f"grad accumulation {self.batches.grad_accum_steps}")
         if self.resume_from:
             print(f"resuming from {self.resume_from} (step {self.step})")
+            if self.step >= self.cfg.steps:
+                print(f"the run is already at step {self.step} of steps={self.cfg.steps}: nothing to train "
+                      f"(resume with steps=N above {self.step} to train on)")
         print(f"run directory: {self.run_dir}")
 
     # ----- steps -----
