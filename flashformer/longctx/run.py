@@ -33,6 +33,7 @@ import shutil
 from ..checkpoint import from_pretrained
 from ..config import ConfigError
 from ..data import load_corpus
+from ..fileio import atomic_write_file
 from ..model import Transformer
 from ..tokenizer import TOKENIZER_FILE, load_tokenizer
 from ..train import LOCK_FILE, RunLock, Trainer, latest_checkpoint
@@ -49,6 +50,49 @@ def _eval_lengths(requested, original_len: int, target_len: int) -> list[int]:
             raise ConfigError(f"--eval-lengths must be positive, got {requested}")
         return sorted(set(requested))
     return sorted({n for n in (original_len, 2 * original_len, 4 * original_len, target_len) if n <= target_len})
+
+
+def _expected_time(trainer: Trainer, cfg, lengths: list[int], windows: int, prompts: dict[int, int]) -> str:
+    """The run's expected wall time on this machine, from one timed training micro-batch and one timed
+    forward at the target length (after a warm-up of each): the fine-tuning's steps, and three models'
+    evaluation (perplexity windows and passkey prompts; a prompt's few greedy tokens counted as one more
+    forward), with forward time taken as linear in length."""
+    import time
+
+    import torch
+
+    target = max(lengths)
+    # a private generator: the timing must not move the RNG streams that training and evaluation draw from
+    tokens = torch.randint(0, trainer.model.config.vocab_size, (cfg.micro_batch_size, target),
+                           generator=torch.Generator().manual_seed(0)).to(trainer.device)
+
+    def timed(fn) -> float:
+        fn()  # warm-up: kernel compilation, autotuning, allocator
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    def train_micro_batch():
+        with torch.autocast(trainer.device.type, torch.bfloat16, enabled=trainer.bf16):
+            loss = trainer.wrapped(tokens, targets=tokens)
+        loss.backward()
+
+    def forward_one_row():
+        with torch.no_grad(), torch.autocast(trainer.device.type, torch.bfloat16, enabled=trainer.bf16):
+            trainer.model(tokens[:1])
+
+    step_seconds = timed(train_micro_batch) * cfg.batch_size / cfg.micro_batch_size
+    trainer.model.zero_grad(set_to_none=True)
+    forward_seconds = timed(forward_one_row)
+    evaluate_seconds = 3 * sum(forward_seconds * n / target * (windows + 2 * prompts[n]) for n in lengths)
+    train_seconds = step_seconds * cfg.steps
+    return (f"expected time on this machine: ~{(train_seconds + evaluate_seconds) / 60:.0f} min "
+            f"(fine-tuning {cfg.steps} steps x {step_seconds:.1f} s, evaluation ~{evaluate_seconds / 60:.0f} min: "
+            f"3 models x {windows} windows and {max(prompts.values())} passkey prompts per length)")
 
 
 def finetune_long(args: argparse.Namespace) -> tuple[int, dict | None]:
@@ -112,6 +156,7 @@ def _extend_train_and_report(args, cfg, checkpoint: str, original: Transformer, 
         windows = held_out_windows(load_corpus(held_out_data, tokenizer)[1], lengths, args.eval_windows)
         prompts = {n: passkey_prompts(tokenizer, n, args.passkey_depths, args.passkey_trials, cfg.seed)
                    for n in lengths}
+        print(_expected_time(trainer, cfg, lengths, args.eval_windows, {n: len(p) for n, p in prompts.items()}))
         results = {"original": evaluate(original, "original")}
         del original  # its memory is the fine-tuning's
         results["scaled"] = evaluate(load(cfg.init_from), "scaled")
@@ -143,9 +188,9 @@ def _extend_train_and_report(args, cfg, checkpoint: str, original: Transformer, 
         "lengths": rows,
         "claim": extension_claim(rows, original_len, args.target_len),
     }
-    with open(os.path.join(trainer.run_dir, REPORT_FILE), "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-    with open(os.path.join(trainer.run_dir, MARKDOWN_FILE), "w", encoding="utf-8") as f:
-        f.write(markdown_report(report) + "\n")
+    atomic_write_file(os.path.join(trainer.run_dir, REPORT_FILE),
+                      lambda f: f.write(json.dumps(report, indent=2).encode()))
+    atomic_write_file(os.path.join(trainer.run_dir, MARKDOWN_FILE),
+                      lambda f: f.write((markdown_report(report) + "\n").encode()))
     plot_perplexity(report, os.path.join(trainer.run_dir, PLOT_FILE))
     return 0, report
