@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from .kernels import attention_materialized, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
-from .kernels.interface import check_cu_seqlens, force_kernel_impl
+from .kernels.checks import check_cu_seqlens
+from .kernels.interface import force_kernel_impl
 from .kernels.masking import normalize_window, visible_mask
 
 ATTN_BACKENDS = ("auto", "flash", "flash-nondeterministic", "reference", "sdpa", "naive")

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from flashformer.attention import route_attention
 from flashformer.kernels import flash_attn_func
-from flashformer.kernels.interface import autocast_inputs
+from flashformer.kernels.checks import autocast_inputs
 
 KV_TAG, GRAD_KV_TAG = 0, 1
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from flashformer.kernels.cross_entropy import capped_logits, cross_entropy_rows, cross_entropy_rows_grad_
-from flashformer.kernels.interface import autocast_inputs
+from flashformer.kernels.checks import autocast_inputs
 
 # One chunk of fp32 logits is at most this many elements (128 MiB): big enough that each chunk's
 # matmul keeps the GPU busy, small next to the model's activations at long context.

@@ -1,11 +1,11 @@
-"""Public attention functions: argument checks, the choice of path, autograd and torch.library ops.
+"""The choice of path, autograd and the torch.library ops behind the public functions (flash_attn.py).
 
 The one place that decides which implementation runs is ``kernel_impl``:
 
 * ``"gluon"``: the Triton path with the Hopper kernels written in Gluon (flash_fwd_hopper.py,
-  flash_bwd_hopper.py) for the inputs they cover, the ``tl`` kernels for the rest. Runs on sm_90 devices with a Triton version the
-  Gluon kernels were tested on (GLUON_TRITON_VERSIONS); the default there (the H200 runs the kernel suite
-  over both paths).
+  flash_bwd_hopper.py) for the inputs they cover, the ``tl`` kernels for the rest. Runs on sm_90
+  devices with a Triton version the Gluon kernels were tested on (GLUON_TRITON_VERSIONS); the default
+  there (the H200 runs the kernel suite over both paths).
 * ``"triton"``: our portable Triton kernels (flash_fwd.py / flash_bwd.py). Chosen on CUDA devices,
   and on CPU when ``TRITON_INTERPRET=1`` is set (that is how CI executes the kernels).
 * ``"torch"``: the tiled PyTorch path of reference.py, O(seqlen) memory. Chosen on CPU otherwise.
@@ -18,16 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import weakref
 from typing import Optional
 
 import torch
 
-from .masking import normalize_window
 from .reference import attention_probabilities, attention_tiled, dropout_keep_mask
-from .sizes import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, MIN_HEAD_DIM, cdiv
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 KERNEL_IMPLS = ("gluon", "triton", "torch")
 # Triton releases whose Gluon API and code generation the Hopper kernels were checked on (the H200 runs
 # the kernel suite over them); Gluon is experimental and changes between releases.
@@ -94,119 +90,6 @@ def kernel_impl(device: torch.device) -> str:
     if interpreted:
         return "triton"
     return "torch"
-
-
-def _check_tensor(name, t, rank):
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != rank:
-        raise ValueError(f"{name} must have {rank} dims, got shape {tuple(t.shape)}")
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32")
-
-
-def check_attention_args(q, k, v, seq_dim, softmax_scale, window_size, softcap):
-    """Validate q/k/v and options shared by every public function; return (scale, window_size).
-
-    Args:
-        q, k, v: attention inputs whose last two dims are (heads, head_dim); ``seq_dim`` is the
-            index of the sequence dim (dims before it must agree between q and k/v). q and k share
-            a head_dim; v's may differ. Any head_dim in [1, MAX_HEAD_DIM] passes: see kernel_inputs.
-        softmax_scale: None defaults to q's head_dim ** -0.5.
-    """
-    rank = seq_dim + 3
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t, rank)
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if q.shape[:seq_dim] != k.shape[:seq_dim]:
-        raise ValueError(f"q and k disagree in batch: {tuple(q.shape)} vs {tuple(k.shape)}")
-    if k.shape[:-1] != v.shape[:-1]:
-        raise ValueError(f"k and v must have the same shape but for head_dim, got {tuple(k.shape)} and "
-                         f"{tuple(v.shape)}")
-    head_dim = q.shape[-1]
-    if k.shape[-1] != head_dim:
-        raise ValueError(f"head_dim of q ({head_dim}) and k ({k.shape[-1]}) differ")
-    for name, dim in (("head_dim", head_dim), ("head_dim of v", v.shape[-1])):
-        if not 1 <= dim <= MAX_HEAD_DIM:
-            raise ValueError(f"{name}={dim}: must be in [1, {MAX_HEAD_DIM}]")
-    heads_q, heads_kv = q.shape[-2], k.shape[-2]
-    if heads_kv == 0 or heads_q % heads_kv:
-        raise ValueError(f"heads of q ({heads_q}) must be a multiple of heads of k/v ({heads_kv})")
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)):
-        raise ValueError(f"window_size must be a pair of ints >= -1 (-1 = unbounded), got {window_size!r}")
-    if not isinstance(softcap, (int, float)) or softcap < 0:
-        raise ValueError(f"softcap must be a float >= 0 (0 disables it), got {softcap!r}")
-    if softmax_scale is None:
-        softmax_scale = head_dim**-0.5
-    elif not isinstance(softmax_scale, (int, float)) or softmax_scale <= 0:
-        raise ValueError(f"softmax_scale must be a positive float or None, got {softmax_scale!r}")
-    return float(softmax_scale), (int(window_size[0]), int(window_size[1]))
-
-
-def kernel_head_dim(head_dim):
-    """The head_dim the kernels run ``head_dim`` at: the next multiple of HEAD_DIM_MULTIPLE, at least
-    MIN_HEAD_DIM (tensor descriptors need 16-byte strides, tl.dot a K of 16)."""
-    return max(MIN_HEAD_DIM, cdiv(head_dim, HEAD_DIM_MULTIPLE) * HEAD_DIM_MULTIPLE)
-
-
-def kernel_inputs(q, k, v):
-    """q, k, v zero-padded along head_dim to the one width the kernels run both products at:
-    kernel_head_dim of the wider of q/k's and v's head_dim.
-
-    Zero columns add nothing to q . k, and v's zero columns give output columns that the caller drops
-    (``out[..., :v.shape[-1]]``); autograd carries the gradients back through the pad and that slice.
-    Inputs already at the width pass through as they are (no copy).
-    """
-    width = kernel_head_dim(max(q.shape[-1], v.shape[-1]))
-    return tuple(t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
-                 for t in (q, k, v))
-
-
-def check_dropout_and_alibi(q, batch, dropout_p, alibi_slopes, softcap, return_attn_probs):
-    """Validate flash-attn's dropout_p, alibi_slopes and return_attn_probs; returns (dropout_p as a
-    float, alibi_slopes contiguous, as the kernels index them).
-
-    Args:
-        q: (..., heads_q, head_dim); batch: the number of sequences.
-    """
-    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be a float in [0, 1) (0.0 in eval), got {dropout_p!r}")
-    if dropout_p > 0.0 and softcap > 0.0:
-        raise ValueError("dropout_p > 0 with softcap > 0: softcap does not support dropout (as in flash-attn)")
-    if alibi_slopes is not None:
-        heads_q = q.shape[-2]
-        if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
-            got = alibi_slopes.dtype if isinstance(alibi_slopes, torch.Tensor) else type(alibi_slopes).__name__
-            raise ValueError(f"alibi_slopes must be an fp32 tensor, got {got}")
-        if tuple(alibi_slopes.shape) not in ((heads_q,), (batch, heads_q)):
-            raise ValueError(f"alibi_slopes must have shape (heads_q,) = ({heads_q},) or (batch, heads_q) = "
-                             f"({batch}, {heads_q}), got {tuple(alibi_slopes.shape)}")
-        if alibi_slopes.device != q.device:
-            raise ValueError(f"alibi_slopes is on {alibi_slopes.device}, q on {q.device}")
-        alibi_slopes = alibi_slopes.contiguous()
-    if not isinstance(return_attn_probs, bool):
-        raise ValueError(f"return_attn_probs must be a bool, got {return_attn_probs!r}")
-    return float(dropout_p), alibi_slopes
-
-
-def draw_dropout_seed(device):
-    """The 64-bit Philox key of one dropout call, an int64 (1,) tensor on ``device``, drawn from torch's
-    default generator there: torch.manual_seed makes the masks reproducible, and the kernels read the
-    key on the device (no host sync)."""
-    return torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64, device=device)
-
-
-def autocast_inputs(*tensors):
-    """Under torch.autocast, run attention in the autocast dtype (as SDPA does)."""
-    device_type = tensors[0].device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        return tuple(t.to(dtype) for t in tensors)
-    return tensors
 
 
 # --- The Triton path. Eagerly it is a plain autograd.Function over the launchers: no dispatcher
@@ -294,7 +177,7 @@ class _FlashAttention(torch.autograd.Function):
         return _gradients(ctx, grad_out, grad_lse, backward=_backward_impl)
 
 
-def _triton_attention(*inputs):
+def triton_attention(*inputs):
     """(out, lse) through the Triton kernels; ``inputs`` as ``_forward_impl`` takes them."""
     if torch.compiler.is_compiling():
         return _flash_attn_fwd(*inputs)
@@ -306,7 +189,7 @@ def attention_with_lse(q, k, v, softmax_scale, window_left, window_right, softca
     """Dispatch validated dense inputs to the chosen path; returns (out, lse), both differentiable.
     ``dropout_seed`` (draw_dropout_seed) is needed when dropout_p > 0."""
     if kernel_impl(q.device) != "torch":
-        return _triton_attention(q, k, v, None, None, alibi_slopes, dropout_seed, 0, 0, softmax_scale, window_left,
+        return triton_attention(q, k, v, None, None, alibi_slopes, dropout_seed, 0, 0, softmax_scale, window_left,
                                  window_right, softcap, dropout_p, deterministic)
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.expand(q.shape[0], q.shape[2])
@@ -319,7 +202,7 @@ def _seed_value(dropout_p, dropout_seed):
     return int(dropout_seed.item()) if dropout_p > 0.0 else 0
 
 
-def _varlen_tiled(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right, softcap,
+def varlen_tiled(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right, softcap,
                   alibi_slopes, dropout_p, dropout_seed):
     """The PyTorch varlen path: the tiled reference on each sequence; lse (heads, total_q)."""
     outs, lses = [], []
@@ -366,281 +249,3 @@ def attention_probs_dmask(q, k, softmax_scale, window_left, window_right, softca
             p = torch.where(keep, p, -p)
         probs[b0:b1, :, :seqlen_q, :seqlen_k] = p
     return probs
-
-
-# Value checks of cu_seqlens read the device (a host sync, tens of µs with the launch queue drained). A
-# tensor is checked once per version: every layer of a model shares one, and repeated calls reuse it.
-# Entries leave with their tensor (weakref.finalize), so a new tensor at a reused id is checked anew.
-_CHECKED_CU_SEQLENS: dict[int, tuple[int, int, int]] = {}
-
-
-def check_cu_seqlens(name, cu_seqlens, total, device, read_values=True):
-    """Validate int32 (batch + 1,) sequence offsets over ``total`` packed tokens: always their type,
-    shape and device; their values (one device read for all) when ``read_values``.
-
-    Returns:
-        The longest sequence's length, or None when the values were not read (``read_values`` False,
-        or under torch.compile, where a traced graph trusts its caller).
-    """
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32:
-        raise ValueError(f"{name} must be a 1-d int32 tensor, got "
-                         f"{cu_seqlens.dtype if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__}")
-    if cu_seqlens.device != device:
-        raise ValueError(f"{name} is on {cu_seqlens.device}, q on {device}")
-    if cu_seqlens.numel() < 2:
-        raise ValueError(f"{name} needs at least 2 entries (batch + 1), got {cu_seqlens.numel()}")
-    if not read_values or torch.compiler.is_compiling():
-        return None
-    key = id(cu_seqlens)
-    # Inference tensors keep no version counter (in-place changes go unseen): they are checked every call.
-    version = None if cu_seqlens.is_inference() else cu_seqlens._version
-    checked = _CHECKED_CU_SEQLENS.get(key)
-    if checked is not None and version is not None and checked[:2] == (version, total):
-        return checked[2]
-    lengths = cu_seqlens.diff()
-    first, last, shortest, longest = torch.stack((cu_seqlens[0], cu_seqlens[-1], lengths.min(), lengths.max())).tolist()
-    if first != 0 or last != total:
-        raise ValueError(f"{name} must start at 0 and end at the token count {total}, got {first} ... {last}")
-    if shortest < 0:
-        raise ValueError(f"{name} must be non-decreasing, got {cu_seqlens.tolist()}")
-    if version is not None:
-        if checked is None:
-            weakref.finalize(cu_seqlens, _CHECKED_CU_SEQLENS.pop, key, None)
-        _CHECKED_CU_SEQLENS[key] = (version, total, longest)
-    return longest
-
-
-def _max_seqlen(name, given, longest):
-    """``given`` (validated against ``longest``, the actual longest length when known), or ``longest``."""
-    if longest is None:  # offsets unread (or under torch.compile): the caller's figure
-        if not torch.compiler.is_compiling() and (not isinstance(given, int) or isinstance(given, bool)
-                                                   or given < 0):
-            raise ValueError(f"{name} must be an int >= 0, got {given!r}")
-        return int(given)
-    if given is None:
-        return longest
-    if not isinstance(given, int) or given < longest:
-        raise ValueError(f"{name}={given!r} is smaller than the longest sequence ({longest})")
-    return given
-
-
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, causal=False,
-                           softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False,
-                           deterministic=True, check_lengths=None, block_table=None, dropout_p=0.0,
-                           alibi_slopes=None, return_attn_probs=False):
-    """Exact attention over sequences packed along the token dim, flash-attn's varlen API.
-
-    No attention crosses a sequence boundary; every option of flash_attn_func applies per sequence
-    (causal aligned bottom-right within each). Zero-length sequences are allowed.
-
-    Args:
-        q: (total_q, heads_q, head_dim); k: (total_k, heads_kv, head_dim); v: (total_k, heads_kv,
-            head_dim_v). head_dim and head_dim_v as flash_attn_func.
-        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) offsets: sequence b is rows
-            [cu[b], cu[b + 1]). Same batch for q and k.
-        max_seqlen_q, max_seqlen_k: longest sequence lengths; None reads them from the offsets (a
-            host sync on CUDA). The Triton kernels take them for tuning only.
-        causal, softmax_scale, window_size, softcap, return_lse, deterministic, dropout_p,
-            alibi_slopes, return_attn_probs: as flash_attn_func; ALiBi's distance and dropout's mask
-            coordinates are per sequence.
-        check_lengths: whether the offsets' values are checked (start 0, end at the token count,
-            non-decreasing, max_seqlen_q/_k at least the longest); their type, shape and device
-            always are. None (the default): when they are read anyway (a max_seqlen left None, or
-            the PyTorch path); with both max_seqlen given the Triton path reads no device value (no
-            host sync) and trusts the offsets, as flash-attn does. True: always (one device read per
-            offsets tensor and version). False: never; needs both max_seqlen and the Triton path.
-        block_table: flash-attn's paged K/V for varlen; not supported (an error): use
-            flash_attn_with_kvcache, whose caches may be paged.
-    Returns:
-        out (total_q, heads_q, head_dim_v), or (out, lse) with lse (heads_q, total_q) fp32, or with
-        return_attn_probs (out, lse, S_dmask), S_dmask (batch, heads_q, max_seqlen_q, max_seqlen_k).
-    """
-    if block_table is not None:
-        raise ValueError("block_table (paged K/V) is not supported by flash_attn_varlen_func; "
-                         "flash_attn_with_kvcache takes paged caches")
-    softmax_scale, window_size = check_attention_args(q, k, v, 0, softmax_scale, window_size, softcap)
-    deterministic = _check_deterministic(deterministic)
-    if check_lengths is not None and not isinstance(check_lengths, bool):
-        raise ValueError(f"check_lengths must be a bool or None, got {check_lengths!r}")
-    triton_path = kernel_impl(q.device) != "torch"
-    if check_lengths is False and (max_seqlen_q is None or max_seqlen_k is None or not triton_path):
-        raise ValueError("check_lengths=False needs max_seqlen_q and max_seqlen_k and the Triton path (otherwise "
-                         "the offsets are read on the host)")
-    longest_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device,
-                                 _read_offsets(check_lengths, max_seqlen_q, triton_path))
-    longest_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device,
-                                 _read_offsets(check_lengths, max_seqlen_k, triton_path))
-    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k describe {cu_seqlens_q.numel() - 1} and "
-                         f"{cu_seqlens_k.numel() - 1} sequences")
-    max_seqlen_q = _max_seqlen("max_seqlen_q", max_seqlen_q, longest_q)
-    max_seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k, longest_k)
-    dropout_p, alibi_slopes = check_dropout_and_alibi(q, cu_seqlens_q.numel() - 1, dropout_p, alibi_slopes, softcap,
-                                                      return_attn_probs)
-    head_dim_v = v.shape[-1]
-    q, k, v = kernel_inputs(*autocast_inputs(q, k, v))
-    window_left, window_right = normalize_window(causal, window_size)
-    dropout_seed = draw_dropout_seed(q.device) if dropout_p > 0.0 else None
-    if triton_path:
-        out, lse = _triton_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, max_seqlen_q,
-                                     max_seqlen_k, softmax_scale, window_left, window_right, float(softcap), dropout_p,
-                                     deterministic)
-    else:
-        out, lse = _varlen_tiled(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right,
-                                 float(softcap), alibi_slopes, dropout_p, dropout_seed)
-    out = out[..., :head_dim_v]
-    if return_attn_probs:
-        return out, lse, attention_probs_dmask(q, k, softmax_scale, window_left, window_right, float(softcap),
-                                               alibi_slopes, dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k,
-                                               max_seqlen_q, max_seqlen_k)
-    return (out, lse) if return_lse else out
-
-
-def _read_offsets(check_lengths, max_seqlen, triton_path):
-    """Whether flash_attn_varlen_func reads (and so checks) one cu_seqlens tensor's values."""
-    if check_lengths is not None:
-        return check_lengths
-    return max_seqlen is None or not triton_path
-
-
-def _check_deterministic(deterministic):
-    if not isinstance(deterministic, bool):
-        raise ValueError(f"deterministic must be a bool, got {deterministic!r}")
-    return deterministic
-
-
-def flash_attn_func(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                    return_lse=False, deterministic=True, dropout_p=0.0, alibi_slopes=None, return_attn_probs=False):
-    """Exact attention, flash-attn's dense API (the options after ``q, k, v`` by keyword: their order
-    is not flash-attn's).
-
-    Args:
-        q, k: (batch, seqlen_q / seqlen_k, heads_q / heads_kv, head_dim); v: (batch, seqlen_k, heads_kv,
-            head_dim_v), with heads_q a multiple of heads_kv (MQA / GQA); fp16, bf16 or fp32; any
-            strides whose last dim is contiguous. head_dim and head_dim_v in [1, 256]: the kernels run
-            q . k and p . v both at kernel_head_dim(max(head_dim, head_dim_v)) (the next multiple of 8,
-            at least 16), so inputs below that width are zero-padded (a copy each, as flash-attn
-            does) and a head_dim_v below head_dim costs head_dim / head_dim_v times the p . v
-            FLOPs of its own width (e.g. 192 / 128 = 1.5x for DeepSeek's MLA).
-        causal: mask aligned bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q.
-        softmax_scale: defaults to head_dim ** -0.5 (q's head_dim before any padding).
-        window_size: (left, right) sliding window, -1 = unbounded on that side.
-        softcap: if > 0, scores become softcap * tanh(scores / softcap) before masking (and before
-            ALiBi's bias). Not with dropout_p > 0 (flash-attn forbids it too).
-        return_lse: also return lse (batch, heads_q, seqlen_q), fp32, natural log; -inf for a row
-            that sees no key (its output is 0). return_attn_probs returns it too.
-        deterministic: True (the default): the backward gives bit-identical gradients run after run.
-            False: a faster backward (5 tile matmuls instead of 7) that adds dQ in whatever order the
-            GPU's reductions arrive, as flash-attn does by default. The PyTorch path ignores it.
-        dropout_p: probability of dropping each attention probability (the kept ones are scaled by
-            1 / (1 - dropout_p)); pass 0.0 in eval. The mask comes from Philox keyed by a seed drawn
-            from torch's generator on q's device (torch.manual_seed reproduces it) and is regenerated
-            in the backward; the Triton and PyTorch paths drop the same elements.
-        alibi_slopes: None, or fp32 (heads_q,) or (batch, heads_q): adds -slope * |i + seqlen_k -
-            seqlen_q - j| to the score of query i and key j. No gradient flows into the slopes.
-        return_attn_probs: return (out, lse, S_dmask) as flash-attn does: S_dmask (batch, heads_q,
-            seqlen_q, seqlen_k) fp32 holds the softmax probabilities, the dropped ones negated. It
-            materialises seqlen_q x seqlen_k: for testing and debugging.
-    Returns:
-        out (batch, seqlen_q, heads_q, head_dim_v), or (out, lse), or (out, lse, S_dmask).
-    """
-    softmax_scale, window_size = check_attention_args(q, k, v, 1, softmax_scale, window_size, softcap)
-    dropout_p, alibi_slopes = check_dropout_and_alibi(q, q.shape[0], dropout_p, alibi_slopes, softcap,
-                                                      return_attn_probs)
-    head_dim_v = v.shape[-1]
-    q, k, v = kernel_inputs(*autocast_inputs(q, k, v))
-    window_left, window_right = normalize_window(causal, window_size)
-    dropout_seed = draw_dropout_seed(q.device) if dropout_p > 0.0 else None
-    out, lse = attention_with_lse(q, k, v, softmax_scale, window_left, window_right, float(softcap),
-                                  _check_deterministic(deterministic), alibi_slopes, dropout_p, dropout_seed)
-    out = out[..., :head_dim_v]
-    if return_attn_probs:
-        return out, lse, attention_probs_dmask(q, k, softmax_scale, window_left, window_right, float(softcap),
-                                               alibi_slopes, dropout_p, dropout_seed)
-    return (out, lse) if return_lse else out
-
-
-def _unpack(name, packed, rank, parts):
-    """The ``parts`` views of ``packed`` along its dim rank - 3 (no copy); ValueError naming ``name``."""
-    if not isinstance(packed, torch.Tensor) or packed.dim() != rank or packed.shape[-3] != parts:
-        shape = tuple(packed.shape) if isinstance(packed, torch.Tensor) else type(packed).__name__
-        layout = {5: "(batch, seqlen", 4: "(total"}[rank] + f", {parts}, heads, head_dim)"
-        raise ValueError(f"{name} must be a {rank}-D tensor {layout}, got {shape}")
-    return packed.unbind(-3)
-
-
-# The packed functions take their options by keyword only: flash-attn's put dropout_p second, so a call
-# written positionally for flash-attn fails here rather than binding its dropout_p to softmax_scale.
-
-def flash_attn_qkvpacked_func(qkv, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                              deterministic=True, return_lse=False):
-    """flash_attn_func on q, k, v stacked in one tensor (flash-attn's qkvpacked API).
-
-    q, k and v are views of ``qkv`` (the kernels take its strides as they are); the gradient lands in
-    ``qkv``.
-
-    Args:
-        qkv: (batch, seqlen, 3, heads, head_dim).
-        softmax_scale, causal, window_size, softcap, deterministic, return_lse: as flash_attn_func.
-    Returns:
-        out (batch, seqlen, heads, head_dim), or (out, lse) as flash_attn_func.
-    """
-    q, k, v = _unpack("qkv", qkv, 5, 3)
-    return flash_attn_func(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                           softcap=softcap, return_lse=return_lse, deterministic=deterministic)
-
-
-def flash_attn_kvpacked_func(q, kv, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                             deterministic=True, return_lse=False):
-    """flash_attn_func with k and v stacked in one tensor (flash-attn's kvpacked API; MQA / GQA allowed).
-
-    Args:
-        q: (batch, seqlen_q, heads_q, head_dim).
-        kv: (batch, seqlen_k, 2, heads_kv, head_dim); k and v are views of it, and their gradient
-            lands in it.
-        softmax_scale, causal, window_size, softcap, deterministic, return_lse: as flash_attn_func.
-    Returns:
-        out (batch, seqlen_q, heads_q, head_dim), or (out, lse) as flash_attn_func.
-    """
-    k, v = _unpack("kv", kv, 5, 2)
-    return flash_attn_func(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                           softcap=softcap, return_lse=return_lse, deterministic=deterministic)
-
-
-def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen=None, *, softmax_scale=None, causal=False,
-                                     window_size=(-1, -1), softcap=0.0, deterministic=True, return_lse=False,
-                                     check_lengths=None):
-    """flash_attn_varlen_func on packed sequences whose q, k, v share one tensor (and one cu_seqlens).
-
-    Args:
-        qkv: (total, 3, heads, head_dim); q, k, v are views of it, and their gradient lands in it.
-        cu_seqlens: int32 (batch + 1,) offsets of the sequences, for q and k alike.
-        max_seqlen: the longest sequence; None reads it from cu_seqlens (a host sync on CUDA).
-        softmax_scale, causal, window_size, softcap, deterministic, return_lse, check_lengths: as
-            flash_attn_varlen_func.
-    Returns:
-        out (total, heads, head_dim), or (out, lse) with lse (heads, total) fp32.
-    """
-    q, k, v = _unpack("qkv", qkv, 4, 3)
-    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=causal,
-                                  softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                                  return_lse=return_lse, deterministic=deterministic, check_lengths=check_lengths)
-
-
-def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
-                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                                    deterministic=True, return_lse=False, check_lengths=None):
-    """flash_attn_varlen_func with k and v stacked in one tensor.
-
-    Args:
-        q: (total_q, heads_q, head_dim).
-        kv: (total_k, 2, heads_kv, head_dim); k and v are views of it, and their gradient lands in it.
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
-            softcap, deterministic, return_lse, check_lengths: as flash_attn_varlen_func.
-    Returns:
-        out (total_q, heads_q, head_dim), or (out, lse) with lse (heads_q, total_q) fp32.
-    """
-    k, v = _unpack("kv", kv, 4, 2)
-    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-                                  softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                                  return_lse=return_lse, deterministic=deterministic, check_lengths=check_lengths)

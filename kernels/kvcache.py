@@ -11,7 +11,8 @@ from typing import Optional
 
 import torch
 
-from .interface import autocast_inputs, check_attention_args, kernel_head_dim, kernel_impl
+from .checks import autocast_inputs, check_attention_args, kernel_head_dim
+from .interface import kernel_impl
 from .masking import normalize_window
 from .reference import attention_tiled
 from .sizes import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, MIN_HEAD_DIM

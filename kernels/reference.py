@@ -69,7 +69,7 @@ def dropout_keep_mask(seed, dropout_p, batch, head, rows, cols):
     """Bool mask of the elements dropout keeps, as tile_ops.dropout_keep draws it.
 
     Args:
-        seed: the call's 64-bit Philox key (interface.draw_dropout_seed).
+        seed: the call's 64-bit Philox key (checks.draw_dropout_seed).
         batch, head, rows, cols: broadcastable int64 index tensors: sequence, query head, query row and
             key column (both within the sequence).
     """

@@ -15,7 +15,7 @@ from attention_checks import assert_within_2x, attention_grads
 
 from flashformer.kernels import (attention_materialized, cu_seqlens_from_lengths, flash_attn_func,
                                  flash_attn_varlen_func, flash_attn_with_kvcache, launch)
-from flashformer.kernels.interface import draw_dropout_seed
+from flashformer.kernels.checks import draw_dropout_seed
 from flashformer.kernels.reference import dropout_keep_mask
 
 # The seed torch's generator is reset to before a call, so that its dropout seed can be rebuilt.

@@ -104,11 +104,22 @@ def test_packed_errors_name_the_argument(call, match):
         call()
 
 
-def test_packed_options_are_keyword_only():
-    """flash-attn's packed functions take dropout_p second: a positional call written for them must fail,
-    not bind dropout_p to softmax_scale."""
-    with pytest.raises(TypeError):
-        flash_attn_qkvpacked_func(torch.randn(1, 4, 3, 2, 16), 0.0, None, True)
+def test_positional_calls_in_flash_attn_order():
+    """Code written for flash-attn passes dropout_p, softmax_scale, causal, ... positionally: every entry
+    point binds them as flash-attn does."""
+    qkv = torch.randn(1, 6, 3, 2, 16)
+    q, k, v = qkv.unbind(2)
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    causal = flash_attn_func(q, k, v, causal=True)
+    assert not torch.equal(causal, flash_attn_func(q, k, v))
+    for out in (flash_attn_func(q, k, v, 0.0, None, True), flash_attn_qkvpacked_func(qkv, 0.0, None, True),
+                flash_attn_kvpacked_func(q, qkv[:, :, 1:], 0.0, None, True),
+                flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 6, 6, 0.0, None, True)[None],
+                flash_attn_varlen_qkvpacked_func(qkv[0], cu, 6, 0.0, None, True)[None],
+                flash_attn_varlen_kvpacked_func(q[0], qkv[0, :, 1:], cu, cu, 6, 6, 0.0, None, True)[None]):
+        assert torch.equal(out, causal)
+    with pytest.raises(TypeError):  # our own return_lse only by keyword
+        flash_attn_func(q, k, v, 0.0, None, True, (-1, -1), 0.0, None, True, False, True)
 
 
 # (head_dim of q and k, head_dim of v): below, between and at the kernels' multiples of 8, the largest,
