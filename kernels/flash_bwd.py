@@ -405,14 +405,14 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
                    *seq_strides(grad_out, is_varlen))
 
     if deterministic and gluon:
-        from . import flash_bwd_hopper
+        from . import flash_bwd_dq_hopper, flash_bwd_hopper
 
         if flash_bwd_hopper.supports(q, cu_seqlens_q, head_dim_pad, alibi_slopes is not None, dropout_p > 0.0):
             _preprocess(out, grad_out, lse, grad_lse, delta, lse_log2, cu_seqlens_q, batch, seqlen_q, strides_lse,
                         head_dim, head_dim_pad, is_varlen)
             launch_args = (lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left, window_right,
                            softcap, head_dim_pad)
-            flash_bwd_hopper.launch_dq(q, k, v, grad_out, dq, *launch_args,
+            flash_bwd_dq_hopper.launch_dq(q, k, v, grad_out, dq, *launch_args,
                                        [s for t in (q, k, v, grad_out, dq) for s in seq_strides(t, False)],
                                        strides_lse)
             flash_bwd_hopper.launch_dkdv(q, k, v, grad_out, dk, dv, *launch_args,

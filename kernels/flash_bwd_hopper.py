@@ -1,5 +1,5 @@
-"""FlashAttention backward for Hopper (sm_90) in Gluon: flash_bwd.py's dQ and dK/dV kernels, scheduled
-by hand as FlashAttention-3 does it. flash_bwd.py's preprocess forms the row statistics (delta, lse in
+"""FlashAttention backward for Hopper (sm_90) in Gluon: flash_bwd.py's dK/dV kernel (the dQ kernel is in
+flash_bwd_dq_hopper.py), scheduled by hand as FlashAttention-3 does it. flash_bwd.py's preprocess forms the row statistics (delta, lse in
 log2 units) first; then two launches, each a producer warp (24 registers, TMA into a ring of
 NUM_STAGES shared-memory slots with "ready" and "empty" mbarriers per slot and tensor) and two
 consumer warpgroups (240 registers each, setmaxnreg) that release slots on their own, so they drift
@@ -12,10 +12,6 @@ consumer owns 64 keys and, per query tile, issues S^T = K Q^T and dP^T - delta =
 accumulator starts at -delta) back to back as asynchronous wgmma, waits for S^T alone and forms P^T
 while dP^T is still on the tensor cores, then dV += P^T dO, dS^T = P^T (dP^T - delta) and
 dK += dS^T Q, P^T and dS^T in registers as the A operands.
-
-dQ: the forward's shape. A program owns 128 query rows of one head (64 per consumer); the producer
-streams K and V tiles; per key tile a consumer issues S = Q K^T and dP - delta, forms P under dP, then
-dQ += dS K.
 
 Each product's register operand is waited for before its registers are reused. The semantics are
 flash_bwd.py's: bottom-right causal, windows, softcap, GQA, the lse gradient (through delta); keys
@@ -33,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .flash_fwd_hopper import _mma_layout, _rows_descriptor
 from .launch import ensure_allocator
-from .tile_ops import key_range, query_range, tanh, visible
+from .tile_ops import query_range, tanh, visible
 
 CONSUMER_WARPS = gl.constexpr(4)
 CONSUMER_KEYS = gl.constexpr(64)
@@ -93,7 +89,7 @@ def _tma_view(tile):
 
 
 @gluon.jit
-def _distinct_registers(x):
+def distinct_registers(x):
     """``x`` with every element in a register of its own. A wgmma accumulator that repeats values (a
     broadcast row) gets register copies emitted right before the product, where ptxas then waits for
     the products in flight."""
@@ -147,7 +143,7 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
         # the two products if registers are written between them.
         delta = gl.convert_layout(gl.load(delta_group + stats_offset + row_offsets, mask=in_seq, other=0.0),
                                   QUERIES)
-        dp_t = _distinct_registers(st_zero - gl.expand_dims(delta, 0))
+        dp_t = distinct_registers(st_zero - gl.expand_dims(delta, 0))
         mbarrier.wait(q_ready.index(stage), phase)
         s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         mbarrier.wait(do_ready.index(stage), phase)
@@ -268,169 +264,6 @@ def _attn_bwd_dkdv_hopper_kernel(
     ], [CONSUMER_WARPS, 1], [240, 24])
 
 
-# Query rows per dQ consumer.
-DQ_ROWS = gl.constexpr(64)
-
-
-@gluon.jit
-def _dq_load_partition(q_base, do_base, k_base, v_base, stride_qs, stride_dos, stride_ks, stride_vs, seqlen_q,
-                       seqlen_k, q_smem, do_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, m0,
-                       start, num_tiles, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
-                       NUM_STAGES: gl.constexpr, Q_SMEM: gl.constexpr, KV_SMEM: gl.constexpr):
-    q_desc = _rows_descriptor(q_base, seqlen_q, stride_qs, DQ_ROWS, HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
-    do_desc = _rows_descriptor(do_base, seqlen_q, stride_dos, DQ_ROWS, HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
-    k_desc = _rows_descriptor(k_base, seqlen_k, stride_ks, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
-    v_desc = _rows_descriptor(v_base, seqlen_k, stride_vs, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
-    for c in gl.static_range(2):
-        bar = q_bars.index(c)
-        mbarrier.expect(bar, 2 * q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [m0 + c * DQ_ROWS, 0], bar, q_smem.index(c))
-        tma.async_copy_global_to_shared(do_desc, [m0 + c * DQ_ROWS, 0], bar, do_smem.index(c))
-    for j in range(num_tiles):
-        stage = j % NUM_STAGES
-        n0 = start + j * BLOCK_N
-        free_phase = ((j // NUM_STAGES) & 1) ^ 1
-        mbarrier.wait(k_empty.index(stage), free_phase, pred=j >= NUM_STAGES)
-        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [n0, 0], k_ready.index(stage), k_smem.index(stage))
-        mbarrier.wait(v_empty.index(stage), free_phase, pred=j >= NUM_STAGES)
-        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [n0, 0], v_ready.index(stage), v_smem.index(stage))
-
-
-@gluon.jit
-def _dq_consume_partition(CONSUMER: gl.constexpr, dq_base, stride_dqs, lse_row, delta_row, q_smem, do_smem, k_smem,
-                          v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, m0, start, un_lo, un_hi, num_tiles,
-                          seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2, window_left, window_right,
-                          HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
-                          NUM_STAGES: gl.constexpr, LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr,
-                          HAS_SOFTCAP: gl.constexpr, Q_SMEM: gl.constexpr):
-    S_LAYOUT: gl.constexpr = _mma_layout(BLOCK_N, CONSUMER_WARPS)
-    DQ_LAYOUT: gl.constexpr = _mma_layout(HEAD_DIM_PAD, CONSUMER_WARPS)
-    A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=DQ_LAYOUT, k_width=2)
-    ROWS: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
-    KEYS: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
-    dtype: gl.constexpr = q_smem.dtype
-    q_tile = q_smem.index(CONSUMER)
-    do_tile = do_smem.index(CONSUMER)
-    row0 = m0 + CONSUMER * DQ_ROWS
-    rows = row0 + gl.arange(0, DQ_ROWS, layout=ROWS)
-    # Rows past the end: lse = +inf, so p = 0 and they add nothing.
-    lse_log2 = gl.load(lse_row + rows, mask=rows < seqlen_q, other=float("inf"))
-    delta = gl.load(delta_row + rows, mask=rows < seqlen_q, other=0.0)
-    s_zero = gl.zeros([DQ_ROWS, BLOCK_N], gl.float32, S_LAYOUT)
-    # dP's accumulator starts at -delta (see the dK/dV consumer).
-    minus_delta = s_zero - gl.expand_dims(delta, 1)
-    dq = gl.zeros([DQ_ROWS, HEAD_DIM_PAD], gl.float32, DQ_LAYOUT)
-
-    mbarrier.wait(q_bars.index(CONSUMER), 0)
-    for j in range(num_tiles):
-        stage = j % NUM_STAGES
-        phase = (j // NUM_STAGES) & 1
-        n0 = start + j * BLOCK_N
-        k_tile = k_smem.index(stage)
-        dp = _distinct_registers(minus_delta)
-        mbarrier.wait(k_ready.index(stage), phase)
-        s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(stage), phase)
-        dp = warpgroup_mma(do_tile, v_smem.index(stage).permute((1, 0)), dp, is_async=True)
-        s = warpgroup_mma_wait(1, deps=[s])
-        s = s * qk_scale
-        if HAS_SOFTCAP:
-            tanh_s = tanh(s)
-            s = tanh_s * softcap_log2
-        p = gl.exp2(s - gl.expand_dims(lse_log2, 1))
-        if (n0 < un_lo) | (n0 >= un_hi):
-            cols = n0 + gl.arange(0, BLOCK_N, layout=KEYS)
-            keep = visible(gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), seqlen_q, seqlen_k, window_left,
-                           window_right, LEFT_BOUNDED, RIGHT_BOUNDED)
-            p = gl.where(keep, p, 0.0)
-        dp = warpgroup_mma_wait(0, deps=[dp])
-        mbarrier.arrive(v_empty.index(stage), count=1)
-        ds = p * dp
-        if HAS_SOFTCAP:
-            ds = ds * (1.0 - tanh_s * tanh_s)
-        ds_op = gl.convert_layout(ds.to(dtype), A_LAYOUT)
-        dq = warpgroup_mma(ds_op, k_tile, dq, is_async=True)
-        dq, ds_op = warpgroup_mma_wait(0, deps=[dq, ds_op])
-        mbarrier.arrive(k_empty.index(stage), count=1)
-
-    # Q is read by no product any more: its tile stages dQ.
-    q_tile.store((dq * softmax_scale).to(dtype))
-    fence_async_shared()
-    dq_desc = _rows_descriptor(dq_base, seqlen_q, stride_dqs, DQ_ROWS, HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
-    tma.async_copy_shared_to_global(dq_desc, [row0, 0], q_tile)
-    tma.store_wait(0)
-
-
-@gluon.jit
-def _attn_bwd_dq_hopper_kernel(
-    Q, K, V, DO, DQ, LSE_LOG2, DELTA,
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_dob, stride_dos, stride_doh,
-    stride_dqb, stride_dqs, stride_dqh,
-    stride_lse_b, stride_lse_h,
-    seqlen_q, seqlen_k,
-    softmax_scale, qk_scale, softcap_log2, window_left, window_right,
-    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-    LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-    Q_SMEM: gl.constexpr, KV_SMEM: gl.constexpr,
-):
-    gl.static_assert(BLOCK_M == 2 * DQ_ROWS)
-    dtype: gl.constexpr = Q.dtype.element_ty
-    pid_m = gl.program_id(0)
-    if RIGHT_BOUNDED:  # the longest programs (most key tiles under a causal mask) first
-        pid_m = gl.num_programs(0) - 1 - pid_m
-    head = gl.program_id(1).to(gl.int64)
-    batch = gl.program_id(2).to(gl.int64)
-    kv_head = head // GROUP
-    m0 = pid_m * BLOCK_M
-    q_base = Q + batch * stride_qb + head * stride_qh
-    do_base = DO + batch * stride_dob + head * stride_doh
-    k_base = K + batch * stride_kb + kv_head * stride_kh
-    v_base = V + batch * stride_vb + kv_head * stride_vh
-    dq_base = DQ + batch * stride_dqb + head * stride_dqh
-    lse_row = LSE_LOG2 + batch * stride_lse_b + head * stride_lse_h
-    delta_row = DELTA + batch * stride_lse_b + head * stride_lse_h
-    q_smem = gl.allocate_shared_memory(dtype, [2, DQ_ROWS, HEAD_DIM_PAD], Q_SMEM)
-    do_smem = gl.allocate_shared_memory(dtype, [2, DQ_ROWS, HEAD_DIM_PAD], Q_SMEM)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM_PAD], KV_SMEM)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM_PAD], KV_SMEM)
-    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for c in gl.static_range(2):
-        mbarrier.init(q_bars.index(c), count=1)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-        mbarrier.init(v_empty.index(i), count=2)
-    start, un_lo, un_hi, end = key_range(m0, seqlen_q, seqlen_k, window_left, window_right,
-                                         BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
-    num_tiles = (end - start) // BLOCK_N
-    gl.warp_specialize([
-        (_dq_consume_partition, (0, dq_base, stride_dqs, lse_row, delta_row, q_smem, do_smem, k_smem, v_smem,
-                                 q_bars, k_ready, v_ready, k_empty, v_empty, m0, start, un_lo, un_hi, num_tiles,
-                                 seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2, window_left,
-                                 window_right, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, LEFT_BOUNDED,
-                                 RIGHT_BOUNDED, HAS_SOFTCAP, Q_SMEM)),
-        (_dq_consume_partition, (1, dq_base, stride_dqs, lse_row, delta_row, q_smem, do_smem, k_smem, v_smem,
-                                 q_bars, k_ready, v_ready, k_empty, v_empty, m0, start, un_lo, un_hi, num_tiles,
-                                 seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2, window_left,
-                                 window_right, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, LEFT_BOUNDED,
-                                 RIGHT_BOUNDED, HAS_SOFTCAP, Q_SMEM)),
-        (_dq_load_partition, (q_base, do_base, k_base, v_base, stride_qs, stride_dos, stride_ks, stride_vs, seqlen_q,
-                              seqlen_k, q_smem, do_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
-                              m0, start, num_tiles, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, Q_SMEM, KV_SMEM)),
-    ], [CONSUMER_WARPS, 1], [240, 24])
-
-
 # (BLOCK_M, NUM_STAGES) per padded head_dim, FlashAttention-3's tile: two stages of Q and dO tiles
 # plus the K and V tiles take 66-196 KB of shared memory. Registers bound BLOCK_M: a consumer holds
 # S^T and dP^T (64 x BLOCK_M fp32 each) beside its dK and dV columns (64 x 128 fp32 each at head_dim
@@ -492,34 +325,4 @@ def launch_dkdv(q, k, v, grad_out, dk, dv, lse_log2, delta, softmax_scale, qk_sc
         LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
         SPLIT_HEAD_DIM=split_head_dim(head_dim_pad), QO_SMEM=qo_smem, QO_TMA=qo_tma, KV_SMEM=kv_smem,
         num_warps=CONSUMER_WARPS.value,
-    )
-
-
-# BLOCK_N (keys per K/V tile) of the dQ kernel per padded head_dim, two stages: the two 64-row Q and dO
-# tiles and the K/V ring within the shared memory (192 KB at head_dim 256), and S, dP (64 x BLOCK_N
-# fp32 each, and softcap's tanh tile) beside dQ (64 x head_dim fp32) in a consumer's registers.
-DQ_BLOCK_N = {64: 64, 128: 64, 256: 32}
-DQ_NUM_STAGES = 2
-DQ_BLOCK_M = 2 * DQ_ROWS.value
-
-
-def launch_dq(q, k, v, grad_out, dq, lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left,
-              window_right, softcap, head_dim_pad, strides, strides_lse, block_n=None):
-    """Launch the dQ kernel on dense inputs the caller has validated; ``strides`` are (batch, seq, head)
-    strides of q, k, v, grad_out, dq; lse_log2 and delta as flash_bwd's preprocess wrote them."""
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    seqlen_k, heads_kv = k.shape[1], k.shape[2]
-    block_n = block_n or DQ_BLOCK_N[head_dim_pad]
-    gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q_smem = gl.NVMMASharedLayout.get_default_for([DQ_ROWS.value, head_dim_pad], gl_dtype)
-    kv_smem = gl.NVMMASharedLayout.get_default_for([block_n, head_dim_pad], gl_dtype)
-    ensure_allocator(q.device)
-    grid = (triton.cdiv(seqlen_q, DQ_BLOCK_M), heads_q, batch)
-    _attn_bwd_dq_hopper_kernel[grid](
-        q, k, v, grad_out, dq, lse_log2, delta, *strides, *strides_lse, seqlen_q, seqlen_k,
-        softmax_scale, qk_scale, softcap_log2, window_left, window_right,
-        GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_M=DQ_BLOCK_M, BLOCK_N=block_n, NUM_STAGES=DQ_NUM_STAGES,
-        LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
-        Q_SMEM=q_smem, KV_SMEM=kv_smem, num_warps=CONSUMER_WARPS.value,
     )

@@ -24,7 +24,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashformer.kernels import attention_materialized, flash_attn_func, force_kernel_impl, launch
-from flashformer.kernels import flash_bwd, flash_bwd_hopper
+from flashformer.kernels import flash_bwd, flash_bwd_dq_hopper, flash_bwd_hopper
 from flashformer.kernels.flash_fwd import attention_forward, log2_scales
 from flashformer.kernels.launch import seq_strides
 from flashformer.kernels.sizes import pad_head_dim
@@ -139,7 +139,7 @@ def gluon_launches(q, k, v, out, lse, grad_out, causal):
                                    q.shape[1], strides_lse, head_dim, head_dim_pad, False)
     preprocess()
     return {"preprocess": preprocess,
-            "dq": functools.partial(flash_bwd_hopper.launch_dq, q, k, v, grad_out, dq, *common,
+            "dq": functools.partial(flash_bwd_dq_hopper.launch_dq, q, k, v, grad_out, dq, *common,
                                     [s for t in (q, k, v, grad_out, dq) for s in seq_strides(t, False)], strides_lse),
             "dkdv": functools.partial(flash_bwd_hopper.launch_dkdv, q, k, v, grad_out, dk, dv, *common,
                                       [s for t in (q, k, v, grad_out, dk, dv) for s in seq_strides(t, False)],

@@ -19,7 +19,8 @@ from triton.compiler import ASTSource
 
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from flashformer.kernels import cross_entropy, decode, flash_bwd, flash_bwd_hopper, flash_fwd, flash_fwd_hopper
+from flashformer.kernels import (cross_entropy, decode, flash_bwd, flash_bwd_dq_hopper, flash_bwd_hopper, flash_fwd,
+                                 flash_fwd_hopper)
 from flashformer.kernels.sizes import pad_head_dim
 
 FP32_POINTERS = {"LSE", "DELTA", "LSE_LOG2", "DLSE", "LSE_PART", "O_PART", "DQ_ACC", "LOSSES", "TOKEN_SCALE",
@@ -95,16 +96,16 @@ def gluon_backward_constexprs(head_dim, causal=True, window=False, softcap=False
 
 def gluon_dq_constexprs(head_dim, causal=True, window=False, softcap=False, group=1):
     head_dim_pad = pad_head_dim(head_dim)
-    block_n = flash_bwd_hopper.DQ_BLOCK_N[head_dim_pad]
+    block_n = flash_bwd_dq_hopper.DQ_BLOCK_N[head_dim_pad]
     q_smem, _, _ = flash_bwd_hopper.shared_layouts(64, head_dim_pad, torch.bfloat16)
     _, kv_smem = flash_fwd_hopper.shared_layouts(block_n, head_dim_pad, torch.bfloat16)
-    return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=flash_bwd_hopper.DQ_BLOCK_M,
-                BLOCK_N=block_n, NUM_STAGES=flash_bwd_hopper.DQ_NUM_STAGES, LEFT_BOUNDED=window,
+    return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=flash_bwd_dq_hopper.DQ_BLOCK_M,
+                BLOCK_N=block_n, NUM_STAGES=flash_bwd_dq_hopper.DQ_NUM_STAGES, LEFT_BOUNDED=window,
                 RIGHT_BOUNDED=causal or window, HAS_SOFTCAP=softcap, Q_SMEM=q_smem, KV_SMEM=kv_smem)
 
 
 GLUON_FORWARD = flash_fwd_hopper._attn_fwd_hopper_kernel
-GLUON_DQ = flash_bwd_hopper._attn_bwd_dq_hopper_kernel
+GLUON_DQ = flash_bwd_dq_hopper._attn_bwd_dq_hopper_kernel
 GLUON_DKDV = flash_bwd_hopper._attn_bwd_dkdv_hopper_kernel
 GLUON_WARPS = flash_fwd_hopper.CONSUMER_WARPS.value
 CASES = {
