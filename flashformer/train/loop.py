@@ -181,13 +181,14 @@ class Trainer:
     def _build_model(self) -> Transformer:
         cfg = self.cfg
         if self.weights_from is not None:
-            model = from_pretrained(self.weights_from, device=self.device, attn_backend=cfg.model.attn_backend)
+            model = from_pretrained(self.weights_from, device=self.device, attn_backend=cfg.attn_backend)
+            model.deterministic = cfg.deterministic
             cfg.model = model.config
             if cfg.data.seq_len > cfg.model.max_seq_len:
                 raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) exceeds the model's "
                                   f"max_seq_len ({cfg.model.max_seq_len})")
         else:
-            model = Transformer(cfg.model).to(self.device)
+            model = Transformer(cfg.model, cfg.attn_backend, cfg.deterministic).to(self.device)
         if self.tokenizer.vocab_size > cfg.model.vocab_size:
             raise ConfigError(f"the tokenizer has {self.tokenizer.vocab_size} tokens "
                               f"but model.vocab_size is {cfg.model.vocab_size}")
@@ -406,7 +407,7 @@ class Trainer:
         from ..generate import generate
 
         model = from_pretrained(latest_checkpoint(self.run_dir), device=self.device,
-                                attn_backend=self.cfg.model.attn_backend)
+                                attn_backend=self.cfg.attn_backend)
         prompt = torch.tensor([self.tokenizer.encode(sample.prompt)], device=self.device)
         output = generate(model, prompt, max_new_tokens=sample.max_new_tokens, temperature=sample.temperature,
                           top_k=sample.top_k, top_p=sample.top_p, stop_tokens=[self.tokenizer.eos_id],
