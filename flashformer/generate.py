@@ -131,7 +131,8 @@ def generate(model, input_ids, max_new_tokens, temperature=1.0, top_k=None, top_
     if prompt_len == 0:
         raise ValueError("input_ids must hold at least one prompt token")
     total = prompt_len + max_new_tokens
-    if total > model.config.max_seq_len:
+    dynamic_rope = model.rope is not None and model.rope.is_dynamic  # made to stretch past max_seq_len
+    if total > model.config.max_seq_len and not dynamic_rope:
         if model.config.pos == "learned":
             raise ValueError(f"prompt + max_new_tokens = {total} exceeds max_seq_len={model.config.max_seq_len}, the "
                              "positions this model has embeddings for: shorten the prompt or max_new_tokens")
