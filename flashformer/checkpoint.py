@@ -1,4 +1,5 @@
-"""Loading checkpoints into models: ours (weights.py's format) or Hugging Face directories.
+"""Loading checkpoints into models: ours (weights.py's format), Hugging Face directories, or LoRA adapter
+checkpoints (lora.py), which load as their base with the adapters merged in.
 
 Above model.py (it builds Transformers); the files themselves are written and read in weights.py.
 """
@@ -42,7 +43,8 @@ def _architecture_fields(model_fields):
 
 
 def from_pretrained(path, dtype=None, device=None, attn_backend: str = "auto"):
-    """Load a Transformer from our checkpoint directory or a Hugging Face one (detected by config.json).
+    """Load a Transformer from our checkpoint directory, a Hugging Face one (detected by config.json), or a
+    LoRA adapter checkpoint (its base with the adapters merged: a plain Transformer).
 
     Args:
         path: checkpoint directory.
@@ -59,12 +61,17 @@ def from_pretrained(path, dtype=None, device=None, attn_backend: str = "auto"):
 
     from .config import load_config
     from .hf import config_from_hf, state_dict_from_hf
+    from .lora import is_adapter_checkpoint, merge_lora
     from .model import ModelConfig, Transformer
 
     directory = os.fspath(path)
     if not os.path.isdir(directory):
         raise CheckpointError(f"checkpoint directory {directory} not found")
     dtype = _parse_dtype(dtype)
+    if is_adapter_checkpoint(directory):
+        adapted = load_adapted(directory, dtype, device, attn_backend)
+        stored_dtype = adapted.embed.weight.dtype  # the norms may have trained in fp32 over a bf16 base
+        return merge_lora(adapted).to(stored_dtype)
     config_json = read_json(os.path.join(directory, CONFIG_FILE))
     is_ours = config_json.get("format") == "flashformer"
     try:
@@ -87,3 +94,31 @@ def from_pretrained(path, dtype=None, device=None, attn_backend: str = "auto"):
         tensors = {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
     model.load_state_dict(tensors, strict=True, assign=True)
     return model.to(device) if device is not None else model
+
+
+def load_adapted(path, dtype=None, device=None, attn_backend: str = "auto"):
+    """A LoRA adapter checkpoint as its base model carrying the adapters (LoRALinear, not merged).
+
+    Args:
+        path: the adapter checkpoint directory (adapter_config.json names the base).
+        dtype, device, attn_backend: as in from_pretrained, for the base.
+    Raises:
+        CheckpointError: the base is gone or no longer has the model config the adapters were trained on;
+            adapter files missing, unreadable or not matching.
+    """
+    from .config import config_to_dict, load_config
+    from .lora import LoRAConfig, apply_lora, load_adapter_weights, read_adapter
+
+    directory = os.fspath(path)
+    record, tensors = read_adapter(directory)
+    base_dir, base_model = record["base"]["path"], record["base"]["model"]
+    if not os.path.isdir(base_dir):
+        raise CheckpointError(f"{directory} adapts the base checkpoint {base_dir}, which is not there any more")
+    model = from_pretrained(base_dir, dtype, device, attn_backend)
+    actual, base_model = config_to_dict(model.config), _architecture_fields(base_model)
+    if actual != base_model:
+        changed = sorted(key for key in actual.keys() | base_model.keys() if actual.get(key) != base_model.get(key))
+        raise CheckpointError(f"{directory} adapts {base_dir}, whose model config changed since ({', '.join(changed)})")
+    apply_lora(model, load_config(LoRAConfig, record["lora"]))
+    load_adapter_weights(model, tensors, directory)
+    return model

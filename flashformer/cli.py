@@ -1,4 +1,4 @@
-"""``flashformer train | generate | finetune-long | tokenizer``: argument parsing and error reporting
+"""``flashformer train | generate | finetune-long | merge-lora | tokenizer``: argument parsing and error reporting
 only, the work lives in the modules.
 
     flashformer train configs/tiny.yaml optim.lr=3e-4 steps=2000
@@ -6,6 +6,7 @@ only, the work lives in the modules.
     torchrun --nproc_per_node 8 -m flashformer.cli train configs/gpt2-124m.yaml
     flashformer generate runs/tiny/ckpt-1500 --prompt "def "
     flashformer finetune-long runs/tiny --target-len 1024 --scaling yarn --steps 60
+    flashformer merge-lora runs/tiny-lora/ckpt-200 --out merged/
     flashformer tokenizer train --files data/*.txt --vocab-size 8192 --out tokenizer.json
 
 Exit codes: 0 done; 2 a usage error (a config key, a file, a run directory in use), reported in one
@@ -142,6 +143,31 @@ def _tokenizer(argv: list[str]) -> int:
     return _guarded("flashformer tokenizer train", args.debug, work)
 
 
+def _merge_lora(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="flashformer merge-lora",
+        description="Merge a LoRA adapter checkpoint into its base and write a full checkpoint.")
+    parser.add_argument("adapter", help="a LoRA run's checkpoint (or run directory: its latest checkpoint)")
+    parser.add_argument("--out", required=True, help="destination checkpoint directory (replaced)")
+    parser.add_argument("--format", default="flashformer", choices=["flashformer", "hf"],
+                        help="hf writes a directory transformers' AutoModelForCausalLM loads")
+    _debug_flag(parser)
+    args = parser.parse_args(argv)
+
+    def work() -> int:
+        from .checkpoint import from_pretrained
+        from .train import latest_checkpoint
+        from .tokenizer import load_tokenizer
+
+        adapter = latest_checkpoint(args.adapter) or args.adapter
+        merged = from_pretrained(adapter)
+        merged.save_pretrained(args.out, format=args.format, tokenizer=load_tokenizer(adapter))
+        print(f"wrote {args.out} ({merged.num_params() / 1e6:.2f}M parameters, adapters of {adapter} merged)")
+        return 0
+
+    return _guarded(parser.prog, args.debug, work)
+
+
 def _generate(argv: list[str]) -> int:
     from .generate import main
 
@@ -150,12 +176,14 @@ def _generate(argv: list[str]) -> int:
     return _guarded("flashformer generate", debug, lambda: main(argv))
 
 
-COMMANDS = {"train": _train, "generate": _generate, "tokenizer": _tokenizer, "finetune-long": _finetune_long}
+COMMANDS = {"train": _train, "generate": _generate, "tokenizer": _tokenizer, "finetune-long": _finetune_long,
+            "merge-lora": _merge_lora}
 SUMMARIES = {
     "train": "train a GPT from a YAML recipe, or resume a run",
     "generate": "sample text from a checkpoint",
     "tokenizer": "train a BPE tokenizer on text files",
     "finetune-long": "extend a checkpoint's context (RoPE scaling + long-document fine-tuning) and report",
+    "merge-lora": "merge a LoRA adapter checkpoint into its base as a full checkpoint",
 }
 USAGE = f"usage: flashformer [-h] [--version] {{{','.join(COMMANDS)}}} ..."
 

@@ -38,8 +38,7 @@ def load_config(cls, source=None, overrides=()):
     elif isinstance(source, dict):
         raw = _deep_copy_dict(source)
     elif isinstance(source, (str, os.PathLike)):
-        with open(source, encoding="utf-8") as f:
-            raw = yaml.safe_load(f) or {}
+        raw = read_yaml(source) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: the top level must be a mapping, got {type(raw).__name__}")
     else:
@@ -89,7 +88,31 @@ def _apply_override(raw: dict, override: str) -> None:
         elif not isinstance(child, dict):
             raise ConfigError(f"override {override!r}: '{'.'.join(parts[:i + 1])}' holds a value, not a section")
         node = child
-    node[parts[-1]] = yaml.safe_load(text)
+    try:
+        node[parts[-1]] = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"override {override!r}: the value is not valid YAML ({_yaml_problem(error)})") from None
+
+
+def read_yaml(path):
+    """The YAML document at ``path``; ConfigError naming the file (and the line) when it is missing,
+    unreadable or malformed."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML ({_yaml_problem(error)})") from None
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """PyYAML's complaint in one line: the problem and where (1-based line and column)."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
 
 
 def _build_dataclass(cls, raw, prefix: str):

@@ -38,6 +38,13 @@ class DataError(ValueError):
     """A data source is missing, empty or unusable."""
 
 
+def default_cache_dir() -> str:
+    """Where token caches go unless ``data.cache_dir`` says otherwise: the user's cache directory
+    ($XDG_CACHE_HOME, else ~/.cache) under flashformer/data, not the working directory."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "flashformer", "data")
+
+
 @dataclass
 class DataConfig:
     """Where the text comes from, how it is tokenized and how it is cut into training rows.
@@ -65,7 +72,7 @@ class DataConfig:
     tokenizer: str | None = None
     seq_len: int = 256
     packing: Literal["blocks", "packed"] = "blocks"
-    cache_dir: str = ".cache/flashformer/data"
+    cache_dir: str = field(default_factory=default_cache_dir)
 
     def validate(self) -> None:
         if self.seq_len < 1:

@@ -1,7 +1,7 @@
 """Everything multi-process, applied to a single-device model from outside (torchtitan style).
 
     env = init_distributed(cfg.parallel, device)            # reads torchrun's RANK / WORLD_SIZE
-    model = parallelize(model, cfg.parallel, env, activation_checkpointing=True, compile=False)
+    model = parallelize(model, cfg.parallel, env, activation_checkpointing="offload", compile=False)
     with gradient_sync(model, enabled=is_last_micro_batch): loss.backward()
 
 Only two things of the model are assumed: ``model.blocks`` (an nn.ModuleList of the layers that
@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.graph import save_on_cpu
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -110,47 +111,67 @@ def all_reduce(values: torch.Tensor, env: DistributedEnv, op=dist.ReduceOp.SUM) 
     return values
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
+ACTIVATION_CHECKPOINTING = (False, True, "offload")
+
+
+def apply_activation_checkpointing(model: nn.Module, offload: bool = False) -> None:
     """Recompute each block's activations in backward instead of storing them.
 
-    The block's own ``forward`` is wrapped in place, so parameter names (and checkpoints) do not change.
+    Only each block's inputs (the residual stream) stay between forward and backward; with ``offload``
+    they wait in host memory (pinned on CUDA) instead of on the device. The block's own ``forward`` is
+    wrapped in place, so parameter names (and checkpoints) do not change.
     """
     for block in model.blocks:
-        block.forward = _checkpointed(block.forward)
+        block.forward = _checkpointed(block.forward, offload)
 
 
-def _checkpointed(forward):
+def _checkpointed(forward, offload: bool):
     def run(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        # The non-reentrant checkpoint saves its inputs through the saved-tensor hooks active around it
+        # (its own hooks, which drop everything else, apply only inside the block): save_on_cpu here
+        # moves exactly the inputs to the host.
+        with save_on_cpu(pin_memory=True) if offload else contextlib.nullcontext():
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     return run
 
 
-def parallelize(model: nn.Module, cfg: ParallelConfig, env: DistributedEnv, activation_checkpointing: bool = False,
-                compile: bool = False) -> nn.Module:
+def parallelize(model: nn.Module, cfg: ParallelConfig, env: DistributedEnv,
+                activation_checkpointing: bool | str = False, compile: bool = False) -> nn.Module:
     """Wrap ``model`` (already on ``env.device``) for training: checkpointing, compile, then DDP or FSDP2.
 
     Args:
         model: the single-device model; must have ``model.blocks``.
         cfg, env: parallel config and this process's place.
-        activation_checkpointing: recompute block activations in backward.
-        compile: ``torch.compile`` each block in place.
+        activation_checkpointing: one of ACTIVATION_CHECKPOINTING: recompute block activations in backward;
+            "offload" also keeps the block inputs in host memory.
+        compile: ``torch.compile`` each block in place; not with "offload" (the saved-tensor hooks would
+            run inside the compiled blocks).
     Returns:
         the module to call in training (``model`` itself for one process or FSDP, a DDP wrapper for DDP).
     """
+    if activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+        raise ConfigError(f"activation_checkpointing={activation_checkpointing!r}: expected one of "
+                          f"{list(ACTIVATION_CHECKPOINTING)}")
+    if activation_checkpointing == "offload" and compile:
+        raise ConfigError("activation_checkpointing=offload cannot be combined with compile=true: the host "
+                          "offload's saved-tensor hooks do not trace into compiled blocks; set one of them off")
     if activation_checkpointing:
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, offload=activation_checkpointing == "offload")
     if compile:
         for block in model.blocks:
             block.compile()
     if not env.distributed:
         return model
     if cfg.mode == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # fully_shard's default mesh is on the machine's accelerator, which a CPU (gloo) run must not touch.
+        mesh = init_device_mesh(env.device.type, (env.world_size,))
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model
     # Gradients as views of the all-reduce buckets: no copy into the buckets each step, one gradient copy
     # less in memory.
@@ -184,7 +205,12 @@ def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tupl
     """Unsharded (model, optimizer) state dicts on CPU, keyed by parameter name; a collective under FSDP
     (every rank must call it); under FSDP only rank 0's dicts are filled."""
     model_state = get_model_state_dict(model, options=_FULL_STATE)
-    return model_state, get_optimizer_state_dict(model, optimizer, options=_FULL_STATE)
+    return model_state, full_optimizer_state_dict(model, optimizer)
+
+
+def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's part of ``full_state_dicts`` alone (a LoRA run saves no model weights)."""
+    return get_optimizer_state_dict(model, optimizer, options=_FULL_STATE)
 
 
 def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, optimizer_state: dict) -> None:

@@ -1,10 +1,34 @@
-"""Where device time goes: per-kernel times of a repeated step, from torch.profiler (benchmarks only)."""
+"""Where device time goes: per-kernel times of a repeated step, from torch.profiler, and the provenance
+every benchmark's JSON carries (benchmarks only)."""
 
 from __future__ import annotations
 
+import datetime
+import subprocess
+import sys
 import time
 
 import torch
+
+
+def benchmark_provenance() -> dict:
+    """What a benchmark's JSON must say to be reproduced: the command, the UTC date, the commit (with
+    "+dirty" for uncommitted changes), the device and the torch / triton versions."""
+    import triton
+
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    if git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+dirty"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"command": " ".join(["python3", *sys.argv]), "date": datetime.datetime.now(datetime.timezone.utc)
+            .strftime("%Y-%m-%d %H:%M UTC"), "commit": commit, "device": device, "torch": torch.__version__,
+            "triton": triton.__version__}
 
 
 def kernel_times(step, iters, device="cuda"):

@@ -11,9 +11,10 @@ encodes as ``AutoTokenizer(text)["input_ids"]`` does.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
+
+from .weights import read_json
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -79,10 +80,8 @@ class ByteTokenizer:
 
 
 def _read_json(path) -> dict:
-    if not os.path.isfile(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    """An optional JSON side file of a tokenizer: {} when absent, CheckpointError naming it when malformed."""
+    return read_json(path) if os.path.isfile(path) else {}
 
 
 def _token_text(token) -> str | None:

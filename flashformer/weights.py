@@ -16,6 +16,10 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 COMPILED_PREFIX = "_orig_mod."  # torch.compile's wrapper prefixes every key with it
+# A LoRA adapter checkpoint (lora.py): adapter tensors, and a config naming the LoRA setup and the base.
+ADAPTER_FILE = "adapter.safetensors"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_FORMAT = "flashformer-lora"
 
 
 class CheckpointError(ValueError):
@@ -108,7 +112,8 @@ def read_json(path):
         raise CheckpointError(f"{path} is not valid JSON: {err}") from None
 
 
-def _load_safetensors_file(path) -> dict:
+def read_safetensors_file(path) -> dict:
+    """All tensors of one safetensors file, on the CPU; CheckpointError when it is missing or unreadable."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -127,13 +132,13 @@ def read_weights(directory) -> dict:
         single = os.path.join(directory, SINGLE_FILE)
         if not os.path.exists(single) and os.path.exists(os.path.join(directory, "pytorch_model.bin")):
             raise CheckpointError(f"{directory} holds pytorch_model.bin; only safetensors checkpoints are supported")
-        return _load_safetensors_file(single)
+        return read_safetensors_file(single)
     weight_map = read_json(index_path).get("weight_map")
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index_path} has no weight_map")
     tensors = {}
     for filename in sorted(set(weight_map.values())):
-        shard = _load_safetensors_file(os.path.join(directory, filename))
+        shard = read_safetensors_file(os.path.join(directory, filename))
         listed = {name for name, file in weight_map.items() if file == filename}
         if listed - shard.keys():
             absent = ", ".join(sorted(listed - shard.keys()))

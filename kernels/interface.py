@@ -25,7 +25,7 @@ import torch
 from .masking import normalize_window
 from .reference import attention_tiled
 from . import settings
-from .sizes import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, MIN_HEAD_DIM
+from .sizes import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, MIN_HEAD_DIM, cdiv
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 KERNEL_IMPLS = ("gluon", "triton", "torch")
@@ -109,7 +109,9 @@ def check_attention_args(q, k, v, seq_dim, softmax_scale, window_size, softcap):
 
     Args:
         q, k, v: attention inputs whose last two dims are (heads, head_dim); ``seq_dim`` is the
-            index of the sequence dim (dims before it must agree between q and k/v).
+            index of the sequence dim (dims before it must agree between q and k/v). q and k share
+            a head_dim; v's may differ. Any head_dim in [1, MAX_HEAD_DIM] passes: see kernel_inputs.
+        softmax_scale: None defaults to q's head_dim ** -0.5.
     """
     rank = seq_dim + 3
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -120,14 +122,15 @@ def check_attention_args(q, k, v, seq_dim, softmax_scale, window_size, softcap):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if q.shape[:seq_dim] != k.shape[:seq_dim]:
         raise ValueError(f"q and k disagree in batch: {tuple(q.shape)} vs {tuple(k.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must have the same shape but for head_dim, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
     head_dim = q.shape[-1]
     if k.shape[-1] != head_dim:
         raise ValueError(f"head_dim of q ({head_dim}) and k ({k.shape[-1]}) differ")
-    if head_dim % HEAD_DIM_MULTIPLE or not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim={head_dim}: must be a multiple of {HEAD_DIM_MULTIPLE} in "
-                         f"[{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")
+    for name, dim in (("head_dim", head_dim), ("head_dim of v", v.shape[-1])):
+        if not 1 <= dim <= MAX_HEAD_DIM:
+            raise ValueError(f"{name}={dim}: must be in [1, {MAX_HEAD_DIM}]")
     heads_q, heads_kv = q.shape[-2], k.shape[-2]
     if heads_kv == 0 or heads_q % heads_kv:
         raise ValueError(f"heads of q ({heads_q}) must be a multiple of heads of k/v ({heads_kv})")
@@ -141,6 +144,25 @@ def check_attention_args(q, k, v, seq_dim, softmax_scale, window_size, softcap):
     elif not isinstance(softmax_scale, (int, float)) or softmax_scale <= 0:
         raise ValueError(f"softmax_scale must be a positive float or None, got {softmax_scale!r}")
     return float(softmax_scale), (int(window_size[0]), int(window_size[1]))
+
+
+def kernel_head_dim(head_dim):
+    """The head_dim the kernels run ``head_dim`` at: the next multiple of HEAD_DIM_MULTIPLE, at least
+    MIN_HEAD_DIM (tensor descriptors need 16-byte strides, tl.dot a K of 16)."""
+    return max(MIN_HEAD_DIM, cdiv(head_dim, HEAD_DIM_MULTIPLE) * HEAD_DIM_MULTIPLE)
+
+
+def kernel_inputs(q, k, v):
+    """q, k, v zero-padded along head_dim to the one width the kernels run both products at:
+    kernel_head_dim of the wider of q/k's and v's head_dim.
+
+    Zero columns add nothing to q . k, and v's zero columns give output columns that the caller drops
+    (``out[..., :v.shape[-1]]``); autograd carries the gradients back through the pad and that slice.
+    Inputs already at the width pass through as they are (no copy).
+    """
+    width = kernel_head_dim(max(q.shape[-1], v.shape[-1]))
+    return tuple(t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+                 for t in (q, k, v))
 
 
 def autocast_inputs(*tensors):
@@ -317,14 +339,15 @@ def _max_seqlen(name, given, longest):
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, causal=False,
                            softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False,
-                           deterministic=True, check_lengths=None):
+                           deterministic=True, check_lengths=None, block_table=None):
     """Exact attention over sequences packed along the token dim, flash-attn's varlen API.
 
     No attention crosses a sequence boundary; every option of flash_attn_func applies per sequence
     (causal aligned bottom-right within each). Zero-length sequences are allowed.
 
     Args:
-        q: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim).
+        q: (total_q, heads_q, head_dim); k: (total_k, heads_kv, head_dim); v: (total_k, heads_kv,
+            head_dim_v). head_dim and head_dim_v as flash_attn_func.
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) offsets: sequence b is rows
             [cu[b], cu[b + 1]). Same batch for q and k.
         max_seqlen_q, max_seqlen_k: longest sequence lengths; None reads them from the offsets (a
@@ -336,9 +359,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
             the PyTorch path); with both max_seqlen given the Triton path reads no device value (no
             host sync) and trusts the offsets, as flash-attn does. True: always (one device read per
             offsets tensor and version). False: never; needs both max_seqlen and the Triton path.
+        block_table: flash-attn's paged K/V for varlen; not supported (an error): use
+            flash_attn_with_kvcache, whose caches may be paged.
     Returns:
-        out (total_q, heads_q, head_dim), or (out, lse) with lse (heads_q, total_q) fp32.
+        out (total_q, heads_q, head_dim_v), or (out, lse) with lse (heads_q, total_q) fp32.
     """
+    if block_table is not None:
+        raise ValueError("block_table (paged K/V) is not supported by flash_attn_varlen_func; "
+                         "flash_attn_with_kvcache takes paged caches")
     softmax_scale, window_size = check_attention_args(q, k, v, 0, softmax_scale, window_size, softcap)
     deterministic = _check_deterministic(deterministic)
     if check_lengths is not None and not isinstance(check_lengths, bool):
@@ -356,7 +384,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
                          f"{cu_seqlens_k.numel() - 1} sequences")
     max_seqlen_q = _max_seqlen("max_seqlen_q", max_seqlen_q, longest_q)
     max_seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k, longest_k)
-    q, k, v = autocast_inputs(q, k, v)
+    head_dim_v = v.shape[-1]
+    q, k, v = kernel_inputs(*autocast_inputs(q, k, v))
     window_left, window_right = normalize_window(causal, window_size)
     if triton_path:
         out, lse = _triton_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
@@ -364,6 +393,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     else:
         out, lse = _varlen_tiled(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right,
                                  float(softcap))
+    out = out[..., :head_dim_v]
     return (out, lse) if return_lse else out
 
 
@@ -385,11 +415,15 @@ def flash_attn_func(q, k, v, causal=False, softmax_scale=None, window_size=(-1, 
     """Exact attention, flash-attn's dense API.
 
     Args:
-        q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim) with
-            heads_q a multiple of heads_kv (MQA / GQA); fp16, bf16 or fp32; head_dim a multiple of 8
-            in [16, 256]; any strides whose last dim is contiguous.
+        q, k: (batch, seqlen_q / seqlen_k, heads_q / heads_kv, head_dim); v: (batch, seqlen_k, heads_kv,
+            head_dim_v), with heads_q a multiple of heads_kv (MQA / GQA); fp16, bf16 or fp32; any
+            strides whose last dim is contiguous. head_dim and head_dim_v in [1, 256]: the kernels run
+            q . k and p . v both at kernel_head_dim(max(head_dim, head_dim_v)) (the next multiple of 8,
+            at least 16), so inputs below that width are zero-padded (a copy each, as flash-attn
+            does) and a head_dim_v below head_dim costs head_dim / head_dim_v times the p . v
+            FLOPs of its own width (e.g. 192 / 128 = 1.5x for DeepSeek's MLA).
         causal: mask aligned bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q.
-        softmax_scale: defaults to head_dim ** -0.5.
+        softmax_scale: defaults to head_dim ** -0.5 (q's head_dim before any padding).
         window_size: (left, right) sliding window, -1 = unbounded on that side.
         softcap: if > 0, scores become softcap * tanh(scores / softcap) before masking.
         return_lse: also return lse (batch, heads_q, seqlen_q), fp32, natural log; -inf for a row
@@ -398,11 +432,99 @@ def flash_attn_func(q, k, v, causal=False, softmax_scale=None, window_size=(-1, 
             False: a faster backward (5 tile matmuls instead of 7) that adds dQ in whatever order the
             GPU's reductions arrive, as flash-attn does by default. The PyTorch path ignores it.
     Returns:
-        out (batch, seqlen_q, heads_q, head_dim), or (out, lse).
+        out (batch, seqlen_q, heads_q, head_dim_v), or (out, lse).
     """
     softmax_scale, window_size = check_attention_args(q, k, v, 1, softmax_scale, window_size, softcap)
-    q, k, v = autocast_inputs(q, k, v)
+    head_dim_v = v.shape[-1]
+    q, k, v = kernel_inputs(*autocast_inputs(q, k, v))
     window_left, window_right = normalize_window(causal, window_size)
     out, lse = attention_with_lse(q, k, v, softmax_scale, window_left, window_right, float(softcap),
                                   _check_deterministic(deterministic))
+    out = out[..., :head_dim_v]
     return (out, lse) if return_lse else out
+
+
+def _unpack(name, packed, rank, parts):
+    """The ``parts`` views of ``packed`` along its dim rank - 3 (no copy); ValueError naming ``name``."""
+    if not isinstance(packed, torch.Tensor) or packed.dim() != rank or packed.shape[-3] != parts:
+        shape = tuple(packed.shape) if isinstance(packed, torch.Tensor) else type(packed).__name__
+        layout = {5: "(batch, seqlen", 4: "(total"}[rank] + f", {parts}, heads, head_dim)"
+        raise ValueError(f"{name} must be a {rank}-D tensor {layout}, got {shape}")
+    return packed.unbind(-3)
+
+
+# The packed functions take their options by keyword only: flash-attn's put dropout_p second, so a call
+# written positionally for flash-attn fails here rather than binding its dropout_p to softmax_scale.
+
+def flash_attn_qkvpacked_func(qkv, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                              deterministic=True, return_lse=False):
+    """flash_attn_func on q, k, v stacked in one tensor (flash-attn's qkvpacked API).
+
+    q, k and v are views of ``qkv`` (the kernels take its strides as they are); the gradient lands in
+    ``qkv``.
+
+    Args:
+        qkv: (batch, seqlen, 3, heads, head_dim).
+        softmax_scale, causal, window_size, softcap, deterministic, return_lse: as flash_attn_func.
+    Returns:
+        out (batch, seqlen, heads, head_dim), or (out, lse) as flash_attn_func.
+    """
+    q, k, v = _unpack("qkv", qkv, 5, 3)
+    return flash_attn_func(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                           softcap=softcap, return_lse=return_lse, deterministic=deterministic)
+
+
+def flash_attn_kvpacked_func(q, kv, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                             deterministic=True, return_lse=False):
+    """flash_attn_func with k and v stacked in one tensor (flash-attn's kvpacked API; MQA / GQA allowed).
+
+    Args:
+        q: (batch, seqlen_q, heads_q, head_dim).
+        kv: (batch, seqlen_k, 2, heads_kv, head_dim); k and v are views of it, and their gradient
+            lands in it.
+        softmax_scale, causal, window_size, softcap, deterministic, return_lse: as flash_attn_func.
+    Returns:
+        out (batch, seqlen_q, heads_q, head_dim), or (out, lse) as flash_attn_func.
+    """
+    k, v = _unpack("kv", kv, 5, 2)
+    return flash_attn_func(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                           softcap=softcap, return_lse=return_lse, deterministic=deterministic)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen=None, *, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, deterministic=True, return_lse=False,
+                                     check_lengths=None):
+    """flash_attn_varlen_func on packed sequences whose q, k, v share one tensor (and one cu_seqlens).
+
+    Args:
+        qkv: (total, 3, heads, head_dim); q, k, v are views of it, and their gradient lands in it.
+        cu_seqlens: int32 (batch + 1,) offsets of the sequences, for q and k alike.
+        max_seqlen: the longest sequence; None reads it from cu_seqlens (a host sync on CUDA).
+        softmax_scale, causal, window_size, softcap, deterministic, return_lse, check_lengths: as
+            flash_attn_varlen_func.
+    Returns:
+        out (total, heads, head_dim), or (out, lse) with lse (heads, total) fp32.
+    """
+    q, k, v = _unpack("qkv", qkv, 4, 3)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=causal,
+                                  softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                                  return_lse=return_lse, deterministic=deterministic, check_lengths=check_lengths)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    deterministic=True, return_lse=False, check_lengths=None):
+    """flash_attn_varlen_func with k and v stacked in one tensor.
+
+    Args:
+        q: (total_q, heads_q, head_dim).
+        kv: (total_k, 2, heads_kv, head_dim); k and v are views of it, and their gradient lands in it.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
+            softcap, deterministic, return_lse, check_lengths: as flash_attn_varlen_func.
+    Returns:
+        out (total_q, heads_q, head_dim), or (out, lse) with lse (heads_q, total_q) fp32.
+    """
+    k, v = _unpack("kv", kv, 4, 2)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                  softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                                  return_lse=return_lse, deterministic=deterministic, check_lengths=check_lengths)

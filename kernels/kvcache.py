@@ -11,9 +11,10 @@ from typing import Optional
 
 import torch
 
-from .interface import autocast_inputs, check_attention_args, kernel_impl
+from .interface import autocast_inputs, check_attention_args, kernel_head_dim, kernel_impl
 from .masking import normalize_window
 from .reference import attention_tiled
+from .sizes import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, MIN_HEAD_DIM
 
 PAGE_MULTIPLE = 16  # a page must hold whole 16-key tiles (tl.dot's smallest K dimension)
 
@@ -39,38 +40,127 @@ def _(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, softmax_scale, 
         (batch, heads_q, seqlen_q), dtype=torch.float32)
 
 
-def _kvcache_torch(q, k_cache, v_cache, lengths, block_table, softmax_scale, window_left, window_right, softcap):
-    """The PyTorch path: per sequence, gather its valid cache prefix and run the tiled reference.
+def _kvcache_torch(q, k_cache, v_cache, spans, block_table, softmax_scale, window_left, window_right, softcap):
+    """The PyTorch path: per sequence, gather its valid cache entries and run the tiled reference.
 
     Args:
-        lengths: valid cache entries per sequence (host ints). Other args as flash_attn_with_kvcache.
+        spans: per sequence (cache row, first valid entry, end after the append), host ints; the
+            row and first entry are 0-based indices into a contiguous cache (0 for a paged one).
+            Other args as flash_attn_with_kvcache.
     Returns:
         out like q, lse fp32 (batch, heads_q, seqlen_q).
     """
     batch, seqlen_q, heads_q, _ = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
-    for b, length in enumerate(lengths):
+    for b, (row, start, end) in enumerate(spans):
         if block_table is None:
-            k, v = k_cache[b, :length], v_cache[b, :length]
+            k, v = k_cache[row, start:end], v_cache[row, start:end]
         else:
-            pages = block_table[b, :-(-length // k_cache.shape[1])]
-            k, v = k_cache[pages].flatten(0, 1)[:length], v_cache[pages].flatten(0, 1)[:length]
+            pages = block_table[b, :-(-end // k_cache.shape[1])]
+            k, v = k_cache[pages].flatten(0, 1)[:end], v_cache[pages].flatten(0, 1)[:end]
         out[b:b + 1], lse[b:b + 1] = attention_tiled(q[b:b + 1], k[None], v[None], softmax_scale, window_left,
                                                      window_right, softcap)
     return out, lse
 
 
-def _append(k_cache, v_cache, k, v, cache_seqlens, block_table):
+# Pages of the decode kernel's paged view onto a contiguous cache (_rows_as_pages): the widest tile the
+# kernel would read from a contiguous cache anyway, or less for a cache with fewer rows.
+ROW_PAGE_SIZE = 64
+
+
+def _rows_as_pages(k_cache, v_cache, cache_batch_idx, cache_leftpad, batch):
+    """A contiguous cache whose sequence b lives in cache row cache_batch_idx[b] from entry
+    cache_leftpad[b] on, as the paged cache (pool, block_table) that the decode kernel reads with no
+    kernel of its own and no copy: the pool's page p is the ROW_PAGE_SIZE cache entries that start at
+    flat entry p (pages overlap, one entry apart), and sequence b's page j starts at its first valid
+    entry + j * ROW_PAGE_SIZE. Entries a page holds past the sequence's end are masked by its length.
+
+    Returns:
+        k_pool, v_pool (pages, page_size, heads_kv, head_dim) and block_table int32 (batch, pages per
+        sequence), all on the caches' device.
+    """
+    def entry_stride(cache):  # cache entries from one sequence to the next, or None if not a whole number
+        return cache.stride(0) // cache.stride(1) if cache.stride(0) % cache.stride(1) == 0 else None
+
+    def addressable(cache):
+        # What the launcher's tensor descriptors need (launch.as_descriptor_compatible), else it would copy
+        # the pool: page_size times the cache. torch.compile traces strides but not the base address (a
+        # compiled caller's cache is taken as allocated, 16-byte aligned).
+        *outer, last = cache.stride()
+        aligned = torch.compiler.is_compiling() or cache.data_ptr() % 16 == 0
+        return last == 1 and aligned and all(s * cache.element_size() % 16 == 0 for s in outer)
+
+    if not (addressable(k_cache) and addressable(v_cache)) or entry_stride(k_cache) is None \
+            or entry_stride(k_cache) != entry_stride(v_cache):  # one block_table must address both
+        k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+    sequence_entries, capacity = entry_stride(k_cache), k_cache.shape[1]
+    entries = (k_cache.shape[0] - 1) * sequence_entries + capacity
+    page_size = min(ROW_PAGE_SIZE, entries // PAGE_MULTIPLE * PAGE_MULTIPLE)  # entries >= PAGE_MULTIPLE: checked
+
+    def pool(cache):
+        return cache.as_strided((entries - page_size + 1, page_size, *cache.shape[2:]),
+                                (cache.stride(1), *cache.stride()[1:]))
+
+    rows = (cache_batch_idx.long() if cache_batch_idx is not None
+            else torch.arange(batch, device=k_cache.device))
+    first = rows * sequence_entries + (cache_leftpad.long() if cache_leftpad is not None else 0)
+    pages = torch.arange(0, capacity, page_size, device=k_cache.device)
+    return pool(k_cache), pool(v_cache), (first[:, None] + pages).int()
+
+
+def _rotate(x, cos, sin, positions, interleaved):
+    """x (batch, seqlen, heads, head_dim) with its first 2 * cos.shape[1] dims rotated by the rows
+    ``positions`` (broadcastable to (batch, seqlen)) of cos / sin, computed in fp32."""
+    rotary_dim = 2 * cos.shape[1]
+    cos, sin = cos[positions][:, :, None].float(), sin[positions][:, :, None].float()
+    x_rotary = x[..., :rotary_dim].float()
+    if interleaved:  # pairs (0, 1), (2, 3), ...
+        x1, x2 = x_rotary[..., 0::2], x_rotary[..., 1::2]
+        rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    else:  # pairs (i, i + rotary_dim / 2), GPT-NeoX style
+        x1, x2 = x_rotary.chunk(2, dim=-1)
+        rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return torch.cat((rotated.to(x.dtype), x[..., rotary_dim:]), dim=-1)
+
+
+def _check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k, capacity):
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together or both left None")
+    if not isinstance(rotary_interleaved, bool):
+        raise ValueError(f"rotary_interleaved must be a bool, got {rotary_interleaved!r}")
+    if rotary_cos is None:
+        return
+    if k is None:
+        raise ValueError("rotary_cos / rotary_sin rotate the new keys before the append: they need k and v")
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if (not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.dtype.is_floating_point
+                or t.device != q.device):
+            raise ValueError(f"{name} must be a 2-D float tensor (seqlen_ro, rotary_dim / 2) on {q.device}, got "
+                             f"{_describe(t)}")
+    if rotary_cos.shape != rotary_sin.shape:
+        raise ValueError(f"rotary_cos and rotary_sin must have the same shape, got {tuple(rotary_cos.shape)} and "
+                         f"{tuple(rotary_sin.shape)}")
+    rotary_dim = 2 * rotary_cos.shape[1]
+    if not 0 < rotary_dim <= q.shape[-1]:
+        raise ValueError(f"rotary_cos: rotary_dim = 2 * {rotary_cos.shape[1]} must be in [2, head_dim={q.shape[-1]}]")
+    if rotary_cos.shape[0] < capacity:
+        raise ValueError(f"rotary_cos has {rotary_cos.shape[0]} positions but the cache holds {capacity} entries per "
+                         "sequence (flash-attn's rule: seqlen_ro >= the cache's length)")
+
+
+def _append(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx):
     """Write k, v (batch, seqlen_new, heads_kv, head_dim) into the caches at positions
-    cache_seqlens[b] + i, through block_table (batch, max_blocks) for a paged cache."""
+    cache_seqlens[b] + i, of cache row cache_batch_idx[b] (b if None) for a contiguous cache, through
+    block_table (batch, max_blocks) for a paged one."""
     if isinstance(cache_seqlens, int):  # one position for every sequence of a contiguous cache
         k_cache[:, cache_seqlens:cache_seqlens + k.shape[1]] = k
         v_cache[:, cache_seqlens:cache_seqlens + v.shape[1]] = v
         return
     positions = cache_seqlens[:, None].long() + torch.arange(k.shape[1], device=k.device)
     if block_table is None:
-        index = (torch.arange(k.shape[0], device=k.device)[:, None].expand_as(positions), positions)
+        rows = cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(k.shape[0], device=k.device)
+        index = (rows[:, None].expand_as(positions), positions)
     else:
         page_size = k_cache.shape[1]
         index = (block_table.long().gather(1, positions // page_size), positions % page_size)
@@ -78,15 +168,31 @@ def _append(k_cache, v_cache, k, v, cache_seqlens, block_table):
     v_cache.index_put_(index, v)
 
 
-def _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits):
+def _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                        num_splits):
     """Validate everything that needs no device values; return (cache_seqlens as the kernels and the
-    append take it: an int for a contiguous cache, else int32 (batch,) on q's device; the length shared
-    by every sequence when the host knows it, else None)."""
+    append take it: an int for a contiguous cache read in place, else int32 (batch,) on q's device; the
+    length shared by every sequence when the host knows it, else None)."""
     batch = q.shape[0]
+    for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if t is None:
+            continue
+        if block_table is not None:
+            raise ValueError(f"{name} applies to a contiguous cache; a paged cache (block_table) names its pages "
+                             "per sequence instead (flash-attn has the same rule)")
+        if (not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.shape != (batch,)
+                or t.device != q.device):
+            raise ValueError(f"{name} must be an int32 tensor of shape (batch={batch},) on {q.device}, got "
+                             f"{_describe(t)}")
+    entries = k_cache.shape[0] * k_cache.shape[1]
+    if (cache_batch_idx is not None or cache_leftpad is not None) and entries < PAGE_MULTIPLE:
+        raise ValueError(f"cache_batch_idx / cache_leftpad need a cache of at least {PAGE_MULTIPLE} entries in all "
+                         f"(the Triton path reads it as pages of whole key tiles), got {entries}")
     if block_table is None:
-        if k_cache.shape[0] != batch:
+        if cache_batch_idx is None and k_cache.shape[0] != batch:
             raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences but q has batch {batch}; a paged cache "
-                             "(num_blocks, block_size, heads_kv, head_dim) needs block_table")
+                             "(num_blocks, block_size, heads_kv, head_dim) needs block_table, a cache with other "
+                             "rows cache_batch_idx")
     else:
         if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
             raise ValueError(f"block_table must be an int32 tensor (batch, max_blocks), got {_describe(block_table)}")
@@ -96,15 +202,17 @@ def _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, n
         if k_cache.shape[1] % PAGE_MULTIPLE:
             raise ValueError(f"k_cache block_size={k_cache.shape[1]} (dim 1 of a paged cache) must be a multiple "
                              f"of {PAGE_MULTIPLE}")
-    if k is not None and k.shape[2:] != k_cache.shape[2:]:
-        raise ValueError(f"k has (heads_kv, head_dim) = {tuple(k.shape[2:])} but k_cache has {tuple(k_cache.shape[2:])}")
+    for name, t in (("k", k), ("v", v)):
+        if t is not None and t.shape[2:] != k_cache.shape[2:]:
+            raise ValueError(f"{name} has (heads_kv, head_dim) = {tuple(t.shape[2:])} but the caches have "
+                             f"{tuple(k_cache.shape[2:])}")
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = automatic), got {num_splits!r}")
     if cache_seqlens is None:  # as flash-attn: the whole cache is valid
         cache_seqlens = _capacity(k_cache, block_table)
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        if block_table is None:  # kept on the host: the kernel takes it as an int, the append slices
-            return cache_seqlens, cache_seqlens
+        if block_table is None and cache_batch_idx is None and cache_leftpad is None:
+            return cache_seqlens, cache_seqlens  # kept on the host: the kernel takes it as an int, the append slices
         return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device), cache_seqlens
     if (not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype != torch.int32
             or cache_seqlens.shape != (batch,) or cache_seqlens.device != q.device):
@@ -113,26 +221,51 @@ def _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, n
     return cache_seqlens, None
 
 
-def _check_lengths(k_cache, cache_seqlens, shared_length, seqlen_new, block_table, batch, read_device):
-    """Validate the lengths and, with read_device, a paged cache's pages in use; return the valid entries
-    per sequence after the append as host ints, or None for lengths only the device holds when
-    read_device is False. Only read_device reads the device (one host sync for everything)."""
+def _check_lengths(k_cache, cache_seqlens, shared_length, seqlen_new, block_table, cache_batch_idx, cache_leftpad,
+                   batch, read_device):
+    """Validate the lengths, and with read_device what else only the device holds (a paged cache's pages
+    in use, cache_batch_idx's rows, cache_leftpad's starts); only read_device reads the device (one
+    host sync for everything).
+
+    Returns:
+        (ends, spans): ends, the valid entries per sequence after the append (host ints), or None when
+        only the device holds them; spans, per sequence (cache row, first valid entry, end) when the
+        host knows them all (see _kvcache_torch), else None.
+    """
+    ends = None
     if shared_length is not None:  # the host knows every length: no read for them
-        lengths = [shared_length + seqlen_new] * batch
-        _check_length_values(k_cache, lengths, seqlen_new, block_table)
-        if read_device and block_table is not None:
-            _raise_for_bad_pages(_bad_pages(k_cache, block_table, cache_seqlens + seqlen_new).item(), k_cache)
-        return lengths
+        ends = [shared_length + seqlen_new] * batch
+        _check_length_values(k_cache, ends, seqlen_new, block_table)
+        if cache_batch_idx is None and cache_leftpad is None and (block_table is None or not read_device):
+            return ends, [(b, 0, end) for b, end in enumerate(ends)]
     if not read_device:
-        return None
-    lengths_t = cache_seqlens + seqlen_new
-    bad_pages = torch.zeros((), dtype=torch.int32, device=cache_seqlens.device)
+        return ends, None
+    ends_t = cache_seqlens + seqlen_new
+    no_tensor = ends_t.new_empty(0)
+    counts = torch.zeros(3, dtype=torch.int32, device=ends_t.device)
     if block_table is not None:
-        bad_pages = _bad_pages(k_cache, block_table, lengths_t)
-    bad, *lengths = torch.cat([bad_pages.view(1).int(), lengths_t]).tolist()
-    _check_length_values(k_cache, lengths, seqlen_new, block_table)
-    _raise_for_bad_pages(bad, k_cache)
-    return lengths
+        counts[0] = _bad_pages(k_cache, block_table, ends_t)
+    if cache_batch_idx is not None:
+        counts[1] = ((cache_batch_idx < 0) | (cache_batch_idx >= k_cache.shape[0])).sum()
+    if cache_leftpad is not None:
+        counts[2] = ((cache_leftpad < 0) | (cache_leftpad > cache_seqlens)).sum()
+    values = torch.cat([counts, ends_t, no_tensor if cache_batch_idx is None else cache_batch_idx,
+                        no_tensor if cache_leftpad is None else cache_leftpad]).tolist()
+    (bad_pages, bad_rows, bad_starts), values = values[:3], values[3:]
+    ends, values = values[:batch], values[batch:]
+    rows, starts = list(range(batch)), [0] * batch
+    if cache_batch_idx is not None:
+        rows, values = values[:batch], values[batch:]
+    if cache_leftpad is not None:
+        starts = values
+    _check_length_values(k_cache, ends, seqlen_new, block_table)
+    _raise_for_bad_pages(bad_pages, k_cache)
+    if bad_rows:
+        raise ValueError(f"cache_batch_idx has {bad_rows} entries outside [0, k_cache rows={k_cache.shape[0]})")
+    if bad_starts:
+        raise ValueError(f"cache_leftpad has {bad_starts} entries outside [0, cache_seqlens[b]] (the first valid "
+                         "entry must come at or before the cached length)")
+    return ends, list(zip(rows, starts, ends))
 
 
 def _bad_pages(k_cache, block_table, lengths_t):
@@ -170,34 +303,55 @@ def _describe(x):
     return repr(x)
 
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, causal=True,
-                            softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False, num_splits=0,
-                            check_lengths=None):
-    """Attention of new query tokens over a KV cache, appending new keys/values first (flash-attn's API).
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                            cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=True, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, num_splits=0,
+                            return_softmax_lse=False, return_lse=False, check_lengths=None):
+    """Attention of new query tokens over a KV cache, appending new keys/values first (flash-attn's API,
+    its arguments in its order; causal defaults to True here, False there).
 
     Inference only: raises if an input requires grad while grad mode is on.
 
     Args:
         q: (batch, seqlen_q, heads_q, head_dim); fp16, bf16 or fp32, the caches' dtype.
-        k_cache, v_cache: (batch, max_cache, heads_kv, head_dim), or paged (num_blocks, block_size,
-            heads_kv, head_dim) with block_size a multiple of 16, addressed through block_table.
+        k_cache, v_cache: (batch_cache, max_cache, heads_kv, head_dim), or paged (num_blocks,
+            block_size, heads_kv, head_dim) with block_size a multiple of 16, addressed through
+            block_table. The caches are read in place, so head_dim must be one the kernels take (a
+            multiple of 8 in [16, 256]); for another, allocate them at the next such width with zeros
+            beyond head_dim, pad q and k/v alike and pass softmax_scale = head_dim ** -0.5.
         k, v: optional (batch, seqlen_new, heads_kv, head_dim), written in place into the caches at
             positions cache_seqlens[b] ... cache_seqlens[b] + seqlen_new - 1 before attending.
-        cache_seqlens: int32 (batch,) or an int: entries already in each cache (before the append);
-            None = the whole cache.
+        rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2) with seqlen_ro >= max_cache
+            (a paged cache: max_blocks * block_size) and rotary_dim <= head_dim; need k and v. The
+            first rotary_dim dims of k are rotated at positions cache_seqlens[b] + i before the append;
+            those of q likewise when causal or windowed, else every query token at cache_seqlens[b]
+            (flash-attn's rule). Computed in fp32 with PyTorch ops.
+        cache_seqlens: int32 (batch,) or an int: the end of the entries already in each cache (before
+            the append), counted from the cache's first entry even with cache_leftpad; None = the
+            whole cache.
+        cache_batch_idx: int32 (batch,): sequence b reads and appends cache row cache_batch_idx[b]
+            (contiguous caches only); None = row b. Duplicate rows with k/v given append in no set order.
+        cache_leftpad: int32 (batch,): sequence b's cache starts at entry cache_leftpad[b] (contiguous
+            caches only): entries before it are never read, and causal / window alignment counts from
+            it (its length is cache_seqlens[b] + seqlen_new - cache_leftpad[b]). Rotary positions do
+            not: they stay cache_seqlens[b] + i, as in flash-attn.
         block_table: int32 (batch, max_blocks): page j of sequence b is k_cache[block_table[b, j]].
         causal: bottom-right aligned: query i sees cache positions j <= i + total_len - seqlen_q,
             where total_len = cache_seqlens[b] + seqlen_new.
         softmax_scale, window_size, softcap, return_lse: as flash_attn_func.
+        rotary_interleaved: True (flash-attn's default) rotates dims (0, 1), (2, 3), ...; False rotates
+            (i, i + rotary_dim / 2), GPT-NeoX style.
         num_splits: chunks of the cache per (sequence, kv head) on the Triton path; 0 = automatic.
+        return_softmax_lse: flash-attn's name for return_lse; either returns lse.
         check_lengths: which values are checked against the cache (lengths in [0, capacity - seqlen_new],
-            a paged cache's pages in use inside the pool). Shapes, dtypes and devices always are.
+            a paged cache's pages in use inside the pool, cache_batch_idx's rows inside the cache,
+            cache_leftpad in [0, cache_seqlens]). Shapes, dtypes and devices always are.
             None (the default): on the Triton path only what the host holds (an int or None
-            cache_seqlens); a tensor cache_seqlens and block_table's entries are trusted, unread: no
-            host sync, as a decoding loop (and CUDA-graph capture) wants, and automatic splits sized
-            for the whole cache. The PyTorch path, which reads the lengths anyway, checks them all.
-            True: everything, at one host sync per call. False: as None, and an error on the PyTorch
-            path rather than a read of device values.
+            cache_seqlens); tensors' values are trusted, unread: no host sync, as a decoding loop (and
+            CUDA-graph capture) wants, and automatic splits sized for the whole cache. The PyTorch
+            path, which reads the lengths anyway, checks them all. True: everything, at one host sync
+            per call. False: as None, and an error on the PyTorch path rather than a read of device
+            values.
     Returns:
         out (batch, seqlen_q, heads_q, head_dim), or (out, lse) with lse (batch, heads_q, seqlen_q)
         fp32, -inf for a row that sees no cache entry (its output is 0).
@@ -223,37 +377,59 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     # cache's first dim is not the batch, and a slice costs no copy.
     softmax_scale, window_size = check_attention_args(q[:1], k_cache[:1], v_cache[:1], 1, softmax_scale,
                                                       window_size, softcap)
-    cache_seqlens, shared_length = _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                                                       num_splits)
+    head_dim = k_cache.shape[-1]
+    if kernel_head_dim(head_dim) != head_dim:
+        raise ValueError(f"head_dim={head_dim}: flash_attn_with_kvcache reads the caches in place, so head_dim must "
+                         f"be a multiple of {HEAD_DIM_MULTIPLE} in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}] (flash_attn_func "
+                         "pads other sizes; see the docstring for caches of another head_dim)")
+    cache_seqlens, shared_length = _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
+                                                       cache_leftpad, block_table, num_splits)
+    _check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k, _capacity(k_cache, block_table))
     seqlen_new = 0 if k is None else k.shape[1]
     if check_lengths is not None and not isinstance(check_lengths, bool):
         raise ValueError(f"check_lengths must be a bool or None, got {check_lengths!r}")
     triton_path = kernel_impl(q.device) != "torch"
-    if not triton_path and shared_length is None and check_lengths is False:
-        raise ValueError("check_lengths=False needs the Triton path (the PyTorch path reads the lengths on the host)")
-    lengths = _check_lengths(k_cache, cache_seqlens, shared_length, seqlen_new, block_table, q.shape[0],
-                             read_device=check_lengths or (check_lengths is None and not triton_path))
-    max_seqlen_k = _capacity(k_cache, block_table) if lengths is None else max(lengths, default=0)
+    device_values = shared_length is None or cache_batch_idx is not None or cache_leftpad is not None
+    if not triton_path and device_values and check_lengths is False:
+        raise ValueError("check_lengths=False needs the Triton path (the PyTorch path reads the lengths, "
+                         "cache_batch_idx and cache_leftpad on the host)")
+    ends, spans = _check_lengths(k_cache, cache_seqlens, shared_length, seqlen_new, block_table, cache_batch_idx,
+                                 cache_leftpad, q.shape[0],
+                                 read_device=check_lengths or (check_lengths is None and not triton_path))
+    max_seqlen_k = _capacity(k_cache, block_table) if ends is None else max(ends, default=0)
+    if rotary_cos is not None:
+        first = (torch.full((1, 1), cache_seqlens, device=q.device) if isinstance(cache_seqlens, int)
+                 else cache_seqlens[:, None].long())  # (batch or 1, 1)
+        positions = first + torch.arange(seqlen_new, device=q.device)
+        k = _rotate(k, rotary_cos, rotary_sin, positions, rotary_interleaved)
+        windowed = causal or window_size != (-1, -1)
+        q_positions = first + torch.arange(q.shape[1], device=q.device) if windowed else first
+        q = _rotate(q, rotary_cos, rotary_sin, q_positions, rotary_interleaved)
     if seqlen_new:
-        _append(k_cache, v_cache, k, v, cache_seqlens, block_table)
+        _append(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx)
     window_left, window_right = normalize_window(causal, window_size)
-    if triton_path:
-        compiling = torch.compiler.is_compiling()
-        if isinstance(cache_seqlens, int):  # eagerly the launcher takes the shared length as an int
-            seqlens_k = cache_seqlens + seqlen_new
-            if compiling:  # the op's schema wants a tensor
-                seqlens_k = torch.full((q.shape[0],), seqlens_k, dtype=torch.int32, device=q.device)
-        else:
-            seqlens_k = cache_seqlens + seqlen_new if seqlen_new else cache_seqlens
-        args = (q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, softmax_scale, window_left, window_right,
-                float(softcap), num_splits)
-        if compiling:
-            out, lse = _kvcache_fwd(*args)
-        else:  # eagerly straight to the launcher, which then needs no lse buffer unless one is asked for
-            from .decode import decode_attention
-
-            out, lse = decode_attention(*args, return_lse=return_lse)
-    else:
-        out, lse = _kvcache_torch(q, k_cache, v_cache, lengths, block_table, softmax_scale, window_left,
+    return_lse = return_lse or return_softmax_lse
+    if not triton_path:
+        out, lse = _kvcache_torch(q, k_cache, v_cache, spans, block_table, softmax_scale, window_left,
                                   window_right, float(softcap))
+        return (out, lse) if return_lse else out
+    compiling = torch.compiler.is_compiling()
+    if isinstance(cache_seqlens, int):  # eagerly the launcher takes the shared length as an int
+        seqlens_k = cache_seqlens + seqlen_new
+        if compiling:  # the op's schema wants a tensor
+            seqlens_k = torch.full((q.shape[0],), seqlens_k, dtype=torch.int32, device=q.device)
+    else:
+        seqlens_k = cache_seqlens + seqlen_new if seqlen_new else cache_seqlens
+    if cache_batch_idx is not None or cache_leftpad is not None:
+        k_cache, v_cache, block_table = _rows_as_pages(k_cache, v_cache, cache_batch_idx, cache_leftpad, q.shape[0])
+        if cache_leftpad is not None:
+            seqlens_k = seqlens_k - cache_leftpad
+    args = (q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, softmax_scale, window_left, window_right,
+            float(softcap), num_splits)
+    if compiling:
+        out, lse = _kvcache_fwd(*args)
+    else:  # eagerly straight to the launcher, which then needs no lse buffer unless one is asked for
+        from .decode import decode_attention
+
+        out, lse = decode_attention(*args, return_lse=return_lse)
     return (out, lse) if return_lse else out

@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from flashformer.kernels.decode import choose_num_splits, decode_attention
 from flashformer.kernels.kvcache import flash_attn_with_kvcache
-from flashformer.profiling import capture_cuda_graph
+from flashformer.profiling import benchmark_provenance, capture_cuda_graph
 
 HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
 PAGE_SIZE = 256
@@ -333,7 +333,7 @@ def main():
         torch.cuda.empty_cache()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        json.dump({**benchmark_provenance(),
                    "heads_q": HEADS_Q, "heads_kv": HEADS_KV, "head_dim": HEAD_DIM, "dtype": str(DTYPE),
                    "page_size": PAGE_SIZE, "cells": cells}, f, indent=2)
     if args.host_profile:

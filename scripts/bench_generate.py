@@ -23,6 +23,7 @@ from tqdm import tqdm
 from flashformer.config import load_config
 from flashformer.generate import generate
 from flashformer.model import ModelConfig, Transformer
+from flashformer.profiling import benchmark_provenance
 
 PATHS = {"ours eager": ("flash", False), "ours CUDA graph": ("flash", True), "SDPA eager": ("sdpa", False)}
 
@@ -66,7 +67,7 @@ def main(argv=None):
             row[f"{name} same tokens"] = (tokens == reference).float().mean().item()
         rows.append(row)
     with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "model": args.model_config, "prompt": args.prompt,
+        json.dump({**benchmark_provenance(), "model": args.model_config, "prompt": args.prompt,
                    "new": args.new, "rows": rows}, f, indent=1)
     print(f"| batch | {' | '.join(f'{name} tokens/s' for name in PATHS)} | graph / eager | tokens equal to eager |")
     print("|" + "---|" * (len(PATHS) + 3))

@@ -23,6 +23,7 @@ from flashformer.kernels import flash_attn_func, force_kernel_impl
 from flashformer.kernels import flash_fwd_hopper
 from flashformer.kernels.flash_fwd import log2_scales
 from flashformer.kernels.launch import new_output, seq_strides
+from flashformer.profiling import benchmark_provenance
 
 # (BLOCK_N, NUM_STAGES)
 CANDIDATES = {64: [(128, 2), (64, 3)], 128: [(128, 2), (64, 3)], 256: [(64, 2)]}
@@ -140,7 +141,7 @@ def main(argv=None):
                 del q, k, v, reference, cudnn
                 torch.cuda.empty_cache()
     with open(args.out, "w") as f:
-        json.dump(cells, f, indent=1)
+        json.dump({**benchmark_provenance(), "cells": cells}, f, indent=1)
     print("| head_dim | causal | seqlen | cuDNN | tl | gluon candidates (TFLOP/s, max err vs sdpa bf16 err) | best/cuDNN |")
     print("|---|---|---|---|---|---|---|")
     for cell in cells:

@@ -45,7 +45,8 @@ def bench_config(recipe, seqlen, path, steps, tokens_per_step, extra, out_dir):
     batch = max(1, tokens_per_step // seqlen)
     backend, deterministic, _ = PATHS[path]
     overrides = [
-        f"attn_backend={backend}", f"deterministic={str(deterministic).lower()}", f"data.seq_len={seqlen}", f"model.max_seq_len={max(seqlen, 1024)}",
+        f"attn_backend={backend}", f"deterministic={str(deterministic).lower()}",
+        f"data.seq_len={seqlen}", f"model.max_seq_len={max(seqlen, 1024)}",
         f"batch_size={batch}", f"micro_batch_size={batch}", f"steps={steps}", f"out_dir={out_dir}",
         "data.source=stdlib", "data.tokenizer=null", "parallel.mode=none", "log_every=10",
         f"eval_every={steps}", "eval_batches=1", f"ckpt_every={steps}", "keep_checkpoints=1",

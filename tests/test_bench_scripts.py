@@ -162,10 +162,85 @@ def test_kernel_times_table_lists_each_cell_and_implementation(bench):
 
 def test_graph_rows_take_the_graph_cells_and_drop_failed_captures(bench):
     eager = {"fwd_tflops": 100.0, "bwd_tflops": 50.0}
-    rows = [{"head_dim": 64, "causal": True, "seqlen": 1024, "batch": 16, "max_abs_diff_vs_sdpa_flash": 0.01,
+    rows = [{"head_dim": 64, "causal": True, "seqlen": 1024, "batch": 16, "max_abs_diff_vs_sdpa": 0.01,
              "ours": {**eager, "graph": {"fwd_tflops": 120.0, "bwd_tflops": 60.0}},
              "sdpa-flash": {**eager, "graph": None}}]
     (row,) = bench.graph_rows(rows, ["ours", "sdpa-flash"])
     assert row["ours"] == {"fwd_tflops": 120.0, "bwd_tflops": 60.0}
     assert "sdpa-flash" not in row and row["seqlen"] == 1024
     assert "| 120 / 60 | – |" in bench.markdown_table([row], ["ours", "sdpa-flash"])
+
+
+def test_longctx_bench_runs_a_tiny_lora_step_and_reports_its_plan(tmp_path):
+    """bench_longctx_8b on CPU with a 2-layer model: the same build, LoRA, offload and chunked-loss path
+    the GPU run takes at 8B, minus the allocator statistics."""
+    import json
+    import subprocess
+    import sys
+
+    command = [sys.executable, os.path.join(SCRIPTS, "bench_longctx_8b.py"), "--device", "cpu", "--layers", "2",
+               "--d-model", "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--d-ff", "512",
+               "--vocab", "1024", "--tokens", "256", "--steps", "1"]
+    process = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert process.returncode == 0, process.stderr[-3000:]
+    line = next(line for line in process.stdout.splitlines() if line.startswith("BENCH_LONGCTX_RESULT "))
+    record = json.loads(line.split(" ", 1)[1])
+    assert (record["status"], record["phase"], record["tokens"], record["offload"]) == ("ok", "done", 256, True)
+    assert record["tokens_per_s"] > 0 and record["loss"] > 0 and record["peak_gb"] is None
+    assert "estimated device peak" in process.stdout
+
+
+def test_memory_plan_counts_parameters_exactly_and_offload_moves_block_inputs_to_the_host():
+    from flashformer.config import load_config
+    from flashformer.lora import LoRAConfig, apply_lora
+    from flashformer.memory import adapter_count, memory_plan, parameter_count
+    from flashformer.model import ModelConfig, Transformer
+
+    configs = [load_config(ModelConfig, os.path.join(os.path.dirname(SCRIPTS), "configs", "models", name))
+               for name in ("llama-1b.yaml", "gemma2-2b.yaml", "tiny-gpt2.yaml")]
+    for config in configs:
+        with torch.device("meta"):
+            model = Transformer(config)
+        assert parameter_count(config) == model.num_params(), config.family
+    llama, lora = configs[0], LoRAConfig(rank=16)
+    with torch.device("meta"):
+        adapted = apply_lora(Transformer(llama), lora)
+    assert adapter_count(llama, lora) == sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+    plain, offloaded = (memory_plan(llama, 65536, lora, mode) for mode in (True, "offload"))
+    moved = llama.n_layer * llama.d_model * 2 * 65536  # bf16 block inputs
+    assert plain["estimated_peak"] - offloaded["estimated_peak"] == moved == offloaded["host_activations"]
+    assert plain["weights"] == parameter_count(llama) * 2 + adapter_count(llama, lora) * 4
+    assert memory_plan(llama, 65536, None, False)["estimated_peak"] > plain["estimated_peak"]
+
+
+@pytest.mark.parametrize("lora_rank", [0, 16])
+def test_memory_plan_block_estimate_is_what_autograd_saves(lora_rank):
+    """One Llama block under bf16 autocast on CPU: the bytes of every distinct storage autograd saves
+    that holds a token dimension (weights and their bf16 casts left out), per token."""
+    from flashformer.lora import LoRAConfig, apply_lora
+    from flashformer.memory import block_activation_bytes_per_token
+    from flashformer.model import ModelConfig, Transformer
+
+    tokens = 512  # no other dimension of the model has this size
+    config = ModelConfig(family="llama", vocab_size=128, d_model=256, n_layer=1, n_head=4, n_kv_head=2, head_dim=64,
+                         d_ff=896, max_seq_len=tokens, tie_embeddings=False)
+    lora = LoRAConfig(rank=lora_rank)
+    model = Transformer(config)
+    if lora.enabled:
+        apply_lora(model.to(torch.bfloat16), lora)
+    saved = {}
+
+    def pack(tensor):
+        if tokens in tensor.shape:
+            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    x = model.embed(torch.randint(0, 128, (1, tokens))).detach().requires_grad_(True)
+    rope = model.rope(torch.arange(tokens)[None])
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.blocks[0](x, rope, model.attn_backend, model.deterministic)
+    for shared in (x, *rope):  # the block's input and the rotary tables belong to the model, not the block
+        saved.pop(shared.untyped_storage().data_ptr(), None)
+    residual_bytes = x.element_size()
+    assert sum(saved.values()) / tokens == block_activation_bytes_per_token(config, residual_bytes, 2, lora)

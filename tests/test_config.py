@@ -64,10 +64,22 @@ def test_yaml_and_overrides(tmp_path):
     ({}, (), "missing required config key 'name'"),
     ({"name": "a"}, ["steps"], "must look like 'key.subkey=value'"),
     ({"name": "a"}, ["name.x=1"], "'name' holds a value"),
+    ({"name": "a"}, ["steps=[1,"], r"override 'steps=\[1,': the value is not valid YAML"),
 ])
 def test_errors_name_the_key(source, overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(Run, source, overrides)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("name: a\nsteps: [1,\n", r"not valid YAML \(.* at line 3, column 1\)"),
+    ("name: a\n  steps: 2\n", r"not valid YAML \(.* at line 2"),
+])
+def test_a_malformed_yaml_file_is_named_with_its_line(tmp_path, text, message):
+    path = tmp_path / "broken.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"broken.yaml: {message}"):
+        load_config(Run, str(path))
 
 
 def test_config_error_is_value_error():

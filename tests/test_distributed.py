@@ -109,3 +109,22 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, dat
     assert "stopped at step" in stdout + stderr
     checkpoint = latest_checkpoint(str(run))
     assert checkpoint is not None and checkpoint.endswith(f"ckpt-{read_metrics(run)[-1]['step']}")
+
+
+def test_ddp_lora_with_offloaded_checkpointing_matches_one_process(tmp_path, data_cache):
+    base = tmp_path / "base"
+    train(load_train_config(tiny_recipe(base, data_cache, steps=4, ckpt_every=4, eval_every=4, **CPU)))
+    fields = dict(steps=4, eval_every=2, batch_size=8, init_from=str(base), activation_checkpointing="offload",
+                  lora={"rank": 4, "targets": ["q", "v", "up"]}, **CPU)
+    train(load_train_config(tiny_recipe(tmp_path / "one", data_cache, micro_batch_size=8, **fields)))
+    torchrun(tiny_recipe(tmp_path / "two", data_cache, micro_batch_size=2, parallel={"mode": "ddp"}, **fields),
+             tmp_path)
+    assert_same_losses(tmp_path / "two", tmp_path / "one")
+
+
+def test_fsdp_with_offloaded_checkpointing_matches_one_process(tmp_path, data_cache):
+    fields = dict(steps=4, eval_every=2, batch_size=8, micro_batch_size=4, chunked_loss=True,
+                  activation_checkpointing="offload", **CPU)
+    train(load_train_config(tiny_recipe(tmp_path / "one", data_cache, **{**fields, "activation_checkpointing": False})))
+    torchrun(tiny_recipe(tmp_path / "fsdp", data_cache, parallel={"mode": "fsdp"}, **fields), tmp_path)
+    assert_same_losses(tmp_path / "fsdp", tmp_path / "one")

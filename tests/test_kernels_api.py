@@ -26,8 +26,8 @@ def _qkv(batch=1, seqlen_q=16, seqlen_k=16, heads_q=4, heads_kv=2, head_dim=32, 
     (lambda q, k, v: (q[:, :, :3], k, v), "multiple of heads"),
     (lambda q, k, v: (q.double(), k.double(), v.double()), "dtype"),
     (lambda q, k, v: (q, k.float(), v.float()), "share a dtype"),
-    (lambda q, k, v: (q[..., :12], k[..., :12], v[..., :12]), "head_dim=12"),
-    (lambda q, k, v: (q[..., :20], k[..., :20], v[..., :20]), "head_dim=20"),
+    (lambda q, k, v: (q[..., :0], k[..., :0], v[..., :0]), "head_dim=0"),
+    (lambda q, k, v: (q, k, torch.randn(*v.shape[:-1], 257, dtype=v.dtype)), "head_dim of v=257"),
     (lambda q, k, v: (q.to("meta"), k, v), "one device"),
     (lambda q, k, v: (q.numpy(), k, v), "q must be a torch.Tensor"),
 ])
@@ -104,9 +104,12 @@ def test_torch_path_memory_is_linear():
 
 def _entry_point_calls(device):
     """One call of every public entry point, with its inputs made up front (making them may copy from
-    the host): dense and varlen forward + backward in both deterministic modes, decoding against
-    contiguous and paged caches with tensor and int lengths, appending new tokens."""
-    from flashformer.kernels import cu_seqlens_from_lengths, flash_attn_varlen_func, flash_attn_with_kvcache
+    the host): dense and varlen forward + backward in both deterministic modes, their packed forms, a
+    head_dim the kernels pad, decoding against contiguous and paged caches with tensor and int lengths,
+    appending new tokens, with rotary embeddings, chosen cache rows and left padding."""
+    from flashformer.kernels import (cu_seqlens_from_lengths, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
+                                     flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
+                                     flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
 
     dtype = torch.bfloat16
     q, k, v = (torch.randn(2, 80, heads, 64, device=device, dtype=dtype) for heads in (4, 2, 2))
@@ -130,10 +133,27 @@ def _entry_point_calls(device):
         calls.append(functools.partial(grads, flash_attn_varlen_func, packed_q, packed_k, packed_v,
                                        cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
                                        max_seqlen_k=max(lengths), deterministic=deterministic))
+    qkv = torch.stack((q, k.repeat(1, 1, 2, 1), v.repeat(1, 1, 2, 1)), dim=2)
+    kv = torch.stack((k, v), dim=2)
+    calls.append(functools.partial(grads, flash_attn_qkvpacked_func, qkv, causal=True))
+    calls.append(functools.partial(grads, flash_attn_kvpacked_func, q, kv, causal=True))
+    calls.append(functools.partial(grads, flash_attn_varlen_qkvpacked_func, qkv.flatten(0, 1)[:sum(lengths)],
+                                   cu_seqlens=cu, max_seqlen=max(lengths)))
+    calls.append(functools.partial(grads, flash_attn_varlen_kvpacked_func, packed_q, kv.flatten(0, 1)[:sum(lengths)],
+                                   cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
+                                   max_seqlen_k=max(lengths)))
+    calls.append(functools.partial(grads, flash_attn_func, q[..., :59], k[..., :59], v[..., :40], causal=True))
     for caches, block_table in (((cache_k, cache_v), None), ((pool_k, pool_v), table)):
         for lengths_given in (cache_seqlens, 20):
             calls.append(functools.partial(flash_attn_with_kvcache, step_q, *caches, k=step_k, v=step_v,
                                            cache_seqlens=lengths_given, block_table=block_table))
+    angles = torch.rand(128, 16, device=device)
+    rows = torch.tensor([1, 0], dtype=torch.int32, device=device)
+    leftpad = torch.tensor([2, 30], dtype=torch.int32, device=device)
+    for lengths_given in (cache_seqlens, 40):
+        calls.append(functools.partial(flash_attn_with_kvcache, step_q, cache_k, cache_v, step_k, step_v,
+                                       angles.cos(), angles.sin(), cache_seqlens=lengths_given, cache_batch_idx=rows,
+                                       cache_leftpad=leftpad))
     return calls
 
 

@@ -13,7 +13,7 @@ import torch
 import triton
 from attention_checks import assert_within_2x
 
-from flashformer.kernels import attention_materialized
+from flashformer.kernels import attention_materialized, launch
 from flashformer.kernels.decode import DEFAULT_SMS, RESIDENT_PER_SM, TARGET_KEYS_PER_SPLIT, choose_num_splits
 from flashformer.kernels.kvcache import flash_attn_with_kvcache
 
@@ -439,3 +439,182 @@ def test_autocast_casts_new_inputs_to_the_cache_dtype(device, triton_path):
     case.assert_cache_appended()
     ref, _ = case.reference(True)
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=0)
+
+
+def _rotated(x, angles, positions, interleaved):
+    """x (batch, seqlen, heads, head_dim) in fp64 with its first 2 * angles.shape[1] dims rotated by
+    ``angles[positions]`` as complex multiplication: the pairs are (2i, 2i + 1) when interleaved, else
+    (i, i + rotary_dim / 2)."""
+    half = angles.shape[1]
+    x = x.double()
+    head = x[..., :2 * half]
+    pairs = head.unflatten(-1, (half, 2)) if interleaved else head.unflatten(-1, (2, half)).transpose(-1, -2)
+    turn = torch.polar(torch.ones_like(angles[positions].double()), angles[positions].double())[:, :, None]
+    turned = torch.view_as_real(torch.view_as_complex(pairs.contiguous()) * turn)
+    head = turned.flatten(-2) if interleaved else turned.transpose(-1, -2).flatten(-2)
+    return torch.cat((head, x[..., 2 * half:]), dim=-1)
+
+
+# (cache_seqlens as a tensor or an int, causal, window_size, rotary): every mask with every rotary layout
+# (the query's positions depend on the mask), and int lengths with and without rotary.
+ROW_CASES = [("tensor", causal, window, rotary) for (causal, window), rotary in itertools.product(
+    [(True, (-1, -1)), (False, (-1, -1)), (False, (6, 0))], [None, "interleaved", "neox"])] + [
+    ("int", True, (-1, -1), None), ("int", False, (-1, -1), "neox")]
+
+
+@pytest.mark.parametrize("lengths,causal,window_size,rotary", ROW_CASES)
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_batch_idx_leftpad_rotary_match_reference(impl, lengths, causal, window_size, rotary, device, monkeypatch):
+    """Sequences in chosen rows of a larger cache (cache_batch_idx), starting past left padding
+    (cache_leftpad), with rotary embeddings on q and the new keys, against PyTorch math on the rows
+    gathered, rotated and sliced by hand. Entries outside each sequence are NaN, and a cache of 40
+    entries per row is no multiple of the kernel's pages."""
+    monkeypatch.setenv("FLASHFORMER_KERNEL", impl)
+    monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
+    batch_cache, max_cache, (heads_q, heads_kv), head_dim, seqlen_q, seqlen_new = 5, 40, (4, 2), 32, 2, 2
+    dtype = torch.float16
+    rows = torch.tensor([4, 0, 2], dtype=torch.int32, device=device)
+    cached = [10, 0, 33] if lengths == "tensor" else [12] * 3
+    leftpad = [3, 0, 30] if lengths == "tensor" else [3, 0, 11]
+    batch = len(cached)
+    k_cache = torch.full((batch_cache, max_cache, heads_kv, head_dim), float("nan"), device=device, dtype=dtype)
+    v_cache = k_cache.clone()
+    for b, (row, start, end) in enumerate(zip(rows.tolist(), leftpad, cached)):
+        k_cache[row, start:end] = torch.randn(end - start, heads_kv, head_dim, device=device, dtype=dtype)
+        v_cache[row, start:end] = torch.randn(end - start, heads_kv, head_dim, device=device, dtype=dtype)
+    q = torch.randn(batch, seqlen_q, heads_q, head_dim, device=device, dtype=dtype)
+    k, v = (torch.randn(batch, seqlen_new, heads_kv, head_dim, device=device, dtype=dtype) for _ in range(2))
+    rotary_args, q_ref, k_ref = {}, q.double(), k.double()
+    if rotary is not None:
+        angles = torch.rand(max_cache, 8, device=device) * 6.3  # rotary_dim 16 of head_dim 32
+        rotary_args = dict(rotary_cos=angles.cos(), rotary_sin=angles.sin(), rotary_interleaved=rotary == "interleaved")
+        first = torch.tensor(cached, device=device)[:, None]
+        new_positions = first + torch.arange(seqlen_new, device=device)
+        q_positions = first + torch.arange(seqlen_q, device=device) if causal or window_size != (-1, -1) else first
+        q_ref = _rotated(q, angles, q_positions, rotary == "interleaved")
+        k_ref = _rotated(k, angles, new_positions, rotary == "interleaved")
+    gathered_k, gathered_v = k_cache[rows.long()].double(), v_cache[rows.long()].double()
+    for b, end in enumerate(cached):
+        gathered_k[b, end:end + seqlen_new], gathered_v[b, end:end + seqlen_new] = k_ref[b], v[b].double()
+    before = k_cache.clone(), v_cache.clone()
+    cache_seqlens = torch.tensor(cached, dtype=torch.int32, device=device) if lengths == "tensor" else cached[0]
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, cache_batch_idx=rows,
+                                  cache_leftpad=torch.tensor(leftpad, dtype=torch.int32, device=device),
+                                  causal=causal, window_size=window_size, **rotary_args)
+    for b, (start, end) in enumerate(zip(leftpad, cached)):
+        keys = slice(start, end + seqlen_new)
+        tensors = (q_ref[b:b + 1], gathered_k[b:b + 1, keys], gathered_v[b:b + 1, keys])
+        ref, _ = attention_materialized(*tensors, causal=causal, window_size=window_size)
+        lowp, _ = attention_materialized(*(t.to(dtype) for t in tensors), causal=causal, window_size=window_size,
+                                         upcast=False)
+        assert_within_2x(f"out of sequence {b}", out[b:b + 1], ref, lowp)
+    appended = torch.zeros(batch_cache, max_cache, dtype=torch.bool, device=device)
+    for b, (row, end) in enumerate(zip(rows.tolist(), cached)):
+        appended[row, end:end + seqlen_new] = True
+        torch.testing.assert_close(k_cache[row, end:end + seqlen_new].double(), k_ref[b], atol=2e-3, rtol=0)
+        assert torch.equal(v_cache[row, end:end + seqlen_new], v[b])
+    for cache, old in zip((k_cache, v_cache), before):
+        torch.testing.assert_close(cache[~appended], old[~appended], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_rotary_is_applied_before_the_append(impl, device, monkeypatch):
+    """An identity rotation (angle 0) changes nothing: the call equals the one without rotary."""
+    monkeypatch.setenv("FLASHFORMER_KERNEL", impl)
+    args, _ = _bad_inputs(device)
+    runs = []
+    for rotary in ({}, dict(rotary_cos=torch.ones(40, 16, device=device), rotary_sin=torch.zeros(40, 16,
+                                                                                                  device=device))):
+        caches = {name: args[name].clone() for name in ("k_cache", "v_cache")}
+        runs.append((flash_attn_with_kvcache(**{**args, **caches}, **rotary), caches))
+    (out_plain, caches_plain), (out_rotary, caches_rotary) = runs
+    assert torch.equal(out_plain, out_rotary)
+    assert all(torch.equal(caches_plain[name], caches_rotary[name]) for name in caches_plain)
+
+
+def _angles(device, positions=40, half=8):
+    angles = torch.rand(positions, half, device=device)
+    return dict(rotary_cos=angles.cos(), rotary_sin=angles.sin())
+
+
+@pytest.mark.parametrize("paged,change,match", [
+    (True, lambda a: dict(cache_batch_idx=_i32(a, 0, 1)), "cache_batch_idx applies to a contiguous cache"),
+    (True, lambda a: dict(cache_leftpad=_i32(a, 0, 1)), "cache_leftpad applies to a contiguous cache"),
+    (False, lambda a: dict(cache_batch_idx=_i32(a, 0, 1).long()), "cache_batch_idx must be an int32"),
+    (False, lambda a: dict(cache_leftpad=_i32(a, 0)), "cache_leftpad must be an int32 tensor of shape \\(batch=2"),
+    (False, lambda a: dict(rotary_cos=_angles(a["q"].device)["rotary_cos"]), "rotary_cos and rotary_sin"),
+    (False, lambda a: dict(k=None, v=None, **_angles(a["q"].device)), "need k and v"),
+    (False, lambda a: dict(**_angles(a["q"].device, half=17)), "rotary_dim = 2 \\* 17"),
+    (False, lambda a: dict(**_angles(a["q"].device, positions=39)), "rotary_cos has 39 positions"),
+    (False, lambda a: dict(rotary_interleaved=1), "rotary_interleaved must be a bool"),
+    (False, lambda a: dict(q=a["q"][..., :20], k=a["k"][..., :20], v=a["v"][..., :20],
+                           k_cache=a["k_cache"][..., :20], v_cache=a["v_cache"][..., :20]), "head_dim=20"),
+    (False, lambda a: dict(v=torch.randn(2, 1, 2, 24, dtype=a["v"].dtype, device=a["v"].device)),
+     "v has \\(heads_kv, head_dim\\)"),
+    (False, lambda a: dict(k_cache=a["k_cache"][:1, :8], v_cache=a["v_cache"][:1, :8], cache_seqlens=3,
+                           cache_batch_idx=_i32(a, 0, 0)), "at least 16 entries in all .*, got 8"),
+])
+def test_new_kvcache_arguments_name_themselves(paged, change, match, device, triton_path):
+    args, paged_args = _bad_inputs(device)
+    if paged:
+        args.update(paged_args)
+    args.update(change(args))
+    caches = [args["k_cache"].clone(), args["v_cache"].clone()]
+    with pytest.raises(ValueError, match=match):
+        flash_attn_with_kvcache(**args)
+    assert torch.equal(args["k_cache"], caches[0]) and torch.equal(args["v_cache"], caches[1]), "cache modified"
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: dict(cache_batch_idx=_i32(a, 0, 2), k_cache=a["k_cache"][:2], v_cache=a["v_cache"][:2]),
+     "cache_batch_idx has 1 entries outside \\[0, k_cache rows=2\\)"),
+    (lambda a: dict(cache_leftpad=_i32(a, 4, 0)), "cache_leftpad has 1 entries outside"),
+    (lambda a: dict(cache_leftpad=_i32(a, 0, -1), cache_seqlens=5), "cache_leftpad has 1 entries outside"),
+])
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_bad_rows_and_leftpad_are_caught_when_checked(impl, change, match, device, monkeypatch):
+    monkeypatch.setenv("FLASHFORMER_KERNEL", impl)
+    args, _ = _bad_inputs(device)
+    args.update(change(args))
+    for check in (True, None) if impl == "torch" else (True,):
+        with pytest.raises(ValueError, match=match):
+            flash_attn_with_kvcache(**args, check_lengths=check)
+    if impl == "torch":
+        with pytest.raises(ValueError, match="check_lengths=False"):
+            flash_attn_with_kvcache(**args, check_lengths=False)
+
+
+def test_rows_leftpad_rotary_compile_full_graph(device, triton_path):
+    """cache_batch_idx, cache_leftpad and rotary trace with no graph break and compute the eager result."""
+    args, _ = _bad_inputs(device)
+    args.update(k_cache=torch.randn(4, 40, 2, 32, device=device, dtype=torch.float16), **_angles(device),
+                cache_batch_idx=_i32(args, 3, 1), cache_leftpad=_i32(args, 1, 4))
+    caches = [args.pop(name) for name in ("k_cache", "v_cache")]
+    caches[1] = torch.randn_like(caches[0])
+
+    def step(k_cache, v_cache):
+        return flash_attn_with_kvcache(k_cache=k_cache, v_cache=v_cache, **args)
+
+    eager = step(*(c.clone() for c in caches))
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(*(c.clone() for c in caches))
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+def test_flash_attn_positional_order_and_lse_name(device, triton_path):
+    """A call written for flash-attn's signature, positionally up to causal and with its
+    return_softmax_lse, equals the keyword call with return_lse."""
+    args, _ = _bad_inputs(device)
+    angles = _angles(device)
+    runs = []
+    for positional in (True, False):
+        caches = {name: args[name].clone() for name in ("k_cache", "v_cache")}
+        if positional:
+            runs.append(flash_attn_with_kvcache(args["q"], caches["k_cache"], caches["v_cache"], args["k"], args["v"],
+                                                angles["rotary_cos"], angles["rotary_sin"], args["cache_seqlens"],
+                                                None, None, None, 0.3, False, return_softmax_lse=True))
+        else:
+            runs.append(flash_attn_with_kvcache(**{**args, **caches}, **angles, softmax_scale=0.3, causal=False,
+                                                return_lse=True))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

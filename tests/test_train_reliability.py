@@ -17,6 +17,7 @@ import torch
 from flashformer.checkpoint import from_pretrained
 from flashformer.cli import main as cli_main
 from flashformer.config import ConfigError
+from flashformer.weights import CheckpointError
 from flashformer.train import (
     TRAINER_STATE_FILE,
     Trainer,
@@ -154,3 +155,17 @@ def test_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys):
     assert not (tmp_path / "runs").exists()
     debug = run_cli("train", str(tmp_path / "nope.yaml"), "--debug")
     assert debug.returncode == 1 and "Traceback" in debug.stderr
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("name: a\nsteps: [1,\n")
+    malformed = run_cli("train", str(broken))
+    assert malformed.returncode == 2 and "Traceback" not in malformed.stderr
+    assert "broken.yaml: not valid YAML" in malformed.stderr and "line 3" in malformed.stderr
+
+
+def test_an_unreadable_trainer_state_names_the_checkpoint_to_fall_back_to(tmp_path, data_cache):
+    run = tmp_path / "run"
+    train(load_train_config(tiny_recipe(run, data_cache, steps=4, ckpt_every=2, keep_checkpoints=2)))
+    state = run / "ckpt-4" / TRAINER_STATE_FILE
+    state.write_bytes(state.read_bytes()[:100])  # a disk fault after the atomic write
+    with pytest.raises(CheckpointError, match=f"ckpt-4/{TRAINER_STATE_FILE} is unreadable .*resume from ckpt-2"):
+        train(load_train_config(None, ["steps=6"], resume_dir=str(run)))

@@ -10,10 +10,9 @@ import dataclasses
 import os
 
 import torch
-import yaml
 
 from ..weights import CheckpointError, save_pretrained
-from ..config import ConfigError, config_to_dict
+from ..config import ConfigError, config_to_dict, read_yaml
 from ..model import ModelConfig, Transformer
 from ..train import TRAINER_STATE_FILE, TrainConfig, latest_checkpoint, load_train_config
 
@@ -97,8 +96,7 @@ def _run_recipe(path: str) -> dict | None:
     recipe = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(recipe):
         return None
-    with open(recipe, encoding="utf-8") as f:
-        return yaml.safe_load(f)
+    return read_yaml(recipe)
 
 
 def long_context_train_config(checkpoint_path: str, extended_config: ModelConfig, scaling: str,

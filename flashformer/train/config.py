@@ -10,11 +10,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-import yaml
-
 from ..attention import resolve_backend
-from ..config import ConfigError, config_to_dict, load_config
+from ..config import ConfigError, config_to_dict, load_config, read_yaml
 from ..data import DataConfig
+from ..lora import LoRAConfig
 from ..model import ModelConfig
 from ..parallel import ParallelConfig
 
@@ -87,7 +86,8 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 elsewhere
     compile: bool = False
-    activation_checkpointing: bool = False
+    # Recompute each block in backward; "offload" also keeps the block inputs in host memory until then.
+    activation_checkpointing: bool | Literal["offload"] = False
     # LM head + cross-entropy in chunks, never holding (tokens x vocab) logits: costs one more LM-head
     # matmul, saves tens of GB at long context. None: chunk when data.seq_len >= CHUNKED_LOSS_MIN_SEQ_LEN.
     chunked_loss: bool | None = None
@@ -100,6 +100,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # off unless lora.rank > 0
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "micro_batch_size", "log_every", "eval_every", "eval_batches",
@@ -118,6 +119,19 @@ class TrainConfig:
             resolve_backend(self.attn_backend)
         except ValueError as err:
             raise ConfigError(str(err)) from None
+        if self.lora.enabled:
+            if self.init_from is None:
+                raise ConfigError("lora.rank > 0 adapts a trained model: set init_from to a checkpoint, a run "
+                                  "directory or a Hugging Face directory")
+            if self.freeze:
+                raise ConfigError("freeze cannot be combined with lora.rank > 0: LoRA freezes everything but the "
+                                  "adapters (lora.train_norms trains the norms too)")
+            if self.parallel.mode == "fsdp":
+                raise ConfigError("parallel.mode=fsdp cannot be combined with lora.rank > 0: FSDP2 shards a frozen "
+                                  "bf16 base and fp32 adapters in one group; use parallel.mode=ddp (the adapters "
+                                  "are all that is reduced)")
+            if self.lora.base_dtype == "bf16" and self.precision == "fp32":
+                raise ConfigError("lora.base_dtype=bf16 needs bf16 autocast: set precision=bf16 (or auto on CUDA)")
 
     @property
     def run_dir(self) -> str:
@@ -139,8 +153,9 @@ def load_train_config(source=None, overrides=(), resume_dir: str | None = None) 
         path = os.path.join(resume_dir, RUN_CONFIG_FILE)
         if not os.path.isfile(path):
             raise ConfigError(f"--resume {resume_dir}: no {RUN_CONFIG_FILE} there (not a run directory)")
-        with open(path, encoding="utf-8") as f:
-            source = yaml.safe_load(f)
+        source = read_yaml(path)
+        if not isinstance(source, dict):
+            raise ConfigError(f"--resume {resume_dir}: {path} does not hold a run's config (a mapping)")
         source.update(resume=True, out_dir=resume_dir)
         source, overrides = _attn_backend_at_top_level(source, overrides)
         saved = config_to_dict(load_config(TrainConfig, source))
@@ -174,16 +189,14 @@ def _read_recipe(path) -> dict:
     directory, e.g. ``models/gpt2-124m.yaml``) whose fields are inlined, so overrides still reach them."""
     if not os.path.isfile(path):
         raise ConfigError(f"{path}: no such recipe file")
-    with open(path, encoding="utf-8") as f:
-        raw = yaml.safe_load(f) or {}
+    raw = read_yaml(path) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
     if isinstance(raw.get("model"), str):
         model_path = os.path.join(os.path.dirname(os.fspath(path)), raw["model"])
         if not os.path.isfile(model_path):
             raise ConfigError(f"{path}: model: {raw['model']!r} is not a file (looked for {model_path})")
-        with open(model_path, encoding="utf-8") as f:
-            raw["model"] = yaml.safe_load(f)
+        raw["model"] = read_yaml(model_path)
     return raw
 
 

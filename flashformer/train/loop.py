@@ -24,13 +24,14 @@ import yaml
 from tqdm.auto import tqdm
 
 from ..checkpoint import from_pretrained
+from ..lora import apply_lora, load_adapter_weights, read_adapter
 from ..config import ConfigError, config_to_dict, save_config
 from ..batches import TrainBatches, eval_batches
 from ..data import corpus_cache_dir, load_corpus
 from ..losses import default_chunk_size
 from ..model import Transformer
-from ..parallel import all_reduce, barrier, full_state_dicts, init_distributed, load_optimizer_state_dict, parallelize
-from ..parallel import shutdown_distributed
+from ..parallel import all_reduce, barrier, full_optimizer_state_dict, full_state_dicts, init_distributed
+from ..parallel import load_optimizer_state_dict, parallelize, shutdown_distributed
 from ..tokenizer import TOKENIZER_FILE, load_tokenizer
 from .config import RUN_CONFIG_FILE, TrainConfig, resume_changes, resume_refusal
 from .metrics import METRICS_FILE, MetricsLog, abridged, plot_losses
@@ -79,7 +80,7 @@ class Trainer:
 
     def _setup(self) -> None:
         cfg = self.cfg
-        init_dir = self._init_checkpoint()
+        init_dir = self.init_dir = self._init_checkpoint()
         self._open_run_dir()
         self.resume_from = self._resume_checkpoint()
         self.weights_from = self.resume_from or init_dir
@@ -180,20 +181,37 @@ class Trainer:
 
     def _build_model(self) -> Transformer:
         cfg = self.cfg
-        if self.weights_from is not None:
+        if cfg.lora.enabled:  # the base comes from init_from even on resume: a LoRA checkpoint holds adapters only
+            model = from_pretrained(self.init_dir, dtype=self._lora_base_dtype(), device=self.device,
+                                    attn_backend=cfg.attn_backend)
+        elif self.weights_from is not None:
             model = from_pretrained(self.weights_from, device=self.device, attn_backend=cfg.attn_backend)
-            model.deterministic = cfg.deterministic
+        else:
+            model = Transformer(cfg.model, cfg.attn_backend).to(self.device)
+        model.deterministic = cfg.deterministic
+        if cfg.lora.enabled or self.weights_from is not None:
             cfg.model = model.config
             if cfg.data.seq_len > cfg.model.max_seq_len:
                 raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) exceeds the model's "
                                   f"max_seq_len ({cfg.model.max_seq_len})")
-        else:
-            model = Transformer(cfg.model, cfg.attn_backend, cfg.deterministic).to(self.device)
         if self.tokenizer.vocab_size > cfg.model.vocab_size:
             raise ConfigError(f"the tokenizer has {self.tokenizer.vocab_size} tokens "
                               f"but model.vocab_size is {cfg.model.vocab_size}")
-        self._freeze(model)
+        if cfg.lora.enabled:
+            apply_lora(model, cfg.lora)
+            if self.resume_from is not None:
+                load_adapter_weights(model, read_adapter(self.resume_from)[1], self.resume_from)
+        else:
+            self._freeze(model)
         return model
+
+    def _lora_base_dtype(self) -> torch.dtype:
+        """The frozen base's dtype: it is loaded straight into it, so a bf16 base never exists in fp32."""
+        base_dtype = self.cfg.lora.base_dtype
+        if base_dtype == "bf16" and not self.bf16:
+            raise ConfigError(f"lora.base_dtype=bf16 needs bf16 autocast, which precision={self.cfg.precision} on "
+                              f"{self.device.type} does not give: set precision=bf16")
+        return torch.bfloat16 if base_dtype == "bf16" or (base_dtype == "auto" and self.bf16) else torch.float32
 
     def _freeze(self, model: Transformer) -> None:
         names = [name for name, _ in model.named_parameters()]
@@ -216,8 +234,9 @@ class Trainer:
         cfg = self.cfg
         print(yaml.safe_dump(abridged(config_to_dict(cfg)), sort_keys=False).rstrip())
         tokens_per_step = cfg.batch_size * cfg.data.seq_len
-        print(f"model: {self.model.num_params() / 1e6:.2f}M parameters | device: {self.device} x {self.env.world_size} "
-              f"| precision: {'bf16 autocast' if self.bf16 else 'fp32'}")
+        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        print(f"model: {self.model.num_params() / 1e6:.2f}M parameters ({trainable / 1e6:.2f}M trainable) | "
+              f"device: {self.device} x {self.env.world_size} | precision: {'bf16 autocast' if self.bf16 else 'fp32'}")
         print(f"data: {train_corpus.num_tokens:,} train tokens ({train_corpus.num_docs} docs), "
               f"{eval_corpus.num_tokens:,} eval tokens | {tokens_per_step:,} tokens/step, "
               f"grad accumulation {self.batches.grad_accum_steps}")
@@ -254,7 +273,11 @@ class Trainer:
 
     def save_checkpoint(self) -> str:
         """Write ``ckpt-<step>`` atomically (all ranks call it) and drop all but the newest keep_checkpoints."""
-        model_state, optimizer_state = full_state_dicts(self.wrapped, self.optimizer)
+        lora = self.cfg.lora if self.cfg.lora.enabled else None
+        if lora is not None:  # adapters only: the frozen base is never copied out
+            model_state, optimizer_state = None, full_optimizer_state_dict(self.wrapped, self.optimizer)
+        else:
+            model_state, optimizer_state = full_state_dicts(self.wrapped, self.optimizer)
         path = os.path.join(self.run_dir, f"ckpt-{self.step}")
         if self.env.is_main:
             state = {
@@ -265,7 +288,8 @@ class Trainer:
                 "rng": capture_rng(),
                 "config": config_to_dict(self.cfg),
             }
-            write_checkpoint(path, self._full_model(model_state), self.tokenizer, state)
+            model = self.model if lora is not None else self._full_model(model_state)
+            write_checkpoint(path, model, self.tokenizer, state, lora, self.init_dir)
             prune_checkpoints(self.run_dir, self.cfg.keep_checkpoints)
         barrier(self.env)
         return path

@@ -4,14 +4,16 @@
         clean_stale_writes(run_dir)        # what killed checkpoint / file writes left behind
         latest = latest_checkpoint(run_dir)
 
-A checkpoint ``ckpt-<step>/`` holds the weights as ``save_pretrained`` writes them plus
-``trainer_state.pt`` (optimizer, scheduler, RNG states, data position, step, config).
+A checkpoint ``ckpt-<step>/`` holds the weights as ``save_pretrained`` writes them (under LoRA only the
+adapters, as ``lora.write_adapter_files`` writes them) plus ``trainer_state.pt`` (optimizer, scheduler,
+RNG states, data position, step, config).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -23,7 +25,8 @@ import numpy as np
 import torch
 
 from ..fileio import atomic_directory
-from ..weights import write_pretrained_files
+from ..lora import LoRAConfig, write_adapter_files
+from ..weights import CheckpointError, write_pretrained_files
 from ..config import ConfigError
 
 try:
@@ -160,7 +163,8 @@ def checkpoint_steps(run_dir: str) -> list[int]:
     return sorted(int(m.group(1)) for m in map(_CHECKPOINT_NAME.match, os.listdir(run_dir)) if m)
 
 
-def write_checkpoint(path: str, model, tokenizer, state: dict) -> None:
+def write_checkpoint(path: str, model, tokenizer, state: dict, lora: LoRAConfig | None = None,
+                     base_dir: str | None = None) -> None:
     """Write weights, tokenizer and ``state`` as the checkpoint directory ``path``, atomically.
 
     Args:
@@ -168,9 +172,15 @@ def write_checkpoint(path: str, model, tokenizer, state: dict) -> None:
         model: the unsharded Transformer.
         tokenizer: saved beside the weights (generation and fine-tuning reuse it).
         state: the trainer state (``trainer_state.pt``).
+        lora, base_dir: for a model adapted with ``lora``: only its adapters are written, with a record
+            of the base checkpoint ``base_dir``.
     """
     with atomic_directory(path) as tmp:
-        write_pretrained_files(model, tmp, tokenizer=tokenizer)
+        if lora is not None:
+            write_adapter_files(model, tmp, lora, base_dir)
+            tokenizer.save(tmp)
+        else:
+            write_pretrained_files(model, tmp, tokenizer=tokenizer)
         torch.save(state, os.path.join(tmp, TRAINER_STATE_FILE))
 
 
@@ -181,8 +191,18 @@ def prune_checkpoints(run_dir: str, keep: int) -> None:
 
 
 def read_trainer_state(checkpoint: str) -> dict:
-    """The ``trainer_state.pt`` of a checkpoint directory, on CPU."""
-    return torch.load(os.path.join(checkpoint, TRAINER_STATE_FILE), map_location="cpu", weights_only=True)
+    """The ``trainer_state.pt`` of a checkpoint directory, on CPU; CheckpointError naming the file, and
+    the older checkpoint to fall back to, when it is missing or unreadable."""
+    path = os.path.join(checkpoint, TRAINER_STATE_FILE)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
+        run_dir = os.path.dirname(os.path.abspath(checkpoint))
+        older = [step for step in checkpoint_steps(run_dir) if f"ckpt-{step}" != os.path.basename(checkpoint)]
+        fallback = (f"; remove {checkpoint} to resume from ckpt-{older[-1]}" if older else
+                    "; no older checkpoint in the run to fall back to")
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise CheckpointError(f"{path} is unreadable ({reason}){fallback}") from None
 
 
 def capture_rng() -> dict:
