@@ -34,6 +34,14 @@ def _parse_dtype(dtype):
     return names[dtype]
 
 
+def _architecture_fields(model_fields):
+    """Our config.json's model section without ``attn_backend``, which configs written while it was a
+    model field hold: the caller's choice wins, as it always did."""
+    if isinstance(model_fields, dict):
+        return {name: value for name, value in model_fields.items() if name != "attn_backend"}
+    return model_fields
+
+
 def from_pretrained(path, dtype=None, device=None, attn_backend: str = "auto"):
     """Load a Transformer from our checkpoint directory, a Hugging Face one (detected by config.json), or a
     LoRA adapter checkpoint (its base with the adapters merged: a plain Transformer).
@@ -42,15 +50,13 @@ def from_pretrained(path, dtype=None, device=None, attn_backend: str = "auto"):
         path: checkpoint directory.
         dtype: torch.dtype or name ("bfloat16", ...) for floating tensors; None keeps the stored dtype.
         device: where to put the model (default CPU).
-        attn_backend: the loaded model's attention backend.
+        attn_backend: the loaded model's attention backend (a runtime choice; checkpoints hold none).
     Returns:
         A fully loaded Transformer: every tensor is checked before the model is returned.
     Raises:
         CheckpointError: missing / unexpected / misshapen tensors (all listed), unreadable files,
         an unsupported Hugging Face architecture.
     """
-    import dataclasses
-
     import torch
 
     from .config import load_config
@@ -70,20 +76,19 @@ def from_pretrained(path, dtype=None, device=None, attn_backend: str = "auto"):
     is_ours = config_json.get("format") == "flashformer"
     try:
         if is_ours:
-            cfg = load_config(ModelConfig, config_json.get("model"))
+            cfg = load_config(ModelConfig, _architecture_fields(config_json.get("model")))
         elif "model_type" in config_json:
             cfg = config_from_hf(config_json)
         else:
             raise ValueError("neither a flashformer config (format: flashformer) nor a Hugging Face one (model_type)")
     except ValueError as err:
         raise CheckpointError(f"{os.path.join(directory, CONFIG_FILE)}: {err}") from None
-    cfg = dataclasses.replace(cfg, attn_backend=attn_backend)
     tensors = {name.removeprefix(COMPILED_PREFIX): t for name, t in read_weights(directory).items()}
     if not is_ours:
         tensors = state_dict_from_hf(tensors, cfg)
     # Build on the meta device (no memory, no init cost), check everything, then adopt the tensors.
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(cfg, attn_backend=attn_backend)
     _check_tensors({name: t.shape for name, t in model.state_dict().items()}, tensors, directory)
     if dtype is not None:
         tensors = {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
@@ -110,7 +115,7 @@ def load_adapted(path, dtype=None, device=None, attn_backend: str = "auto"):
     if not os.path.isdir(base_dir):
         raise CheckpointError(f"{directory} adapts the base checkpoint {base_dir}, which is not there any more")
     model = from_pretrained(base_dir, dtype, device, attn_backend)
-    actual = {**config_to_dict(model.config), "attn_backend": base_model.get("attn_backend")}
+    actual, base_model = config_to_dict(model.config), _architecture_fields(base_model)
     if actual != base_model:
         changed = sorted(key for key in actual.keys() | base_model.keys() if actual.get(key) != base_model.get(key))
         raise CheckpointError(f"{directory} adapts {base_dir}, whose model config changed since ({', '.join(changed)})")

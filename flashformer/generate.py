@@ -8,8 +8,7 @@ import warnings
 
 import torch
 
-from .attention import resolve_backend
-from .kernels import flash_attn_with_kvcache
+from .attention import ATTN_BACKENDS, cached_attention, resolve_backend
 
 
 def _check_sampling_args(max_new_tokens, temperature, top_k, top_p):
@@ -48,19 +47,18 @@ def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator
 
 class _DeviceLengthCache:
     """A KVCache's buffers with its length kept on the device, one entry per row: a decoding step
-    through it reads no host value (the kernels' CUDA-graph-safe path), so it can be captured once
-    and replayed for every token. The model advances ``length`` in place after its layers ran."""
+    through it reads no host value (flash's CUDA-graph-safe path), so it can be captured once and
+    replayed for every token. The model advances ``length`` in place after its layers ran."""
 
     def __init__(self, cache):
         self.keys, self.values = cache.keys, cache.values
         self.length = torch.full((cache.keys[0].shape[0],), cache.length, dtype=torch.int32,
                                  device=cache.keys[0].device)
 
-    def attend(self, layer_idx, q, k, v, *, backend, window_size, softcap):
-        """As KVCache.attend, on the Triton path whatever ``backend`` (_check_cuda_graph checked it)."""
-        return flash_attn_with_kvcache(q, self.keys[layer_idx], self.values[layer_idx], k=k, v=v,
-                                       cache_seqlens=self.length, causal=True, window_size=window_size,
-                                       softcap=softcap, check_lengths=False)
+    def attend(self, layer_idx, q, k, v, **attention_kwargs):
+        """As KVCache.attend (``backend`` must be flash's: _check_cuda_graph checked it)."""
+        return cached_attention(q, k, v, self.keys[layer_idx], self.values[layer_idx], self.length,
+                                **attention_kwargs)
 
 
 def _decode_step(model, tokens, cache):
@@ -98,7 +96,7 @@ class _GraphedDecodeStep:
 def _check_cuda_graph(model, device):
     if device.type != "cuda":
         raise ValueError(f"cuda_graph=True needs the model on a CUDA device, not {device}")
-    if resolve_backend(model.attn_backend, device) not in ("flash", "flash-nondeterministic"):
+    if resolve_backend(model.attn_backend) != "flash":
         raise ValueError(f"cuda_graph=True needs attn_backend='flash', got {model.attn_backend!r}")
     if model.rope is not None and model.rope.is_dynamic:
         raise ValueError("cuda_graph=True cannot run dynamic-NTK RoPE: it reads the longest position on the host")
@@ -133,7 +131,8 @@ def generate(model, input_ids, max_new_tokens, temperature=1.0, top_k=None, top_
     if prompt_len == 0:
         raise ValueError("input_ids must hold at least one prompt token")
     total = prompt_len + max_new_tokens
-    if total > model.config.max_seq_len:
+    dynamic_rope = model.rope is not None and model.rope.is_dynamic  # made to stretch past max_seq_len
+    if total > model.config.max_seq_len and not dynamic_rope:
         if model.config.pos == "learned":
             raise ValueError(f"prompt + max_new_tokens = {total} exceeds max_seq_len={model.config.max_seq_len}, the "
                              "positions this model has embeddings for: shorten the prompt or max_new_tokens")
@@ -216,11 +215,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the model runs")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="weights' dtype (default: as stored)")
+    parser.add_argument("--attn-backend", default="auto", choices=ATTN_BACKENDS,
+                        help="attention implementation (auto is flash)")
     parser.add_argument("--cuda-graph", action="store_true",
                         help="replay one CUDA graph per token (CUDA and attn_backend=flash only)")
     args = parser.parse_args(argv)
 
-    model = from_pretrained(args.checkpoint, dtype=args.dtype, device=args.device)
+    model = from_pretrained(args.checkpoint, dtype=args.dtype, device=args.device, attn_backend=args.attn_backend)
     tokenizer = load_tokenizer(args.checkpoint)
     eos_id = tokenizer.eos_id
     prompt_ids = tokenizer.encode(args.prompt)

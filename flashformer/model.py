@@ -13,7 +13,8 @@
 
 The model is single-device and knows nothing of parallelism: ``model.blocks`` is a plain ModuleList
 that data / tensor parallelism and activation checkpointing wrap from outside. Attention goes
-through ``flashformer.attention.attention``, selected by ``model.attn_backend`` at every forward.
+through ``flashformer.attention``, selected by ``model.attn_backend`` (with ``model.deterministic`` for
+the flash backward) at every forward: runtime choices, not part of the config.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class Attention(nn.Module):
         scalar = config.query_pre_attn_scalar
         self.softmax_scale = None if scalar in (None, config.head_dim) else scalar ** -0.5
 
-    def forward(self, x, rope_cos_sin, backend, cu_seqlens=None, max_seqlen=None, kv_cache=None):
+    def forward(self, x, rope_cos_sin, backend, deterministic, cu_seqlens=None, max_seqlen=None, kv_cache=None):
         batch, seqlen, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.qk_norm == "across_heads":
@@ -96,7 +97,8 @@ class Attention(nn.Module):
         if kv_cache is not None:
             out = kv_cache.attend(self.layer_idx, q, k, v, **options)
         else:
-            out = attention(q, k, v, causal=True, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, **options)
+            out = attention(q, k, v, causal=True, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                            deterministic=deterministic, **options)
         return self.o_proj(out.reshape(batch, seqlen, self.n_head * self.head_dim))
 
 
@@ -116,9 +118,9 @@ class Block(nn.Module):
         self.mlp = MLP(config)
         self.mlp_post_norm = make_norm(config) if post else nn.Identity()
 
-    def forward(self, x, rope_cos_sin, backend, cu_seqlens=None, max_seqlen=None, kv_cache=None):
-        x = x + self.attn_post_norm(self.attn(self.attn_norm(x), rope_cos_sin, backend, cu_seqlens, max_seqlen,
-                                              kv_cache))
+    def forward(self, x, rope_cos_sin, backend, deterministic, cu_seqlens=None, max_seqlen=None, kv_cache=None):
+        x = x + self.attn_post_norm(self.attn(self.attn_norm(x), rope_cos_sin, backend, deterministic, cu_seqlens,
+                                              max_seqlen, kv_cache))
         return x + self.mlp_post_norm(self.mlp(self.mlp_norm(x)))
 
 
@@ -135,13 +137,17 @@ class Transformer(nn.Module):
 
     Args:
         config: a ModelConfig (validated here).
+        attn_backend: one of attention.ATTN_BACKENDS; an attribute that may change between calls.
+        deterministic: whether the flash backward gives bit-identical gradients run after run (the
+            faster non-deterministic one adds dQ in arrival order); an attribute too.
     """
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, attn_backend: str = "auto", deterministic: bool = True):
         super().__init__()
         config.validate()
         self.config = config
-        self.attn_backend = config.attn_backend
+        self.attn_backend = attn_backend
+        self.deterministic = deterministic
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_embed = nn.Embedding(config.max_seq_len, config.d_model) if config.pos == "learned" else None
         self.rope = self.local_rope = None
@@ -173,7 +179,7 @@ class Transformer(nn.Module):
 
     @attn_backend.setter
     def attn_backend(self, backend: str):
-        resolve_backend(backend, torch.device("cpu"))  # validates the name
+        resolve_backend(backend)  # validates the name
         self._attn_backend = backend
 
     @property
@@ -234,7 +240,7 @@ class Transformer(nn.Module):
             if self.local_rope is not None:
                 rope["sliding"] = self.local_rope(position_ids)
         for block, kind in zip(self.blocks, self.layer_kinds):
-            x = block(x, rope[kind], self.attn_backend, cu_seqlens, max_seqlen, kv_cache)
+            x = block(x, rope[kind], self.attn_backend, self.deterministic, cu_seqlens, max_seqlen, kv_cache)
         if kv_cache is not None:
             kv_cache.length += seqlen
         return self.final_norm(x)

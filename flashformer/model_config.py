@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, Optional
 
-from .attention import ATTN_BACKENDS
 from .config import ConfigError
 from .families import FAMILY_NAMES, check_family, default_layer_types, family_defaults
 from .kernels.sizes import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, MIN_HEAD_DIM
@@ -18,7 +17,7 @@ from .rope import normalize_rope_scaling
 
 _CHOICES = {"family": FAMILY_NAMES, "norm": ("layernorm", "rmsnorm", "offset_rmsnorm"),
             "norm_placement": ("pre", "post", "both"), "mlp": ("gelu", "swiglu", "geglu"), "pos": ("learned", "rope"),
-            "qk_norm": ("none", "per_head", "across_heads"), "attn_backend": ATTN_BACKENDS}
+            "qk_norm": ("none", "per_head", "across_heads")}
 
 
 @dataclasses.dataclass
@@ -64,7 +63,6 @@ class ModelConfig:
     attn_softcap: Optional[float] = None  # 0 disables it
     logit_softcap: Optional[float] = None  # final logits become c * tanh(logits / c); 0 disables it
     query_pre_attn_scalar: Optional[int] = None  # softmax scale is its ** -0.5; None: head_dim (Gemma sets it)
-    attn_backend: Literal["auto", "flash", "flash-nondeterministic", "reference", "sdpa", "naive"] = "auto"
     init_std: float = 0.02
 
     def __post_init__(self):

@@ -123,11 +123,12 @@ def _attn_fwd_kernel(
 
     # A row that saw no key: output 0 and lse = -inf (log of an empty sum).
     empty = row_sum == 0.0
+    nonzero_sum = tl.where(empty, 1.0, row_sum)  # the interpreter (numpy) warns on log2(0)
     if HAS_DROPOUT:
-        acc = acc * (dropout_rescale / tl.where(empty, 1.0, row_sum))[:, None]
+        acc = acc * (dropout_rescale / nonzero_sum)[:, None]
     else:
-        acc = acc / tl.where(empty, 1.0, row_sum)[:, None]
-    lse = tl.where(empty, float("-inf"), (row_max + tl.log2(row_sum)) * 0.6931471805599453)
+        acc = acc / nonzero_sum[:, None]
+    lse = tl.where(empty, float("-inf"), (row_max + tl.log2(nonzero_sum)) * 0.6931471805599453)
     o_desc.store([m0, 0], narrow(acc, O.dtype.element_ty))
     tl.store(LSE + batch * stride_lse_b + q_start + head * stride_lse_h + rows, lse, mask=rows < seqlen_q)
 

@@ -17,12 +17,12 @@ Force one with ``FLASHFORMER_KERNEL=gluon|triton|torch`` (process-wide) or ``wit
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Optional
 
 import torch
 
 from .reference import attention_probabilities, attention_tiled, dropout_keep_mask
+from . import settings
 
 KERNEL_IMPLS = ("gluon", "triton", "torch")
 # Triton releases whose Gluon API and code generation the Hopper kernels were checked on (the H200 runs
@@ -70,14 +70,13 @@ def hopper_gluon_available(device_index: int) -> bool:
 
 def kernel_impl(device: torch.device) -> str:
     """Which implementation runs for tensors on ``device``: "gluon", "triton" or "torch"."""
-    forced = _forced_impl or os.environ.get("FLASHFORMER_KERNEL", "auto")
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    forced = _forced_impl or settings.forced_kernel()
     if forced in KERNEL_IMPLS:
         if forced == "gluon" and not (device.type == "cuda" and hopper_gluon_available(
                 device.index if device.index is not None else torch.cuda.current_device())):
             raise ValueError(f"FLASHFORMER_KERNEL=gluon: the Gluon kernels need an sm_90 CUDA device and Triton "
                              f"{' or '.join(v + 'x' for v in GLUON_TRITON_VERSIONS)}; tensors are on {device}")
-        if forced == "triton" and device.type != "cuda" and not interpreted:
+        if forced == "triton" and device.type != "cuda" and not settings.INTERPRETED:
             raise ValueError(f"FLASHFORMER_KERNEL=triton with tensors on {device}: the Triton kernels run on CUDA "
                              "devices, or on CPU in Triton's interpreter (set TRITON_INTERPRET=1 before the first "
                              "import of triton)")
@@ -87,7 +86,7 @@ def kernel_impl(device: torch.device) -> str:
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         return "gluon" if hopper_gluon_available(index) else "triton"
-    if interpreted:
+    if settings.INTERPRETED:
         return "triton"
     return "torch"
 

@@ -6,16 +6,14 @@ Which tile shapes a launch uses is tuning.py's choice.
 
 from __future__ import annotations
 
-import os
 import threading
 
 import torch
 import triton
 from triton.runtime._allocation import _allocator, NullAllocator
 
+from .settings import INTERPRETED, POISON_AT_IMPORT
 from .sizes import cdiv, next_power_of_2
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _torch_allocator(size, alignment, stream):
@@ -40,9 +38,8 @@ def as_descriptor_compatible(t):
     return t if ok else t.contiguous()
 
 
-# Tests turn this on (FLASHFORMER_POISON=1 at import, or set the attribute); read once here because
-# an environment lookup costs ~2 µs and a decoding step allocates four outputs.
-POISON_OUTPUTS = os.environ.get("FLASHFORMER_POISON") == "1"
+# Tests turn this on (FLASHFORMER_POISON=1 at import, or set the attribute).
+POISON_OUTPUTS = POISON_AT_IMPORT
 
 
 def new_output(like, shape=None, dtype=None):

@@ -1,11 +1,11 @@
 """Tile-level helpers shared by the forward and backward kernels."""
 
-import os
-
 import triton
 import triton.language as tl
 
-ROUND_BF16_ON_BITS = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+from .settings import INTERPRETED
+
+ROUND_BF16_ON_BITS = tl.constexpr(INTERPRETED)
 
 
 @triton.jit

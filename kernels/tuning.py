@@ -13,6 +13,7 @@ import os
 import torch
 import triton
 
+from .settings import autotune_enabled
 from .sizes import WIDE_HEAD_DIM
 
 # Block sizes when the kernels run in Triton's interpreter (CPU): a fixed config, small enough to
@@ -202,4 +203,4 @@ AUTOTUNE_MIN_SEQLEN = 2048
 
 def autotunes(seqlen_bucket):
     """Whether a launch the offline table does not cover goes through the autotuner."""
-    return os.environ.get("FLASHFORMER_AUTOTUNE", "1") != "0" and seqlen_bucket >= AUTOTUNE_MIN_SEQLEN
+    return autotune_enabled() and seqlen_bucket >= AUTOTUNE_MIN_SEQLEN

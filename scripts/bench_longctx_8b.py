@@ -71,12 +71,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def model_config(args) -> ModelConfig:
     if args.full:
-        return load_config(ModelConfig, FULL_MODEL_CONFIG, [f"max_seq_len={max(args.tokens, 131072)}",
-                                                            f"attn_backend={args.attn_backend}"])
+        return load_config(ModelConfig, FULL_MODEL_CONFIG, [f"max_seq_len={max(args.tokens, 131072)}"])
     return ModelConfig(family="llama", vocab_size=args.vocab, d_model=args.d_model, n_layer=args.layers,
                        n_head=args.heads, n_kv_head=args.kv_heads, head_dim=args.head_dim, d_ff=args.d_ff,
-                       max_seq_len=args.tokens, rope_theta=500000.0, tie_embeddings=False,
-                       attn_backend=args.attn_backend)
+                       max_seq_len=args.tokens, rope_theta=500000.0, tie_embeddings=False)
 
 
 @contextlib.contextmanager
@@ -89,10 +87,10 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-def build_model(config: ModelConfig, lora: LoRAConfig | None, device: torch.device) -> Transformer:
+def build_model(config: ModelConfig, lora: LoRAConfig | None, device: torch.device, attn_backend: str) -> Transformer:
     """Random weights allocated on ``device`` in their final dtype: bf16 for a LoRA base, fp32 otherwise."""
     with torch.device(device), default_dtype(torch.float32 if lora is None else torch.bfloat16):
-        model = Transformer(config)
+        model = Transformer(config, attn_backend=attn_backend)
     return model if lora is None else apply_lora(model, lora)
 
 
@@ -131,7 +129,7 @@ def run(args, record: dict) -> None:
     label = "llama-1b full fine-tune" if args.full else f"{config.n_layer}-layer LoRA rank {args.lora_rank}"
     record.update(model=label, tokens=args.tokens, offload=args.offload, device=str(device),
                   estimated_peak_gb=plan["estimated_peak"] / GB)
-    model = build_model(config, lora, device)
+    model = build_model(config, lora, device, args.attn_backend)
     apply_activation_checkpointing(model, offload=args.offload)
     optimizer = build_optimizer(model, OptimConfig(lr=1e-4, warmup_steps=0))
     ids = torch.randint(0, config.vocab_size, (1, args.tokens + 1), device=device)

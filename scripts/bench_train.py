@@ -1,9 +1,10 @@
 """End-to-end training throughput: one recipe, several attention paths, side by side in one process.
 
 Runs `flashformer.train` for a few hundred steps per (seqlen, attention path) and reports the median
-tokens/s and MFU of the logged steps after warm-up. "sdpa-flash" and "sdpa-cudnn" are
-attn_backend=sdpa pinned to one torch backend with ``sdpa_kernel``. Data: the embedded stdlib corpus
-(throughput does not depend on which tokens are trained on), so nothing is downloaded.
+tokens/s and MFU of the logged steps after warm-up. "flash-nondet" is attn_backend=flash with the
+non-deterministic backward (deterministic=false); "sdpa-flash" and "sdpa-cudnn" are attn_backend=sdpa
+pinned to one torch backend with ``sdpa_kernel``. Data: the embedded stdlib corpus (throughput does
+not depend on which tokens are trained on), so nothing is downloaded.
 
     python scripts/bench_train.py configs/gpt2-124m.yaml --seqlens 1024 4096 --steps 200
 
@@ -26,11 +27,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from flashformer.profiling import kernel_times
 from flashformer.train import Trainer, load_train_config, read_metrics, train
 
+# path -> (attn_backend, deterministic, the torch backend an sdpa path is pinned to)
 PATHS = {
-    "flash": ("flash", None),
-    "flash-nondet": ("flash-nondeterministic", None),
-    "sdpa-flash": ("sdpa", SDPBackend.FLASH_ATTENTION),
-    "sdpa-cudnn": ("sdpa", SDPBackend.CUDNN_ATTENTION),
+    "flash": ("flash", True, None),
+    "flash-nondet": ("flash", False, None),
+    "sdpa-flash": ("sdpa", True, SDPBackend.FLASH_ATTENTION),
+    "sdpa-cudnn": ("sdpa", True, SDPBackend.CUDNN_ATTENTION),
 }
 
 
@@ -41,8 +43,10 @@ MATMUL_KERNELS = ("gemm", "cutlass", "nvjet", "sm90_xmma", "matmul")
 def bench_config(recipe, seqlen, path, steps, tokens_per_step, extra, out_dir):
     """The recipe with this bench's overrides: one GPU, stdlib data, eager, nothing but training."""
     batch = max(1, tokens_per_step // seqlen)
+    backend, deterministic, _ = PATHS[path]
     overrides = [
-        f"model.attn_backend={PATHS[path][0]}", f"data.seq_len={seqlen}", f"model.max_seq_len={max(seqlen, 1024)}",
+        f"attn_backend={backend}", f"deterministic={str(deterministic).lower()}",
+        f"data.seq_len={seqlen}", f"model.max_seq_len={max(seqlen, 1024)}",
         f"batch_size={batch}", f"micro_batch_size={batch}", f"steps={steps}", f"out_dir={out_dir}",
         "data.source=stdlib", "data.tokenizer=null", "parallel.mode=none", "log_every=10",
         f"eval_every={steps}", "eval_batches=1", f"ckpt_every={steps}", "keep_checkpoints=1",
@@ -53,7 +57,7 @@ def bench_config(recipe, seqlen, path, steps, tokens_per_step, extra, out_dir):
 
 def _pinned(path):
     """The sdpa_kernel context that pins an "sdpa-*" path to its torch backend (none for ours)."""
-    sdpa_backend = PATHS[path][1]
+    sdpa_backend = PATHS[path][2]
     return sdpa_kernel(sdpa_backend) if sdpa_backend is not None else contextlib.nullcontext()
 
 

@@ -36,10 +36,10 @@ from flashformer.train.step import lm_loss, train_step
 
 
 def build(config_path, overrides, seqlen, device):
-    config = load_config(ModelConfig, config_path, [*overrides, "attn_backend=flash"])
+    config = load_config(ModelConfig, config_path, overrides)
     config = dataclasses.replace(config, max_seq_len=max(config.max_seq_len, seqlen))
     torch.manual_seed(0)  # the same weights on every rank
-    return Transformer(config).to(device)
+    return Transformer(config, attn_backend="flash").to(device)
 
 
 def local_batch(input_ids, targets, group) -> Batch:

@@ -2,7 +2,7 @@
 
 Every cell is one training step (forward, backward, AdamW step) of a model config at one sequence
 length, for one attention backend with or without activation checkpointing. The linear-memory
-backends (flash, reference) also run the LM head and cross-entropy in chunks (``Transformer.loss``
+backend (flash) also runs the LM head and cross-entropy in chunks (``Transformer.loss``
 with a forced chunk size); the other columns materialize the (tokens x vocab) logits, as a plain
 training loop does. ``--no-chunked-loss`` materializes them everywhere.
 
@@ -18,7 +18,7 @@ An out-of-memory error, or a child killed by the kernel, marks the cell "OOM" an
 growing; the sweep ends when every column has stopped or ``--max`` is reached.
 
     python scripts/memory_savings.py --config configs/models/llama-125m.yaml --out memory.json  # GPU: 1k .. 1M
-    python scripts/memory_savings.py --set n_head=2 --seqlens 1024 4096 --backends naive reference  # CPU demo
+    python scripts/memory_savings.py --set n_head=2 --seqlens 1024 4096 --backends naive flash  # CPU demo
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from flashformer.attention import ATTN_BACKENDS, FLASH_BACKENDS, resolve_backend
+from flashformer.attention import ATTN_BACKENDS
 from flashformer.config import config_to_dict, load_config
 from flashformer.batches import Batch
 from flashformer.losses import default_chunk_size
@@ -51,7 +51,7 @@ PEAK_UNITS = {"cuda": "GB", "cpu": "MB"}
 PEAK_MEASURES = {"cuda": "torch.cuda.max_memory_allocated() of the timed step (bf16 autocast, fused AdamW)",
                  "cpu": "peak RSS of the process above its peak once model and optimizer were built (fp32)"}
 # Backends whose attention memory grows linearly with the sequence; they get the chunked LM head.
-LINEAR_MEMORY_BACKENDS = FLASH_BACKENDS
+LINEAR_MEMORY_BACKENDS = ("flash",)
 # ru_maxrss is in kilobytes on Linux, in bytes on macOS.
 RU_MAXRSS_BYTES = 1 if sys.platform == "darwin" else 1024
 # RuntimeError texts of a failed allocation: the CPU allocator's, CUDA's, cuBLAS's.
@@ -114,11 +114,11 @@ def measure_cell(cell: dict) -> dict:
     """
     device = torch.device(cell["device"])
     seqlen = cell["seqlen"]
-    config = load_config(ModelConfig, cell["config"], cell["overrides"] + [f"attn_backend={cell['backend']}"])
+    config = load_config(ModelConfig, cell["config"], cell["overrides"])
     # Longer than the config's context: learned position tables must grow; memory is what is measured.
     config = dataclasses.replace(config, max_seq_len=max(config.max_seq_len, seqlen))
     torch.manual_seed(0)
-    model = Transformer(config).to(device)
+    model = Transformer(config, attn_backend=cell["backend"]).to(device)
     if cell["checkpointing"]:
         apply_activation_checkpointing(model)
     on_cuda = device.type == "cuda"
@@ -304,7 +304,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.cell is None:
         args.config = args.config or os.path.join(REPO_ROOT, DEFAULT_CONFIGS[args.device])
-        args.backends = args.backends or ["naive", "sdpa", resolve_backend("auto", torch.device(args.device))]
+        args.backends = args.backends or ["naive", "sdpa", "flash"]
         if args.seqlens is None:
             longest = args.max or DEFAULT_MAX_SEQLEN[args.device]
             args.seqlens = [args.start * 2**i for i in range((longest // args.start).bit_length())]

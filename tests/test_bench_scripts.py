@@ -239,7 +239,7 @@ def test_memory_plan_block_estimate_is_what_autograd_saves(lora_rank):
     x = model.embed(torch.randint(0, 128, (1, tokens))).detach().requires_grad_(True)
     rope = model.rope(torch.arange(tokens)[None])
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.blocks[0](x, rope, model.attn_backend)
+        model.blocks[0](x, rope, model.attn_backend, model.deterministic)
     for shared in (x, *rope):  # the block's input and the rotary tables belong to the model, not the block
         saved.pop(shared.untyped_storage().data_ptr(), None)
     residual_bytes = x.element_size()

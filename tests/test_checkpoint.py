@@ -14,7 +14,7 @@ from flashformer.tokenizer import HFTokenizer, train_bpe
 from flashformer.weights import CheckpointError, save_pretrained
 
 CONFIG = ModelConfig(family="llama", vocab_size=300, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=96,
-                     max_seq_len=64, attn_backend="reference")
+                     max_seq_len=64)
 
 
 def tiny_model(**overrides):
@@ -32,7 +32,7 @@ def test_round_trip_with_tokenizer(tmp_path):
     tokenizer = train_bpe(["hello world, hello tokenizer"] * 20, 270, tmp_path / "tok.json")
     model.save_pretrained(tmp_path / "ckpt", tokenizer=tokenizer)
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["config.json", "model.safetensors", "tokenizer.json"]
-    loaded = flashformer.from_pretrained(tmp_path / "ckpt", attn_backend="reference")
+    loaded = flashformer.from_pretrained(tmp_path / "ckpt")
     assert loaded.config == model.config
     assert torch.equal(logits(loaded), logits(model))
     assert HFTokenizer(tmp_path / "ckpt" / "tokenizer.json").encode("hello") == tokenizer.encode("hello")
@@ -47,6 +47,18 @@ def test_dtype_device_and_backend_on_load(tmp_path):
     assert (logits(loaded).float() - logits(model)).abs().max() < 0.1
 
 
+@pytest.mark.parametrize("stored", ["auto", "flash-nondeterministic", "reference"])
+def test_attn_backend_is_not_a_checkpoint_field(tmp_path, stored):
+    """config.json holds no attn_backend; one written while it was a model field (any value it had) loads,
+    and the loader's choice wins."""
+    save_pretrained(tiny_model(), tmp_path)
+    config_json = json.loads((tmp_path / "config.json").read_text())
+    assert "attn_backend" not in config_json["model"]
+    config_json["model"]["attn_backend"] = stored
+    (tmp_path / "config.json").write_text(json.dumps(config_json))
+    assert flashformer.from_pretrained(tmp_path, attn_backend="sdpa").attn_backend == "sdpa"
+
+
 @pytest.mark.parametrize("format", ["flashformer", "hf"])
 def test_sharding(tmp_path, format):
     model = tiny_model()
@@ -58,7 +70,7 @@ def test_sharding(tmp_path, format):
     assert set(index["weight_map"].values()) == set(shards)
     assert index["metadata"]["total_size"] == sum(p.numel() * 4 for p in model.parameters())
     assert "model.safetensors" not in files
-    loaded = flashformer.from_pretrained(tmp_path / "ckpt", attn_backend="reference")
+    loaded = flashformer.from_pretrained(tmp_path / "ckpt")
     assert torch.equal(logits(loaded), logits(model))
 
 

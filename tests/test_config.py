@@ -115,5 +115,20 @@ def test_model_config_did_you_mean_and_validation():
         load_config(ModelConfig, {"pos": "learned", "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
     with pytest.raises(ConfigError, match="sliding_window"):
         ModelConfig(sliding_window=0).validate()
-    with pytest.raises(ConfigError, match="attn_backend"):
-        ModelConfig(attn_backend="cuda").validate()
+
+
+def test_attn_backend_and_deterministic_are_training_options():
+    """Top-level keys of a recipe; ``model.attn_backend`` (where recipes and run configs put it while it was
+    a model field) still sets it, and a retired backend name says what replaces it."""
+    from flashformer.train import load_train_config
+
+    assert (load_train_config().attn_backend, load_train_config().deterministic) == ("auto", True)
+    assert load_train_config({"model": {"attn_backend": "sdpa", "n_layer": 2}}).attn_backend == "sdpa"
+    assert load_train_config(overrides=["model.attn_backend=naive"]).attn_backend == "naive"
+    cfg = load_train_config(overrides=["attn_backend=flash", "deterministic=false"])
+    assert (cfg.attn_backend, cfg.deterministic) == ("flash", False)
+    with pytest.raises(ConfigError, match="attn_backend='cuda'"):
+        load_train_config(overrides=["attn_backend=cuda"])
+    with pytest.raises(ConfigError, match="'flash-nondeterministic' is no longer a backend: use attn_backend='flash' "
+                                          "with deterministic=False"):
+        load_train_config({"model": {"attn_backend": "flash-nondeterministic"}})

@@ -107,13 +107,13 @@ def test_load_hf_checkpoint_and_export_back(name, tmp_path):
     hf_model.save_pretrained(tmp_path / "hf")
     input_ids = torch.randint(0, VOCAB, (2, SEQLEN), generator=torch.Generator().manual_seed(1))
 
-    ours = flashformer.from_pretrained(tmp_path / "hf", attn_backend="reference")
+    ours = flashformer.from_pretrained(tmp_path / "hf")
     assert_same_model(hf_model, ours, input_ids)
 
     ours.save_pretrained(tmp_path / "exported", format="hf")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "exported", attn_implementation="eager").eval()
     assert_same_model(reloaded, ours, input_ids)
-    assert flashformer.from_pretrained(tmp_path / "exported", attn_backend="reference").config == ours.config
+    assert flashformer.from_pretrained(tmp_path / "exported").config == ours.config
 
 
 class _RopeConfig:
@@ -171,7 +171,7 @@ def test_llama32_shaped_model_equals_transformers_at_long_positions(tmp_path):
         head_dim=64, max_position_embeddings=131072, rope_theta=500000.0, rope_scaling=dict(LLAMA32_ROPE),
         tie_word_embeddings=True, **COMMON))
     hf_model.save_pretrained(tmp_path)
-    ours = flashformer.from_pretrained(tmp_path, attn_backend="reference")
+    ours = flashformer.from_pretrained(tmp_path)
     assert ours.config.rope_scaling == LLAMA32_ROPE and ours.config.max_seq_len == 131072
     input_ids = torch.randint(0, VOCAB, (2, SEQLEN), generator=torch.Generator().manual_seed(1))
     assert_same_model(hf_model, ours, input_ids)

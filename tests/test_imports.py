@@ -56,7 +56,8 @@ LAYERS = [
     ("kernels: tile-shape policy, launch mechanics", ["flashformer.kernels.tuning", "flashformer.kernels.launch"]),
     ("kernels: tile helpers, PyTorch reference, packing",
      ["flashformer.kernels.tile_ops", "flashformer.kernels.reference", "flashformer.kernels.packing"]),
-    ("kernels: masks, head sizes", ["flashformer.kernels.masking", "flashformer.kernels.sizes"]),
+    ("kernels: masks, head sizes, environment variables",
+     ["flashformer.kernels.masking", "flashformer.kernels.sizes", "flashformer.kernels.settings"]),
 ]
 LAYER_OF = {module: index for index, (_, modules) in enumerate(LAYERS) for module in modules}
 

@@ -9,7 +9,7 @@ import torch
 from attention_checks import assert_matches_reference
 
 from flashformer.kernels import flash_attn_func, interface, kernel_impl
-from flashformer.kernels import reference
+from flashformer.kernels import reference, settings
 
 
 def _qkv(batch=1, seqlen_q=16, seqlen_k=16, heads_q=4, heads_kv=2, head_dim=32, dtype=torch.float16):
@@ -53,9 +53,9 @@ def test_path_choice_is_one_switch(monkeypatch):
     monkeypatch.setenv("FLASHFORMER_KERNEL", "torch")
     assert kernel_impl(cpu) == "torch"
     monkeypatch.setenv("FLASHFORMER_KERNEL", "triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(settings, "INTERPRETED", True)  # TRITON_INTERPRET=1 when the kernels were imported
     assert kernel_impl(cpu) == "triton"
-    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(settings, "INTERPRETED", False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         kernel_impl(cpu)
     monkeypatch.setenv("FLASHFORMER_KERNEL", "gluon")

@@ -31,7 +31,7 @@ def both_paths(fn):
     return fn(), torch_result
 
 
-@pytest.mark.parametrize("rows,vocab", [(1, 1), (7, 63), (5, 64), (33, 1000), (4, 5000)])
+@pytest.mark.parametrize("rows,vocab", [(1, 1), (7, 63), (5, 64), (6, 1000), (4, 5000)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias,softcap", [(False, 0.0), (True, 0.0), (True, 3.0)])
 def test_rows_match_fp64(rows, vocab, dtype, bias, softcap, device, triton_path):

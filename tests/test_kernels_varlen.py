@@ -29,9 +29,9 @@ def _per_sequence(q, k, v, cu_q, cu_k, grad_out, upcast, **opts):
 
 
 CASES = [  # (q lengths, k lengths or None for the same), heads, head_dim, causal, window, softcap, dtype
-    ([5, 0, 130, 1, 67], None, (8, 2), 64, True, (-1, -1), 0.0, torch.bfloat16),
-    ([33, 97, 0], [40, 97, 3], (8, 8), 40, False, (-1, -1), 0.0, torch.float16),
-    ([1, 200, 64], [17, 150, 64], (8, 1), 128, True, (20, -1), 0.0, torch.float16),
+    ([5, 0, 130, 1, 67], None, (4, 2), 64, True, (-1, -1), 0.0, torch.bfloat16),
+    ([33, 97, 0], [40, 97, 3], (2, 2), 40, False, (-1, -1), 0.0, torch.float16),
+    ([1, 200, 64], [17, 150, 64], (4, 1), 128, True, (20, -1), 0.0, torch.float16),
     ([77, 3], None, (4, 2), 80, False, (16, 4), 10.0, torch.bfloat16),
 ]
 
@@ -97,8 +97,8 @@ def test_varlen_partial_key_tiles_with_negative_scores(lengths_q, lengths_k, win
                                                        triton_path):
     head_dim = 64
     offset = 30**0.5 / head_dim**0.25
-    q = (torch.randn(sum(lengths_q), 4, head_dim, device=device) + offset).half()
-    k = (torch.randn(sum(lengths_k), 2, head_dim, device=device) - offset).half()
+    q = (torch.randn(sum(lengths_q), 2, head_dim, device=device) + offset).half()
+    k = (torch.randn(sum(lengths_k), 1, head_dim, device=device) - offset).half()
     v = torch.randn_like(k)
     _assert_varlen_matches(q, k, v, lengths_q, lengths_k, deterministic, window_size=window)
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from flashformer.attention import attention
 from flashformer.config import ConfigError
+from flashformer.kernels import force_kernel_impl
 from flashformer.model import ModelConfig, Transformer
 
 GPT2_LIKE = dict(family="gpt2", norm="layernorm", mlp="gelu", pos="learned", qkv_bias=True, o_bias=True,
@@ -39,6 +40,12 @@ def logits_and_grads(model, input_ids, backend, **forward_kwargs):
     return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
+def reference_logits_and_grads(model, input_ids):
+    """flash on the kernels' PyTorch path, whatever the device: the reference every backend meets."""
+    with force_kernel_impl("torch"):
+        return logits_and_grads(model, input_ids, "flash")
+
+
 def assert_close_all(reference, other, atol):
     ref_logits, ref_grads = reference
     logits, grads = other
@@ -51,7 +58,7 @@ def assert_close_all(reference, other, atol):
 def test_backends_agree(family):
     model = tiny_model(**family)
     input_ids = torch.randint(0, 101, (2, 40))
-    reference = logits_and_grads(model, input_ids, "reference")
+    reference = reference_logits_and_grads(model, input_ids)
     for backend in ("sdpa", "naive", "auto"):
         assert_close_all(reference, logits_and_grads(model, input_ids, backend), atol=2e-5)
 
@@ -60,28 +67,32 @@ def test_softcap_backends_agree():
     """Gemma 2's attention softcap over its alternating sliding-window / full layers."""
     model = tiny_model(family="gemma2", n_kv_head=2, sliding_window=7, d_ff=96, attn_softcap=5.0)
     input_ids = torch.randint(0, 101, (1, 24))
-    assert_close_all(logits_and_grads(model, input_ids, "reference"), logits_and_grads(model, input_ids, "naive"),
+    assert_close_all(reference_logits_and_grads(model, input_ids), logits_and_grads(model, input_ids, "naive"),
                      atol=2e-5)
     model.attn_backend = "sdpa"
     with pytest.raises(ValueError, match="softcap"):
         model(input_ids)
 
 
-@pytest.mark.parametrize("backend", ["flash", "flash-nondeterministic"])
-def test_flash_backend_matches_reference(backend, device, triton_path):
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "nondeterministic"])
+def test_flash_backend_matches_reference(deterministic, device, triton_path):
     model = tiny_model(n_layer=1, **LLAMA_LIKE).to(device)
     input_ids = torch.randint(0, 101, (1, 20), device=device)
-    reference = logits_and_grads(model, input_ids, "reference")
-    assert_close_all(reference, logits_and_grads(model, input_ids, backend), atol=1e-4)
+    reference = reference_logits_and_grads(model, input_ids)
+    model.deterministic = deterministic
+    assert_close_all(reference, logits_and_grads(model, input_ids, "flash"), atol=1e-4)
 
 
 def model_on_backend(family, backend, device, monkeypatch):
     """(tiny model, its device): "flash" on the Triton kernels on the test device (the interpreter on
-    CPU), the PyTorch backends on CPU."""
+    CPU); "reference" (flash on the kernels' PyTorch path) and the PyTorch backends on CPU."""
     if backend == "flash":
         monkeypatch.setenv("FLASHFORMER_KERNEL", "triton")
     else:
         device = "cpu"
+    if backend == "reference":
+        monkeypatch.setenv("FLASHFORMER_KERNEL", "torch")
+        backend = "flash"
     model = tiny_model(**family).to(device)
     model.attn_backend = backend
     return model, device
@@ -121,11 +132,14 @@ def test_packed_documents_equal_separate_runs(family, backend, device, monkeypat
 def test_attention_rejects_bad_cu_seqlens():
     q = torch.randn(1, 8, 2, 16)
     with pytest.raises(ValueError, match="int32"):
-        attention(q, q, q, backend="reference", cu_seqlens=torch.tensor([0, 8]))
+        attention(q, q, q, backend="flash", cu_seqlens=torch.tensor([0, 8]))
     with pytest.raises(ValueError, match="token count 8"):
-        attention(q, q, q, backend="reference", cu_seqlens=torch.tensor([0, 5], dtype=torch.int32))
+        attention(q, q, q, backend="flash", cu_seqlens=torch.tensor([0, 5], dtype=torch.int32))
     with pytest.raises(ValueError, match="attn_backend='cuda'"):
         attention(q, q, q, backend="cuda")
+    with pytest.raises(ValueError, match="'reference' is no longer a backend: use attn_backend='flash' with "
+                                         "FLASHFORMER_KERNEL=torch"):
+        attention(q, q, q, backend="reference")
 
 
 def test_loss_is_fp32_cross_entropy_with_ignore_index():
@@ -246,7 +260,7 @@ def test_configs_written_before_family_presets_still_load():
     old = dict(family="qwen2", vocab_size=101, d_model=64, n_layer=2, n_head=4, n_kv_head=2, head_dim=16, d_ff=96,
                max_seq_len=64, norm="rmsnorm", norm_eps=1e-5, mlp="swiglu", pos="rope", rope_theta=10000.0,
                rope_scaling=None, qkv_bias=True, o_bias=False, mlp_bias=False, tie_embeddings=True,
-               sliding_window=None, attn_softcap=0.0, attn_backend="auto", init_std=0.02)
+               sliding_window=None, attn_softcap=0.0, init_std=0.02)
     cfg = load_config(ModelConfig, old)
     assert cfg.norm_eps == 1e-5 and cfg.qk_norm == "none" and cfg.norm_placement == "pre"
     assert [(name, p.shape) for name, p in Transformer(cfg).named_parameters()] == [

@@ -109,7 +109,8 @@ def test_a_run_writes_config_metrics_plot_and_checkpoints(tmp_path, data_cache, 
 
 
 def test_optimizer_decays_only_matrices(tmp_path, data_cache):
-    trainer = Trainer(load_train_config(tiny_recipe(tmp_path, data_cache)))
+    trainer = Trainer(load_train_config(tiny_recipe(tmp_path, data_cache, attn_backend="sdpa", deterministic=False)))
+    assert (trainer.model.attn_backend, trainer.model.deterministic) == ("sdpa", False)
     decay, no_decay = trainer.optimizer.param_groups
     assert decay["weight_decay"] == 0.1 and all(p.dim() == 2 for p in decay["params"])
     assert no_decay["weight_decay"] == 0.0 and all(p.dim() == 1 for p in no_decay["params"])

@@ -65,20 +65,19 @@ def test_a_kill_while_resuming_loses_no_metrics_record(tmp_path, data_cache):
     assert all(json.loads(line)["step"] != 7 or "padding" in line for line in lines)
 
 
-def test_a_diverging_run_stops_naming_the_step_and_keeps_the_finite_checkpoint(tmp_path, data_cache):
+def test_a_diverging_run_stops_naming_the_step_and_keeps_the_finite_checkpoint(tmp_path, data_cache, capsys):
     config = write_recipe(tmp_path / "recipe.yaml", tiny_recipe(tmp_path / "fresh", data_cache, log_every=5))
-    fresh = run_cli("train", config, "optim.lr=1e6")
-    assert fresh.returncode == 3, fresh.stderr
-    assert "Traceback" not in fresh.stderr
-    assert re.search(r"error: step \d+: the (loss|gradient norm) is (nan|inf).*Lower optim.lr", fresh.stderr)
+    assert cli_main(["train", config, "optim.lr=1e6"]) == 3
+    fresh = capsys.readouterr().err
+    assert "Traceback" not in fresh
+    assert re.search(r"error: step \d+: the (loss|gradient norm) is (nan|inf).*Lower optim.lr", fresh)
 
     run = tmp_path / "run"
-    config = write_recipe(tmp_path / "recipe2.yaml", tiny_recipe(run, data_cache, steps=4, keep_checkpoints=1))
-    assert run_cli("train", config).returncode == 0
-    diverged = run_cli("train", "--resume", str(run), "steps=40", "optim.lr=1e6", "log_every=5")
-    assert diverged.returncode == 3, diverged.stderr
-    step = int(re.search(r"error: step (\d+):", diverged.stderr).group(1))
-    assert "is finite: resume from it" in diverged.stderr
+    train(load_train_config(tiny_recipe(run, data_cache, steps=4, keep_checkpoints=1)))
+    assert cli_main(["train", "--resume", str(run), "steps=40", "optim.lr=1e6", "log_every=5"]) == 3
+    diverged = capsys.readouterr().err
+    step = int(re.search(r"error: step (\d+):", diverged).group(1))
+    assert "is finite: resume from it" in diverged
     latest = latest_checkpoint(str(run))
     assert int(latest.rsplit("-", 1)[1]) < step  # nothing saved at or after the first non-finite step
     assert all(torch.isfinite(p).all() for p in from_pretrained(latest).parameters())
@@ -105,8 +104,7 @@ def test_a_second_run_beside_a_live_one_is_refused_and_the_lock_goes_with_the_pr
         if first.poll() is None:
             first.kill()
     last = int(os.path.basename(latest_checkpoint(str(run))).split("-")[1])
-    resumed = run_cli("train", "--resume", str(run), f"steps={last + 2}")
-    assert resumed.returncode == 0, resumed.stderr
+    assert cli_main(["train", "--resume", str(run), f"steps={last + 2}"]) == 0
 
 
 def test_resume_applies_what_can_change_and_refuses_what_cannot(tmp_path, data_cache, capsys):
@@ -153,10 +151,10 @@ def test_leftovers_of_killed_writes_are_cleaned_when_the_run_starts(tmp_path, da
     assert sorted(p.name for p in run.glob("ckpt-*")) == ["ckpt-4", "ckpt-6"]
 
 
-def test_errors_are_one_line_and_debug_shows_the_traceback(tmp_path):
-    missing = run_cli("train", str(tmp_path / "nope.yaml"), "steps=2")
-    assert missing.returncode == 2
-    assert "Traceback" not in missing.stderr and "nope.yaml" in missing.stderr
+def test_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys):
+    assert cli_main(["train", str(tmp_path / "nope.yaml"), "steps=2"]) == 2
+    missing = capsys.readouterr().err
+    assert "Traceback" not in missing and "nope.yaml" in missing
     assert not (tmp_path / "runs").exists()
     debug = run_cli("train", str(tmp_path / "nope.yaml"), "--debug")
     assert debug.returncode == 1 and "Traceback" in debug.stderr

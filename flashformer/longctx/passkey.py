@@ -12,6 +12,7 @@ import itertools
 import math
 import os
 import random
+import warnings
 
 import torch
 from tqdm.auto import tqdm
@@ -121,7 +122,9 @@ def passkey_accuracy(model: Transformer, tokenizer, prompts: list[PasskeyPrompt]
     """
     correct: dict[float, list[bool]] = {}
     for prompt in tqdm(prompts, desc=desc, unit="prompt", leave=False):
-        output = generate(model, torch.tensor(prompt.prompt_ids), len(prompt.answer_ids), temperature=0)
+        with warnings.catch_warnings():  # prompts past the original model's context are the experiment
+            warnings.filterwarnings("ignore", message="generating .* past the")
+            output = generate(model, torch.tensor(prompt.prompt_ids), len(prompt.answer_ids), temperature=0)
         continuation = tokenizer.decode(output[0, len(prompt.prompt_ids):].tolist())
         correct.setdefault(prompt.depth, []).append(continuation.strip() == prompt.passkey)
     return {depth: sum(hits) / len(hits) for depth, hits in correct.items()}

@@ -132,7 +132,7 @@ def finetune_long(args: argparse.Namespace) -> tuple[int, dict | None]:
 
 def _extend_train_and_report(args, cfg, checkpoint: str, original: Transformer, extended_config, lengths):
     original_len = original.config.max_seq_len
-    original.attn_backend = cfg.model.attn_backend
+    original.attn_backend = cfg.attn_backend
     # Named explicitly (not left to the Trainer) so that the held-out corpus below is cached under
     # this tokenizer, not under the byte-level default.
     if cfg.data.tokenizer is None and os.path.isfile(os.path.join(checkpoint, TOKENIZER_FILE)):
@@ -150,7 +150,7 @@ def _extend_train_and_report(args, cfg, checkpoint: str, original: Transformer, 
                                      trainer.bf16, label)
 
     def load(path: str) -> Transformer:
-        return from_pretrained(path, device=trainer.device, attn_backend=cfg.model.attn_backend)
+        return from_pretrained(path, device=trainer.device, attn_backend=cfg.attn_backend)
 
     try:
         windows = held_out_windows(load_corpus(held_out_data, tokenizer)[1], lengths, args.eval_windows)

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..attention import resolve_backend
 from ..config import ConfigError, config_to_dict, load_config, read_yaml
 from ..data import DataConfig
 from ..lora import LoRAConfig
@@ -24,7 +25,7 @@ RUN_CONFIG_FILE = "config.yaml"
 # train a different run under the old one's name.
 RESUMABLE_KEYS = ("steps", "log_every", "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints",
                   "optim.", "sample.", "parallel.", "device", "precision", "compile", "activation_checkpointing",
-                  "chunked_loss", "peak_flops_per_gpu", "model.attn_backend", "data.cache_dir")
+                  "chunked_loss", "peak_flops_per_gpu", "attn_backend", "deterministic", "data.cache_dir")
 # Not part of the comparison: where the run lives, and the tokenizer file, which a resumed run always
 # takes from its checkpoint (the recorded path may point into a pruned checkpoint).
 IGNORED_ON_RESUME = ("name", "out_dir", "resume", "data.tokenizer")
@@ -91,6 +92,9 @@ class TrainConfig:
     # matmul, saves tens of GB at long context. None: chunk when data.seq_len >= CHUNKED_LOSS_MIN_SEQ_LEN.
     chunked_loss: bool | None = None
     peak_flops_per_gpu: float = 780e12  # for MFU; H200 dense bf16
+    attn_backend: str = "auto"  # one of attention.ATTN_BACKENDS; a runtime choice, not saved with the weights
+    # False: flash's faster backward that adds dQ in arrival order (gradients vary in the last bits)
+    deterministic: bool = True
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -111,6 +115,10 @@ class TrainConfig:
                               f"model.max_seq_len ({self.model.max_seq_len})")
         if not self.peak_flops_per_gpu > 0:
             raise ConfigError(f"peak_flops_per_gpu must be > 0, got {self.peak_flops_per_gpu}")
+        try:
+            resolve_backend(self.attn_backend)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         if self.lora.enabled:
             if self.init_from is None:
                 raise ConfigError("lora.rank > 0 adapts a trained model: set init_from to a checkpoint, a run "
@@ -149,6 +157,7 @@ def load_train_config(source=None, overrides=(), resume_dir: str | None = None) 
         if not isinstance(source, dict):
             raise ConfigError(f"--resume {resume_dir}: {path} does not hold a run's config (a mapping)")
         source.update(resume=True, out_dir=resume_dir)
+        source, overrides = _attn_backend_at_top_level(source, overrides)
         saved = config_to_dict(load_config(TrainConfig, source))
         requested = load_config(TrainConfig, source, overrides)
         changes = resume_changes(saved, config_to_dict(requested))
@@ -157,7 +166,22 @@ def load_train_config(source=None, overrides=(), resume_dir: str | None = None) 
         return requested
     elif isinstance(source, (str, os.PathLike)):
         source = _read_recipe(source)
+    source, overrides = _attn_backend_at_top_level(source, overrides)
     return load_config(TrainConfig, source, overrides)
+
+
+def _attn_backend_at_top_level(source: dict, overrides):
+    """(source, overrides) with ``model.attn_backend``, where recipes and run configs written while it
+    was a model field put it, moved to the top-level ``attn_backend``."""
+    model = source.get("model") if isinstance(source, dict) else None
+    if isinstance(model, dict) and "attn_backend" in model:
+        model = dict(model)
+        source = {"attn_backend": model.pop("attn_backend"), **source, "model": model}
+    legacy = "model.attn_backend="
+    overrides = [o.strip().replace(legacy, "attn_backend=", 1) if isinstance(o, str) and o.strip().startswith(legacy)
+                 else o
+                 for o in overrides]
+    return source, overrides
 
 
 def _read_recipe(path) -> dict:

@@ -183,11 +183,12 @@ class Trainer:
         cfg = self.cfg
         if cfg.lora.enabled:  # the base comes from init_from even on resume: a LoRA checkpoint holds adapters only
             model = from_pretrained(self.init_dir, dtype=self._lora_base_dtype(), device=self.device,
-                                    attn_backend=cfg.model.attn_backend)
+                                    attn_backend=cfg.attn_backend)
         elif self.weights_from is not None:
-            model = from_pretrained(self.weights_from, device=self.device, attn_backend=cfg.model.attn_backend)
+            model = from_pretrained(self.weights_from, device=self.device, attn_backend=cfg.attn_backend)
         else:
-            model = Transformer(cfg.model).to(self.device)
+            model = Transformer(cfg.model, cfg.attn_backend).to(self.device)
+        model.deterministic = cfg.deterministic
         if cfg.lora.enabled or self.weights_from is not None:
             cfg.model = model.config
             if cfg.data.seq_len > cfg.model.max_seq_len:
@@ -433,7 +434,7 @@ class Trainer:
         from ..generate import generate
 
         model = from_pretrained(latest_checkpoint(self.run_dir), device=self.device,
-                                attn_backend=self.cfg.model.attn_backend)
+                                attn_backend=self.cfg.attn_backend)
         prompt = torch.tensor([self.tokenizer.encode(sample.prompt)], device=self.device)
         output = generate(model, prompt, max_new_tokens=sample.max_new_tokens, temperature=sample.temperature,
                           top_k=sample.top_k, top_p=sample.top_p, stop_tokens=[self.tokenizer.eos_id],
