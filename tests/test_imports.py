@@ -25,6 +25,7 @@ LAYERS = [
     ("long-context recipe: passkey data", ["flashformer.longctx.passkey"]),
     ("training: public names", ["flashformer.train"]),
     ("training loop", ["flashformer.train.loop"]),
+    ("training: the model a run trains", ["flashformer.train.model_setup"]),
     ("training: config, step, checkpoints and lock, signals, metrics",
      ["flashformer.train.config", "flashformer.train.step", "flashformer.train.state", "flashformer.train.stops",
       "flashformer.train.metrics"]),

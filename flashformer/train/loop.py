@@ -10,7 +10,6 @@ it at a time (its ``.lock``). Resuming reproduces the uninterrupted run exactly 
 
 from __future__ import annotations
 
-import fnmatch
 import math
 import os
 import shutil
@@ -24,7 +23,6 @@ import yaml
 from tqdm.auto import tqdm
 
 from ..checkpoint import from_pretrained
-from ..lora import apply_lora, load_adapter_weights, read_adapter
 from ..config import ConfigError, config_to_dict, save_config
 from ..batches import TrainBatches, eval_batches
 from ..data import corpus_cache_dir, load_corpus
@@ -34,6 +32,7 @@ from ..parallel import all_reduce, barrier, full_optimizer_state_dict, full_stat
 from ..parallel import load_optimizer_state_dict, parallelize, shutdown_distributed
 from ..tokenizer import TOKENIZER_FILE, load_tokenizer
 from .config import RUN_CONFIG_FILE, TrainConfig, resume_changes, resume_refusal
+from .model_setup import build_model
 from .metrics import METRICS_FILE, MetricsLog, abridged, plot_losses
 from .state import (LOCK_FILE, RunDirLocked, RunLock, capture_rng, clean_stale_writes, latest_checkpoint,
                     prune_checkpoints, read_trainer_state, restore_rng, seed_everything, write_checkpoint)
@@ -180,49 +179,11 @@ class Trainer:
             raise ConfigError(f"data.tokenizer: {data.tokenizer!r} does not exist")
 
     def _build_model(self) -> Transformer:
-        cfg = self.cfg
-        if cfg.lora.enabled:  # the base comes from init_from even on resume: a LoRA checkpoint holds adapters only
-            model = from_pretrained(self.init_dir, dtype=self._lora_base_dtype(), device=self.device,
-                                    attn_backend=cfg.attn_backend)
-        elif self.weights_from is not None:
-            model = from_pretrained(self.weights_from, device=self.device, attn_backend=cfg.attn_backend)
-        else:
-            model = Transformer(cfg.model, cfg.attn_backend).to(self.device)
-        model.deterministic = cfg.deterministic
-        if cfg.lora.enabled or self.weights_from is not None:
-            cfg.model = model.config
-            if cfg.data.seq_len > cfg.model.max_seq_len:
-                raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) exceeds the model's "
-                                  f"max_seq_len ({cfg.model.max_seq_len})")
-        if self.tokenizer.vocab_size > cfg.model.vocab_size:
+        model = build_model(self.cfg, self.device, self.bf16, self.init_dir, self.weights_from, self.resume_from)
+        if self.tokenizer.vocab_size > self.cfg.model.vocab_size:
             raise ConfigError(f"the tokenizer has {self.tokenizer.vocab_size} tokens "
-                              f"but model.vocab_size is {cfg.model.vocab_size}")
-        if cfg.lora.enabled:
-            apply_lora(model, cfg.lora)
-            if self.resume_from is not None:
-                load_adapter_weights(model, read_adapter(self.resume_from)[1], self.resume_from)
-        else:
-            self._freeze(model)
+                              f"but model.vocab_size is {self.cfg.model.vocab_size}")
         return model
-
-    def _lora_base_dtype(self) -> torch.dtype:
-        """The frozen base's dtype: it is loaded straight into it, so a bf16 base never exists in fp32."""
-        base_dtype = self.cfg.lora.base_dtype
-        if base_dtype == "bf16" and not self.bf16:
-            raise ConfigError(f"lora.base_dtype=bf16 needs bf16 autocast, which precision={self.cfg.precision} on "
-                              f"{self.device.type} does not give: set precision=bf16")
-        return torch.bfloat16 if base_dtype == "bf16" or (base_dtype == "auto" and self.bf16) else torch.float32
-
-    def _freeze(self, model: Transformer) -> None:
-        names = [name for name, _ in model.named_parameters()]
-        for pattern in self.cfg.freeze:
-            if not fnmatch.filter(names, pattern):
-                raise ConfigError(f"freeze pattern {pattern!r} matches no parameter; names look like {names[:3]}")
-        for name, param in model.named_parameters():
-            if any(fnmatch.fnmatchcase(name, pattern) for pattern in self.cfg.freeze):
-                param.requires_grad_(False)
-        if not any(p.requires_grad for p in model.parameters()):
-            raise ConfigError("freeze: every parameter is frozen, nothing would train")
 
     def _load_data(self):
         # The main process tokenizes (once, cached); the others wait, then map the same files.
