@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 
-from .weights import COMPILED_PREFIX, CONFIG_FILE, CheckpointError, read_json, read_weights
+from .weights import (ADAPTER_CONFIG_FILE, COMPILED_PREFIX, CONFIG_FILE, CheckpointError, latest_checkpoint, read_json,
+                      read_weights)
 
 
 def _check_tensors(expected: dict, tensors: dict, source) -> None:
@@ -42,12 +43,27 @@ def _architecture_fields(model_fields):
     return model_fields
 
 
+def resolve_checkpoint_dir(path) -> str:
+    """The checkpoint directory ``path`` names: itself, or, for a run directory (no config.json, ckpt-<step>
+    directories inside), its latest checkpoint.
+
+    Raises:
+        CheckpointError: ``path`` is not a directory.
+    """
+    directory = os.fspath(path)
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"checkpoint directory {directory} not found")
+    if not any(os.path.isfile(os.path.join(directory, name)) for name in (CONFIG_FILE, ADAPTER_CONFIG_FILE)):
+        return latest_checkpoint(directory) or directory
+    return directory
+
+
 def from_pretrained(path, dtype=None, device=None, attn_backend: str = "auto"):
     """Load a Transformer from our checkpoint directory, a Hugging Face one (detected by config.json), or a
     LoRA adapter checkpoint (its base with the adapters merged: a plain Transformer).
 
     Args:
-        path: checkpoint directory.
+        path: checkpoint directory, or a run directory (its latest checkpoint).
         dtype: torch.dtype or name ("bfloat16", ...) for floating tensors; None keeps the stored dtype.
         device: where to put the model (default CPU).
         attn_backend: the loaded model's attention backend (a runtime choice; checkpoints hold none).
@@ -64,9 +80,7 @@ def from_pretrained(path, dtype=None, device=None, attn_backend: str = "auto"):
     from .lora import is_adapter_checkpoint, merge_lora
     from .model import ModelConfig, Transformer
 
-    directory = os.fspath(path)
-    if not os.path.isdir(directory):
-        raise CheckpointError(f"checkpoint directory {directory} not found")
+    directory = resolve_checkpoint_dir(path)
     dtype = _parse_dtype(dtype)
     if is_adapter_checkpoint(directory):
         adapted = load_adapted(directory, dtype, device, attn_backend)

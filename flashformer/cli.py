@@ -57,6 +57,26 @@ def _debug_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
 
 
+def _run_of_checkpoint(prog: str, path: str) -> str:
+    """The run directory ``--resume`` means: ``path`` itself, or the run of ``path`` when it is that run's
+    latest checkpoint (a resumed run continues from its latest; an older one would drop the later ones)."""
+    import os
+
+    from .config import ConfigError
+    from .train import TRAINER_STATE_FILE, latest_checkpoint
+
+    if not os.path.isfile(os.path.join(path, TRAINER_STATE_FILE)):
+        return path
+    run_dir = os.path.dirname(os.path.abspath(path))
+    latest = latest_checkpoint(run_dir)
+    if latest is None or os.path.abspath(latest) != os.path.abspath(path):
+        raise ConfigError(f"--resume {path}: a run resumes from its latest checkpoint ({latest}); to train on from "
+                          f"this one, start a new run from it: flashformer train RECIPE.yaml init_from={path} "
+                          f"name=...")
+    print(f"{prog}: resuming the run {run_dir} ({os.path.basename(path)} is its latest checkpoint)")
+    return run_dir
+
+
 def _train(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="flashformer train", description="Train a GPT from a YAML recipe.")
     parser.add_argument("config", nargs="?", help="training recipe, e.g. configs/tiny.yaml")
@@ -76,7 +96,8 @@ def _train(argv: list[str]) -> int:
     def work() -> int:
         from .train import load_train_config, train
 
-        cfg = load_train_config(None if args.resume else args.config, overrides, resume_dir=args.resume)
+        resume_dir = _run_of_checkpoint(parser.prog, args.resume) if args.resume else None
+        cfg = load_train_config(None if args.resume else args.config, overrides, resume_dir=resume_dir)
         return train(cfg).exit_code
 
     return _guarded(parser.prog, args.debug, work)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 
@@ -197,12 +198,14 @@ def _positive_int(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``flashformer generate CHECKPOINT --prompt ...``: stream a sampled continuation to stdout."""
-    from .checkpoint import from_pretrained
-    from .tokenizer import load_tokenizer
+    from .checkpoint import from_pretrained, resolve_checkpoint_dir
+    from .tokenizer import TOKENIZER_FILE, ByteTokenizer, load_tokenizer
+    from .weights import CheckpointError
 
     parser = argparse.ArgumentParser(prog="flashformer generate", description=main.__doc__,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("checkpoint", help="flashformer or Hugging Face checkpoint directory")
+    parser.add_argument("checkpoint", help="flashformer or Hugging Face checkpoint directory, or a run directory "
+                        "(its latest checkpoint)")
     parser.add_argument("--prompt", default="", help="text to continue")
     parser.add_argument("--max-new-tokens", type=_positive_int, default=200,
                         help="tokens to sample at most (stops early at an end-of-text token)")
@@ -221,8 +224,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="replay one CUDA graph per token (CUDA and attn_backend=flash only)")
     args = parser.parse_args(argv)
 
-    model = from_pretrained(args.checkpoint, dtype=args.dtype, device=args.device, attn_backend=args.attn_backend)
-    tokenizer = load_tokenizer(args.checkpoint)
+    checkpoint = resolve_checkpoint_dir(args.checkpoint)
+    if checkpoint != args.checkpoint:
+        print(f"{parser.prog}: {checkpoint} (the latest checkpoint of {args.checkpoint})", file=sys.stderr)
+    model = from_pretrained(checkpoint, dtype=args.dtype, device=args.device, attn_backend=args.attn_backend)
+    tokenizer = load_tokenizer(checkpoint)
+    if (not os.path.isfile(os.path.join(checkpoint, TOKENIZER_FILE))
+            and model.config.vocab_size > ByteTokenizer().vocab_size):
+        raise CheckpointError(f"{checkpoint} has no {TOKENIZER_FILE} for its {model.config.vocab_size}-token "
+                              f"vocabulary (bytes would be a guess): copy the model's {TOKENIZER_FILE} there")
     eos_id = tokenizer.eos_id
     prompt_ids = tokenizer.encode(args.prompt)
     if not prompt_ids:

@@ -7,6 +7,7 @@ and checkpoint.from_pretrained, which builds models, reads through ``read_weight
 from __future__ import annotations
 
 import os
+import re
 
 from .fileio import atomic_directory
 
@@ -20,10 +21,28 @@ COMPILED_PREFIX = "_orig_mod."  # torch.compile's wrapper prefixes every key wit
 ADAPTER_FILE = "adapter.safetensors"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_FORMAT = "flashformer-lora"
+# A run directory's checkpoints: ckpt-<step>, each moved into place only once complete.
+CHECKPOINT_NAME = re.compile(r"^ckpt-(\d+)$")
 
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, unreadable, or does not match the model it describes."""
+
+
+def latest_checkpoint(run_dir: str) -> str | None:
+    """The complete ``ckpt-<step>`` directory of ``run_dir`` with the highest step, or None.
+
+    Checkpoints are moved into place only once complete, so a half-written one is never returned.
+    """
+    steps = checkpoint_steps(run_dir)
+    return os.path.join(run_dir, f"ckpt-{steps[-1]}") if steps else None
+
+
+def checkpoint_steps(run_dir: str) -> list[int]:
+    """The steps of ``run_dir``'s checkpoints, ascending ([] when it does not exist)."""
+    if not os.path.isdir(run_dir):
+        return []
+    return sorted(int(m.group(1)) for m in map(CHECKPOINT_NAME.match, os.listdir(run_dir)) if m)
 
 
 def _shard_plan(tensors: dict, max_shard_bytes: int) -> list[list[str]]:

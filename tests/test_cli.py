@@ -78,3 +78,24 @@ def test_generate_past_the_configured_context_warns_for_rope(tmp_path):
     model = Transformer(ModelConfig(family="llama", vocab_size=64, d_model=32, n_layer=1, n_head=2, max_seq_len=8))
     with pytest.warns(UserWarning, match="past the 8 this model was configured for"):
         generate(model, torch.tensor([[1, 2]]), 10, temperature=0.0)
+
+
+def test_generate_takes_a_run_directory_and_names_the_checkpoint_it_picked(tmp_path, gpt2_checkpoint):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    for step in (3, 12):
+        shutil.copytree(gpt2_checkpoint, run_dir / f"ckpt-{step}")
+    done = run("generate", str(run_dir), "--prompt", "ab", "--max-new-tokens", "3", "--device", "cpu", "--seed", "0")
+    assert done.returncode == 0, done.stderr
+    assert f"{run_dir / 'ckpt-12'} (the latest checkpoint of {run_dir})" in done.stderr
+    assert done.stdout.startswith("ab")
+
+
+def test_generate_refuses_a_vocabulary_without_its_tokenizer(tmp_path):
+    torch.manual_seed(0)
+    Transformer(ModelConfig(family="gpt2", vocab_size=1000, d_model=32, n_layer=1, n_head=2,
+                            max_seq_len=16)).save_pretrained(tmp_path)
+    done = run("generate", str(tmp_path), "--prompt", "ab", "--device", "cpu")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "no tokenizer.json for its 1000-token vocabulary" in done.stderr

@@ -172,3 +172,28 @@ def test_an_unreadable_trainer_state_names_the_checkpoint_to_fall_back_to(tmp_pa
     state.write_bytes(state.read_bytes()[:100])  # a disk fault after the atomic write
     with pytest.raises(CheckpointError, match=f"ckpt-4/{TRAINER_STATE_FILE} is unreadable .*resume from ckpt-2"):
         train(load_train_config(None, ["steps=6"], resume_dir=str(run)))
+
+
+def test_a_run_written_before_newer_config_keys_resumes(tmp_path, data_cache):
+    """A checkpoint records its config; keys added since (lora, deterministic) take their defaults and a
+    moved one (model.attn_backend, now top-level) its new place, so an older run still resumes."""
+    run = tmp_path / "run"
+    train(load_train_config(tiny_recipe(run, data_cache, steps=2, ckpt_every=2)))
+    state_path = run / "ckpt-2" / TRAINER_STATE_FILE
+    state = torch.load(state_path, weights_only=True)
+    for key in ("lora", "deterministic", "attn_backend"):
+        state["config"].pop(key)
+    state["config"]["model"]["attn_backend"] = "auto"
+    torch.save(state, state_path)
+    assert train(load_train_config(None, ["steps=3"], resume_dir=str(run))).step == 3
+
+
+def test_resume_takes_the_runs_latest_checkpoint_and_refuses_an_older_one(tmp_path, data_cache, capsys):
+    run = tmp_path / "run"
+    train(load_train_config(tiny_recipe(run, data_cache, steps=4, ckpt_every=2, keep_checkpoints=2)))
+    capsys.readouterr()
+    assert cli_main(["train", "--resume", str(run / "ckpt-2"), "steps=5"]) == 2
+    assert "a run resumes from its latest checkpoint" in capsys.readouterr().err
+    assert cli_main(["train", "--resume", str(run / "ckpt-4"), "steps=5"]) == 0
+    assert "ckpt-4 is its latest checkpoint" in capsys.readouterr().out
+    assert latest_checkpoint(str(run)).endswith("ckpt-5")

@@ -14,7 +14,8 @@ metrics.py  metrics.jsonl (append-only), loss.png
 from .config import OptimConfig, SampleConfig, TrainConfig, load_train_config
 from .loop import CHUNKED_LOSS_MIN_SEQ_LEN, Trainer, train
 from .metrics import METRICS_FILE, abridged, plot_losses, read_metrics
-from .state import LOCK_FILE, TRAINER_STATE_FILE, RunDirLocked, RunLock, latest_checkpoint
+from ..weights import latest_checkpoint
+from .state import LOCK_FILE, TRAINER_STATE_FILE, RunDirLocked, RunLock
 from .step import lm_loss, lr_factor, train_step
 from .stops import INTERRUPTED_EXIT_CODE, NONFINITE_EXIT_CODE, NonFiniteLossError, TrainResult
 

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass, field
 from typing import Literal
@@ -221,6 +222,13 @@ def _flatten(value: dict, prefix: str = "") -> dict:
         else:
             flat[f"{prefix}{key}"] = item
     return flat
+
+
+def saved_run_config(saved: dict) -> dict:
+    """A checkpoint's recorded config as today's TrainConfig reads it: keys added since it was written take
+    their defaults and moved keys their new place, so a run from an earlier version resumes."""
+    source, _ = _attn_backend_at_top_level(copy.deepcopy(saved), [])
+    return config_to_dict(load_config(TrainConfig, source))
 
 
 def resume_changes(saved: dict, requested: dict, compare_model: bool = True) -> list[tuple[str, object, object]]:

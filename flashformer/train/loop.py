@@ -31,11 +31,12 @@ from ..model import Transformer
 from ..parallel import all_reduce, barrier, full_optimizer_state_dict, full_state_dicts, init_distributed
 from ..parallel import load_optimizer_state_dict, parallelize, shutdown_distributed
 from ..tokenizer import TOKENIZER_FILE, load_tokenizer
-from .config import RUN_CONFIG_FILE, TrainConfig, resume_changes, resume_refusal
+from ..weights import latest_checkpoint
+from .config import RUN_CONFIG_FILE, TrainConfig, resume_changes, resume_refusal, saved_run_config
 from .model_setup import build_model
 from .metrics import METRICS_FILE, MetricsLog, abridged, plot_losses
-from .state import (LOCK_FILE, RunDirLocked, RunLock, capture_rng, clean_stale_writes, latest_checkpoint,
-                    prune_checkpoints, read_trainer_state, restore_rng, seed_everything, write_checkpoint)
+from .state import (LOCK_FILE, RunDirLocked, RunLock, capture_rng, clean_stale_writes, prune_checkpoints,
+                    read_trainer_state, restore_rng, seed_everything, write_checkpoint)
 from .step import build_optimizer, lm_loss, lr_factor, set_hyperparameters, train_step
 from .stops import NonFiniteLossError, StepFlags, StopRequests, TrainResult
 
@@ -153,7 +154,7 @@ class Trainer:
         if not self.cfg.resume or latest is None:
             return None
         self._resume_state = read_trainer_state(latest)
-        changes = resume_changes(self._resume_state["config"], config_to_dict(self.cfg),
+        changes = resume_changes(saved_run_config(self._resume_state["config"]), config_to_dict(self.cfg),
                                  compare_model=self.cfg.init_from is None)
         if changes:
             raise ConfigError(resume_refusal(changes, self.run_dir))

@@ -26,7 +26,7 @@ import torch
 
 from ..fileio import atomic_directory
 from ..lora import LoRAConfig, write_adapter_files
-from ..weights import CheckpointError, write_pretrained_files
+from ..weights import CHECKPOINT_NAME, CheckpointError, checkpoint_steps, write_pretrained_files
 from ..config import ConfigError
 
 try:
@@ -36,7 +36,6 @@ except ImportError:  # Windows: no flock; runs there go unlocked
 
 TRAINER_STATE_FILE = "trainer_state.pt"
 LOCK_FILE = ".lock"
-_CHECKPOINT_NAME = re.compile(r"^ckpt-(\d+)$")
 # atomic_directory / atomic_write_file build ".<final name>.<random>.tmp" beside their target, and move a
 # replaced directory aside as ".<final name>.<random>.old" until the new one is in place.
 _TEMPORARY_NAME = re.compile(r"^\.(.+)\.[A-Za-z0-9_]+\.(tmp|old)$")
@@ -137,7 +136,7 @@ def clean_stale_writes(run_dir: str) -> list[str]:
         if match is None:
             continue
         path, final = os.path.join(run_dir, name), os.path.join(run_dir, match.group(1))
-        if match.group(2) == "old" and _CHECKPOINT_NAME.match(match.group(1)) and not os.path.exists(final):
+        if match.group(2) == "old" and CHECKPOINT_NAME.match(match.group(1)) and not os.path.exists(final):
             os.replace(path, final)
         elif os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
@@ -145,22 +144,6 @@ def clean_stale_writes(run_dir: str) -> list[str]:
             os.remove(path)
         cleaned.append(name)
     return cleaned
-
-
-def latest_checkpoint(run_dir: str) -> str | None:
-    """The complete ``ckpt-<step>`` directory of ``run_dir`` with the highest step, or None.
-
-    Checkpoints are moved into place only once complete, so a half-written one is never returned.
-    """
-    steps = checkpoint_steps(run_dir)
-    return os.path.join(run_dir, f"ckpt-{steps[-1]}") if steps else None
-
-
-def checkpoint_steps(run_dir: str) -> list[int]:
-    """The steps of ``run_dir``'s checkpoints, ascending ([] when it does not exist)."""
-    if not os.path.isdir(run_dir):
-        return []
-    return sorted(int(m.group(1)) for m in map(_CHECKPOINT_NAME.match, os.listdir(run_dir)) if m)
 
 
 def write_checkpoint(path: str, model, tokenizer, state: dict, lora: LoRAConfig | None = None,
