@@ -38,8 +38,8 @@ from .launch import (INTERPRETED, as_descriptor_compatible, dot_precision, ensur
                      seq_strides, seqs_pad, tile_grid, upcast_dot)
 from .reference import dropout_threshold
 from .sizes import next_power_of_2, pad_head_dim
-from .tile_ops import (alibi_bias, dropout_keep, key_range, mma, narrow, program_tile, query_range, rows_descriptor,
-                       sequence_bounds, tanh, visible)
+from .tile_ops import (alibi_bias, dropout_keep, key_range, load_alibi_slope_log2, load_dropout_key, mma, narrow,
+                       program_tile, query_range, rows_descriptor, sequence_bounds, tanh, visible)
 from .tuning import pick_kernel, table_mask, tuned
 
 PREPROCESS_BLOCK = 64
@@ -181,9 +181,7 @@ def _bwd_dkdv_kernel(
     start, un_lo, un_hi, end = query_range(n0, seqlen_q, seqlen_k, window_left, window_right,
                                            BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
     lse_base = batch * stride_lse_b + q_start
-    dropout_seed = 0
-    if HAS_DROPOUT:
-        dropout_seed = tl.load(DROPOUT_SEED)
+    dropout_seed = load_dropout_key(DROPOUT_SEED, HAS_DROPOUT)
     # Never software-pipelined: the loop creates descriptors, which the pipeliner cannot predicate. It
     # would try when a query length of 1 (specialised as a constant) folds the inner loops away.
     for g in tl.range(GROUP, num_stages=1):
@@ -194,9 +192,7 @@ def _bwd_dkdv_kernel(
                                   stride_dos, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
         lse_ptr = LSE_LOG2 + lse_base + head * stride_lse_h
         delta_ptr = DELTA + lse_base + head * stride_lse_h
-        alibi_slope_log2 = 0.0
-        if HAS_ALIBI:
-            alibi_slope_log2 = tl.load(ALIBI_SLOPES + batch * stride_alibi_b + head) * 1.4426950408889634
+        alibi_slope_log2 = load_alibi_slope_log2(ALIBI_SLOPES, batch, head, stride_alibi_b, HAS_ALIBI)
         dq_acc = DQ_ACC
         dq_desc = q_desc  # a placeholder unless the TMA reduction is used
         if ACCUMULATE_DQ:
@@ -316,12 +312,8 @@ def _bwd_dq_kernel(
                                  batch * stride_lse_b + q_start + head * stride_lse_h + rows, rows < seqlen_q,
                                  HAS_DLSE)
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    alibi_slope_log2 = 0.0
-    if HAS_ALIBI:
-        alibi_slope_log2 = tl.load(ALIBI_SLOPES + batch * stride_alibi_b + head) * 1.4426950408889634
-    dropout_seed = 0
-    if HAS_DROPOUT:
-        dropout_seed = tl.load(DROPOUT_SEED)
+    alibi_slope_log2 = load_alibi_slope_log2(ALIBI_SLOPES, batch, head, stride_alibi_b, HAS_ALIBI)
+    dropout_seed = load_dropout_key(DROPOUT_SEED, HAS_DROPOUT)
     start, un_lo, un_hi, end = key_range(m0, seqlen_q, seqlen_k, window_left, window_right,
                                          BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
     dq = _dq_tiles(dq, q, do, lse_log2, delta, k_desc, v_desc, rows, start, end, un_lo, un_hi,

@@ -23,8 +23,8 @@ from .launch import (as_descriptor_compatible, dot_precision, ensure_allocator, 
                      tile_grid, upcast_dot)
 from .reference import dropout_threshold
 from .sizes import next_power_of_2, pad_head_dim
-from .tile_ops import (alibi_bias, attention_logits, dropout_keep, key_range, logit_scale, narrow,
-                       online_softmax_step, program_tile, rows_descriptor, sequence_bounds)
+from .tile_ops import (alibi_bias, attention_logits, dropout_keep, key_range, load_alibi_slope_log2, load_dropout_key,
+                       logit_scale, narrow, online_softmax_step, program_tile, rows_descriptor, sequence_bounds)
 from .tuning import pick_kernel, table_mask, tuned
 
 LOG2E = 1.4426950408889634
@@ -96,12 +96,8 @@ def _attn_fwd_kernel(
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     q = q_desc.load([m0, 0])
-    alibi_slope_log2 = 0.0
-    if HAS_ALIBI:
-        alibi_slope_log2 = tl.load(ALIBI_SLOPES + batch * stride_alibi_b + head) * 1.4426950408889634
-    dropout_seed = 0
-    if HAS_DROPOUT:
-        dropout_seed = tl.load(DROPOUT_SEED)
+    alibi_slope_log2 = load_alibi_slope_log2(ALIBI_SLOPES, batch, head, stride_alibi_b, HAS_ALIBI)
+    dropout_seed = load_dropout_key(DROPOUT_SEED, HAS_DROPOUT)
 
     start, un_lo, un_hi, end = key_range(m0, seqlen_q, seqlen_k, window_left, window_right,
                                          BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)

@@ -193,6 +193,24 @@ def attention_logits(q, k, rows, cols, qk_scale, softcap_log2, seqlen_q, seqlen_
 
 
 @triton.jit
+def load_alibi_slope_log2(ALIBI_SLOPES, batch, head, stride_alibi_b, HAS_ALIBI: tl.constexpr):
+    """The (batch, head)'s ALiBi slope in log2 units (the kernels' scores are), 0 without ALiBi."""
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI_SLOPES + batch * stride_alibi_b + head) * 1.4426950408889634
+    return slope
+
+
+@triton.jit
+def load_dropout_key(DROPOUT_SEED, HAS_DROPOUT: tl.constexpr):
+    """The call's Philox key, read on the device (no host sync), 0 without dropout."""
+    seed = 0
+    if HAS_DROPOUT:
+        seed = tl.load(DROPOUT_SEED)
+    return seed
+
+
+@triton.jit
 def alibi_bias(rows, cols, slope_log2, seqlen_q, seqlen_k):
     """ALiBi's bias in log2 units, -slope * |i + seqlen_k - seqlen_q - j| (flash-attn's bottom-right
     alignment), for query ``rows`` and key ``cols`` (broadcast 2-D index tensors; either layout)."""
