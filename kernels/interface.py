@@ -68,8 +68,12 @@ def hopper_gluon_available(device_index: int) -> bool:
     return available
 
 
-def kernel_impl(device: torch.device) -> str:
-    """Which implementation runs for tensors on ``device``: "gluon", "triton" or "torch"."""
+def kernel_impl(device: torch.device | str | None = None) -> str:
+    """Which implementation runs for tensors on ``device`` (default: the current CUDA device, else the CPU):
+    "gluon", "triton" or "torch"."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
     forced = _forced_impl or settings.forced_kernel()
     if forced in KERNEL_IMPLS:
         if forced == "gluon" and not (device.type == "cuda" and hopper_gluon_available(

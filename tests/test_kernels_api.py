@@ -62,7 +62,8 @@ def test_path_choice_is_one_switch(monkeypatch):
     with pytest.raises(ValueError, match="sm_90"):
         kernel_impl(cpu)
     monkeypatch.setenv("FLASHFORMER_KERNEL", "auto")
-    assert kernel_impl(cpu) == "torch"
+    assert kernel_impl(cpu) == kernel_impl("cpu") == "torch"
+    assert kernel_impl() == kernel_impl("cuda" if torch.cuda.is_available() else "cpu")  # no device: the current one
     # CUDA: the Gluon path by default only where its kernels were tested (an sm_90 GPU, a listed Triton).
     cuda = torch.device("cuda", 0)
     expected = "gluon" if interface.hopper_gluon_available(0) else "triton"
