@@ -6,12 +6,10 @@ tests rebuild the exact mask a call used, so the fp64 oracle drops the very same
 2x rule applies unchanged.
 """
 
-import subprocess
-import sys
 
 import pytest
 import torch
-from attention_checks import assert_within_2x, attention_grads
+from attention_checks import assert_compiles_full_graph, assert_within_2x, attention_grads
 
 from flashformer.kernels import (attention_materialized, cu_seqlens_from_lengths, flash_attn_func,
                                  flash_attn_varlen_func, flash_attn_with_kvcache, launch)
@@ -207,51 +205,10 @@ def test_bad_dropout_alibi_arguments_are_named(kwargs, match, varlen, device):
             flash_attn_func(q, k, v, **kwargs)
 
 
-COMPILE_CHECK = """
-import sys
-import torch
-from torch._dynamo.backends.common import aot_autograd
-from flashformer.kernels import flash_attn_func
-
-device = sys.argv[1]
-graphs = {}
-
-def keep(name):
-    def compiler(graph_module, example_inputs):
-        graphs[name] = graph_module
-        return graph_module
-    return compiler
-
-q, k, v = (torch.randn(1, 40, 2, 32, device=device, dtype=torch.float16, requires_grad=True) for _ in range(3))
-slopes = torch.rand(2, device=device)
-
-def attend(q, k, v):
-    return flash_attn_func(q * 1.0, k, v, causal=True, dropout_p=0.25, alibi_slopes=slopes).float().square().sum()
-
-backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
-torch.manual_seed(3)
-loss = torch.compile(attend, fullgraph=True, backend=backend)(q, k, v)
-loss.backward()
-for name, op in (("forward", "flashformer.flash_attn_fwd.default"), ("backward", "flashformer.flash_attn_bwd.default")):
-    targets = {str(node.target) for node in graphs[name].graph.nodes}
-    assert op in targets, (name, sorted(targets))
-compiled_grads = [t.grad.clone() for t in (q, k, v)]
-for t in (q, k, v):
-    t.grad = None
-torch.manual_seed(3)
-eager = attend(q, k, v)
-eager.backward()
-assert torch.equal(loss, eager), (loss, eager)
-assert all(torch.equal(a, t.grad) for a, t in zip(compiled_grads, (q, k, v)))
-"""
-
-
 def test_torch_compile_full_graph_with_dropout_and_alibi(device, triton_path):
     """The seed is drawn in the traced graph from the same generator: compiled and eager runs after the
     same torch.manual_seed drop the same elements, and both passes stay opaque torch.library nodes."""
-    result = subprocess.run([sys.executable, "-c", COMPILE_CHECK, device], capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert_compiles_full_graph(device, "dict(dropout_p=0.25, alibi_slopes=torch.rand(2, device=device))")
 
 
 def test_kvcache_refuses_alibi_by_name(device):
