@@ -58,6 +58,21 @@ def resolve_checkpoint_dir(path) -> str:
     return directory
 
 
+def _check_one_float_dtype(tensors: dict, directory: str) -> None:
+    """A checkpoint's floating tensors share one dtype: a stray one (an fp16 tensor in an fp32 checkpoint)
+    would give a model of mixed precision without a word."""
+    by_dtype: dict = {}
+    for name, t in tensors.items():
+        if t.is_floating_point():
+            by_dtype.setdefault(t.dtype, []).append(name)
+    if len(by_dtype) > 1:
+        common = max(by_dtype, key=lambda d: len(by_dtype[d]))
+        strays = "; ".join(f"{len(names)} in {d} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+                           for d, names in by_dtype.items() if d != common)
+        raise CheckpointError(f"{directory} mixes floating dtypes: {strays}, the rest in {common}; pass dtype= "
+                              f"(--dtype) to load every tensor in one")
+
+
 def from_pretrained(path, dtype=None, device=None, attn_backend: str = "auto"):
     """Load a Transformer from our checkpoint directory, a Hugging Face one (detected by config.json), or a
     LoRA adapter checkpoint (its base with the adapters merged: a plain Transformer).
@@ -87,6 +102,9 @@ def from_pretrained(path, dtype=None, device=None, attn_backend: str = "auto"):
         stored_dtype = adapted.embed.weight.dtype  # the norms may have trained in fp32 over a bf16 base
         return merge_lora(adapted).to(stored_dtype)
     config_json = read_json(os.path.join(directory, CONFIG_FILE))
+    if not isinstance(config_json, dict):
+        raise CheckpointError(f"{os.path.join(directory, CONFIG_FILE)} must hold a JSON object, got a "
+                              f"{type(config_json).__name__}")
     is_ours = config_json.get("format") == "flashformer"
     try:
         if is_ours:
@@ -106,6 +124,8 @@ def from_pretrained(path, dtype=None, device=None, attn_backend: str = "auto"):
     _check_tensors({name: t.shape for name, t in model.state_dict().items()}, tensors, directory)
     if dtype is not None:
         tensors = {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
+    else:
+        _check_one_float_dtype(tensors, directory)
     model.load_state_dict(tensors, strict=True, assign=True)
     return model.to(device) if device is not None else model
 

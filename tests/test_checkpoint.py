@@ -90,6 +90,25 @@ def test_mismatched_tensors_are_listed_together(tmp_path):
         assert expected in message
 
 
+def test_a_config_json_that_is_not_an_object_is_named(tmp_path):
+    save_pretrained(tiny_model(), tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="config.json must hold a JSON object, got a list"):
+        flashformer.from_pretrained(tmp_path)
+
+
+def test_a_stray_dtype_is_refused_unless_a_dtype_is_asked_for(tmp_path):
+    save_pretrained(tiny_model(), tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["blocks.1.attn.o_proj.weight"] = tensors["blocks.1.attn.o_proj.weight"].half()
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"mixes floating dtypes: 1 in torch.float16 \(blocks.1.attn.o_proj"
+                                              r".weight\), the rest in torch.float32"):
+        flashformer.from_pretrained(tmp_path)
+    model = flashformer.from_pretrained(tmp_path, dtype="float32")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
 def test_compiled_prefix_and_hf_buffers_are_ignored(tmp_path):
     model = tiny_model()
     save_pretrained(model, tmp_path / "ours")

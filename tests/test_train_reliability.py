@@ -163,6 +163,7 @@ def test_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys):
     malformed = run_cli("train", str(broken))
     assert malformed.returncode == 2 and "Traceback" not in malformed.stderr
     assert "broken.yaml: not valid YAML" in malformed.stderr and "line 3" in malformed.stderr
+    assert cli_main(["train", str(tmp_path)]) == 2  # a directory where a recipe belongs
 
 
 def test_an_unreadable_trainer_state_names_the_checkpoint_to_fall_back_to(tmp_path, data_cache):

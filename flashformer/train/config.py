@@ -188,6 +188,8 @@ def _attn_backend_at_top_level(source: dict, overrides):
 def _read_recipe(path) -> dict:
     """A recipe YAML as a dict. A string ``model:`` names a model YAML (relative to the recipe's
     directory, e.g. ``models/gpt2-124m.yaml``) whose fields are inlined, so overrides still reach them."""
+    if os.path.isdir(path):
+        raise ConfigError(f"{path} is a directory, not a recipe file (to continue a run there: --resume {path})")
     if not os.path.isfile(path):
         raise ConfigError(f"{path}: no such recipe file")
     raw = read_yaml(path) or {}
