@@ -289,10 +289,16 @@ def split_head_dim(head_dim_pad):
     return head_dim_pad > SPLIT_HEAD_DIM_ABOVE
 
 
+# Where these kernels are the faster backward on the H200: 1.06-1.13x the tl kernels at head_dim 128 and
+# 1.26-2.31x at 256 over 1k-16k tokens; at 64 they are 0.79-0.97x (BENCHMARKS.md), so 64 stays on tl.
+FASTER_HEAD_DIMS = (128, 256)
+
+
 def supports(q, cu_seqlens_q, head_dim_pad, has_alibi, has_dropout):
     """Whether these kernels take these inputs (the caller has chosen the Gluon path for the device):
-    dense, 16-bit, a padded head_dim with a config, no ALiBi and no dropout (the tl kernels have them)."""
-    return (cu_seqlens_q is None and q.dtype in (torch.float16, torch.bfloat16) and head_dim_pad in CONFIGS
+    dense, 16-bit, a padded head_dim where they are the faster backward, no ALiBi and no dropout (the tl
+    kernels have them)."""
+    return (cu_seqlens_q is None and q.dtype in (torch.float16, torch.bfloat16) and head_dim_pad in FASTER_HEAD_DIMS
             and not has_alibi and not has_dropout)
 
 

@@ -41,15 +41,17 @@ CHECK_CASES = [(113, 203, 8, 2, 128, True, (-1, -1), 0.0), (239, 1, 8, 8, 64, Fa
 
 
 @contextlib.contextmanager
-def block_m_override(block_m):
-    """The Gluon dK/dV launch with BLOCK_M = ``block_m`` inside this block (None: its default)."""
-    original = flash_bwd_hopper.launch_dkdv
+def gluon_candidate(block_m):
+    """Inside this block the Gluon backward takes every head_dim it has a config for (not only those
+    where it is the default), its dK/dV launch with BLOCK_M = ``block_m`` (None: its default)."""
+    original, faster = flash_bwd_hopper.launch_dkdv, flash_bwd_hopper.FASTER_HEAD_DIMS
+    flash_bwd_hopper.FASTER_HEAD_DIMS = tuple(flash_bwd_hopper.CONFIGS)
     if block_m is not None:
         flash_bwd_hopper.launch_dkdv = functools.partial(original, block_m=block_m)
     try:
         yield
     finally:
-        flash_bwd_hopper.launch_dkdv = original
+        flash_bwd_hopper.launch_dkdv, flash_bwd_hopper.FASTER_HEAD_DIMS = original, faster
 
 
 def window_bounds(causal, window):
@@ -59,7 +61,7 @@ def window_bounds(causal, window):
 def backward(q, k, v, out, lse, grad_out, causal, window, softcap, gluon, block_m=None, grad_lse=None):
     """(dq, dk, dv) of the deterministic backward, Gluon dK/dV or tl, from a given forward."""
     window_left, window_right = window_bounds(causal, window)
-    with block_m_override(block_m):
+    with gluon_candidate(block_m):
         return flash_bwd.attention_backward(grad_out, grad_lse, q, k, v, out, lse, q.shape[-1] ** -0.5,
                                             window_left, window_right, softcap, deterministic=True, gluon=gluon)
 
@@ -93,7 +95,7 @@ def check_candidates():
             tl_errors = [max_error(g, r) for g, r in zip(tl_grads, refs)]
             label = (f"s{seqlen_q}x{seqlen_k} h{heads_q}:{heads_kv} d{head_dim} causal={causal} w={window} "
                      f"cap={softcap}")
-            covered = flash_bwd_hopper.supports(q, None, pad_head_dim(head_dim), False, False)
+            covered = pad_head_dim(head_dim) in flash_bwd_hopper.CONFIGS
             runs = [(f"m{block_m or 'default'}", functools.partial(backward, q, k, v, out, lse, grad_out, causal,
                                                                    window, softcap, True, block_m, grad_lse))
                     for block_m in (CANDIDATES[pad_head_dim(head_dim)] if covered else [None])]
@@ -180,7 +182,7 @@ def main(argv=None):
                 out, lse = attention_forward(q, k, v, head_dim ** -0.5, -1, 0 if causal else -1, 0.0)
                 tl_grads = backward(q, k, v, out, lse, grad_out, causal, (-1, -1), 0.0, False)
                 cell = {"head_dim": head_dim, "causal": causal, "seqlen": seqlen, "batch": batch, "gluon": {},
-                        "gluon_covers": flash_bwd_hopper.supports(q, None, head_dim_pad, False, False)}
+                        "gluon_is_default": flash_bwd_hopper.supports(q, None, head_dim_pad, False, False)}
                 timings = {"tl": functools.partial(backward, q, k, v, out, lse, grad_out, causal, (-1, -1), 0.0,
                                                    False)}
                 try:
@@ -204,7 +206,7 @@ def main(argv=None):
                     ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
                     target = cell["gluon"][name] if name in cell["gluon"] else cell
                     target[f"{name}_tflops" if target is cell else "tflops"] = flops / ms / 1e9
-                if cell["gluon_covers"]:
+                if head_dim_pad in flash_bwd_hopper.CONFIGS:
                     try:
                         cell["gluon_ms"] = {name: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
                                             for name, fn in gluon_launches(q, k, v, out, lse, grad_out, causal).items()}
@@ -225,8 +227,8 @@ def main(argv=None):
         text = ", ".join(f"{n} {c['tflops']:.0f} ({c['vs_tl_max']:.1e}{'' if c['finite'] else ' NONFINITE'})"
                          for n, c in cands.items())
         errors = [n for n, c in cell["gluon"].items() if "error" in c]
-        if not cell["gluon_covers"]:
-            text += " (tl fallback)"
+        if not cell["gluon_is_default"]:
+            text += " (default: tl)"
         cudnn = cell.get("cudnn_tflops", float("nan"))
         print(f"| {cell['head_dim']} | {'yes' if cell['causal'] else 'no'} | {cell['seqlen']} | {cudnn:.0f} | "
               f"{cell['tl_tflops']:.0f} | {text}{' failed: ' + ','.join(errors) if errors else ''} | "

@@ -179,7 +179,8 @@ def test_offloaded_checkpointing_gives_the_gradients_of_plain_checkpointing_and_
             pack = self.pack_hook
 
             def counting_pack(tensor):
-                offloaded_inputs.append(tuple(tensor.shape))
+                if tensor.numel():  # some torch versions' checkpoint also saves an empty placeholder tensor
+                    offloaded_inputs.append(tuple(tensor.shape))
                 return pack(tensor)
 
             self.pack_hook = counting_pack
