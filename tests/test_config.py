@@ -132,3 +132,17 @@ def test_attn_backend_and_deterministic_are_training_options():
     with pytest.raises(ConfigError, match="'flash-nondeterministic' is no longer a backend: use attn_backend='flash' "
                                           "with deterministic=False"):
         load_train_config({"model": {"attn_backend": "flash-nondeterministic"}})
+
+
+def test_a_model_file_override_replaces_the_recipes_model(tmp_path, monkeypatch):
+    from flashformer.train import load_train_config
+
+    recipe = CONFIG_DIR.parent / "tiny.yaml"
+    from_recipe_dir = load_train_config(recipe, ["model=models/tiny-llama.yaml", "model.n_layer=3"])
+    assert (from_recipe_dir.model.family, from_recipe_dir.model.n_kv_head, from_recipe_dir.model.n_layer) == \
+        ("llama", 2, 3)  # the file's fields, then the later override on top
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.yaml").write_text("family: gpt2\nd_model: 96\nn_layer: 1\nn_head: 3\n")
+    assert load_train_config(recipe, ["model=mine.yaml"]).model.d_model == 96  # relative to the working directory
+    with pytest.raises(ConfigError, match="model=nowhere.yaml: not a model file"):
+        load_train_config(recipe, ["model=nowhere.yaml"])

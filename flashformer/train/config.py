@@ -166,7 +166,7 @@ def load_train_config(source=None, overrides=(), resume_dir: str | None = None) 
             raise ConfigError(resume_refusal(changes, resume_dir))
         return requested
     elif isinstance(source, (str, os.PathLike)):
-        source = _read_recipe(source)
+        source, overrides = _read_recipe(source, overrides)
     source, overrides = _attn_backend_at_top_level(source, overrides)
     return load_config(TrainConfig, source, overrides)
 
@@ -185,9 +185,11 @@ def _attn_backend_at_top_level(source: dict, overrides):
     return source, overrides
 
 
-def _read_recipe(path) -> dict:
-    """A recipe YAML as a dict. A string ``model:`` names a model YAML (relative to the recipe's
-    directory, e.g. ``models/gpt2-124m.yaml``) whose fields are inlined, so overrides still reach them."""
+def _read_recipe(path, overrides) -> tuple[dict, list]:
+    """(recipe, the other overrides): the recipe YAML as a dict. A string ``model:`` names a model YAML
+    (relative to the recipe's directory, e.g. ``models/gpt2-124m.yaml``) whose fields are inlined, so
+    overrides still reach them; so does a ``model=FILE`` override (relative to the working directory or
+    to the recipe's), which replaces the recipe's model."""
     if os.path.isdir(path):
         raise ConfigError(f"{path} is a directory, not a recipe file (to continue a run there: --resume {path})")
     if not os.path.isfile(path):
@@ -195,12 +197,25 @@ def _read_recipe(path) -> dict:
     raw = read_yaml(path) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
+    recipe_dir = os.path.dirname(os.fspath(path))
+    rest = []
+    for override in overrides:
+        key, _, value = override.partition("=") if isinstance(override, str) else ("", "", "")
+        if key.strip() == "model" and value.strip():
+            candidates = [value.strip(), os.path.join(recipe_dir, value.strip())]
+            found = next((c for c in candidates if os.path.isfile(c)), None)
+            if found is None:
+                raise ConfigError(f"override model={value.strip()}: not a model file (looked for "
+                                  f"{' and '.join(candidates)})")
+            raw["model"] = read_yaml(found)
+        else:
+            rest.append(override)
     if isinstance(raw.get("model"), str):
-        model_path = os.path.join(os.path.dirname(os.fspath(path)), raw["model"])
+        model_path = os.path.join(recipe_dir, raw["model"])
         if not os.path.isfile(model_path):
             raise ConfigError(f"{path}: model: {raw['model']!r} is not a file (looked for {model_path})")
         raw["model"] = read_yaml(model_path)
-    return raw
+    return raw, rest
 
 
 def _matches(key: str, prefixes) -> bool:
