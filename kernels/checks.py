@@ -36,8 +36,9 @@ def check_attention_args(q, k, v, seq_dim, softmax_scale, window_size, softcap):
     rank = seq_dim + 3
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t, rank)
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.dtype == k.dtype == v.dtype) and not torch.is_autocast_enabled(q.device.type):
+        raise ValueError(f"q, k, v must share a dtype (or be cast by torch.autocast), got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if q.shape[:seq_dim] != k.shape[:seq_dim]:

@@ -169,11 +169,15 @@ def test_fp32_inputs_are_exact(device, triton_path):
 
 
 def test_autocast(device, triton_path):
+    """Under autocast, inputs of mixed float dtypes (fp32 q and k out of a qk-norm, bf16 v out of a
+    linear) run in the autocast dtype, as SDPA's do."""
     dtype = torch.bfloat16
     q, k, v = (torch.randn(1, 33, 2, 32, device=device) for _ in range(3))
     with torch.autocast(device_type=device, dtype=dtype):
         out = flash_attn_func(q, k, v, causal=True)
-    assert out.dtype == dtype
+        mixed = flash_attn_func(q, k, v.to(dtype), causal=True)
+    assert out.dtype == mixed.dtype == dtype
+    assert torch.equal(out, mixed)
     ref, _ = attention_materialized(q.to(dtype).double(), k.to(dtype).double(), v.to(dtype).double(), causal=True)
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=0)
 
