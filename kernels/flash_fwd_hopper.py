@@ -5,13 +5,14 @@ instruction, so a program's softmax never overlaps its matrix products. Here the
 out, as FlashAttention-3 does it:
 
 * warp specialisation: a producer warp streams K and V tiles by TMA into a ring of NUM_STAGES
-  shared-memory slots (a "ready" and an "empty" mbarrier per slot and tensor); two consumer
-  warpgroups of 64 query rows each compute, with ~232 registers each (setmaxnreg);
+  shared-memory slots (a "ready" and an "empty" mbarrier per slot and tensor); CONSUMERS (2 or 3)
+  consumer warpgroups of 64 query rows each compute, with the registers setmaxnreg gives them;
 * within a consumer, for key tile j: S_j = Q K_j^T and O += P_{j-1} V_{j-1} are issued back to back
   as asynchronous wgmma, the consumer waits for S_j alone and runs the softmax of tile j while
   P_{j-1} V_{j-1} is still on the tensor cores, then waits for O and rescales it;
-* across consumers: each releases a slot on its own, so the two drift apart and one's products
-  overlap the other's softmax.
+* across consumers: each releases a slot on its own, so they drift apart and one's products
+  overlap another's softmax. Three consumers (192 rows) share each K/V tile among more rows, for
+  head_dim 64, whose small products leave the per-tile costs (barriers, softmax) dominant.
 
 The semantics are flash_fwd.py's (bottom-right causal, windows, softcap, GQA, lse in natural log, rows
 that see no key give 0 and lse -inf); flash_fwd.py stays the portable, interpreter-tested statement of
@@ -29,8 +30,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .launch import ensure_allocator
 from .tile_ops import key_range, tanh, visible
-
-BLOCK_M = 128
 
 
 @gluon.constexpr_function
@@ -73,13 +72,30 @@ def _softmax_step(s, row_max, row_sum, scale):
     return p, alpha, new_max, row_sum
 
 
-# A program is three partitions (gl.warp_specialize): one TMA producer warp and two consumer
-# warpgroups, each over 64 of the tile's 128 query rows. A consumer frees a K/V slot by one arrival on
-# the slot's "empty" barrier (count 2: both consumers) as soon as its own wgmma no longer reads it, so
-# the two warpgroups never wait for each other and drift apart: one's matrix products fill the tensor
-# cores while the other runs its softmax.
+# A program is CONSUMERS + 1 partitions (gl.warp_specialize): one TMA producer warp and CONSUMERS
+# consumer warpgroups, each over 64 of the tile's 64 * CONSUMERS query rows. A consumer frees a K/V slot
+# by one arrival on the slot's "empty" barrier (count CONSUMERS) as soon as its own wgmma no longer
+# reads it, so the warpgroups never wait for each other and drift apart: one's matrix products fill the
+# tensor cores while another runs its softmax.
 CONSUMER_WARPS = gl.constexpr(4)
 CONSUMER_ROWS = gl.constexpr(64)
+# setmaxnreg per thread of a consumer and of the producer, by CONSUMERS. The producer warp is padded to
+# a warpgroup, and the SM's 65536 registers are shared: 2 x 128 x 232 + 128 x 40 = 64512;
+# 3 x 128 x 160 + 128 x 32 = 65536 (FlashAttention-3's split for three consumers).
+REGISTERS = {2: (232, 40), 3: (160, 32)}
+
+
+@gluon.constexpr_function
+def _partition_registers(consumers):
+    """setmaxnreg of each worker partition: consumers 1..CONSUMERS-1, then the producer."""
+    consumer, producer = REGISTERS[consumers]
+    return [consumer] * (consumers - 1) + [producer]
+
+
+@gluon.constexpr_function
+def _partition_warps(consumers):
+    """Warps of each worker partition: consumers 1..CONSUMERS-1, then the producer."""
+    return [CONSUMER_WARPS.value] * (consumers - 1) + [1]
 
 
 @gluon.jit
@@ -96,15 +112,16 @@ def _rows_descriptor(base, rows, stride_rows, BLOCK: gl.constexpr, HEAD_DIM: gl.
 def _load_partition(q_base, k_base, v_base, stride_qs, stride_ks, stride_vs, seqlen_q, seqlen_k, q_smem, k_smem,
                     v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, m0, start, num_tiles,
                     HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
-                    NUM_STAGES: gl.constexpr, Q_SMEM: gl.constexpr, KV_SMEM: gl.constexpr):
+                    NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr, Q_SMEM: gl.constexpr,
+                    KV_SMEM: gl.constexpr):
     q_desc = _rows_descriptor(q_base, seqlen_q, stride_qs, CONSUMER_ROWS, HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
     k_desc = _rows_descriptor(k_base, seqlen_k, stride_ks, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
     v_desc = _rows_descriptor(v_base, seqlen_k, stride_vs, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
-    for c in gl.static_range(2):
+    for c in gl.static_range(CONSUMERS):
         _load_tile(q_desc, m0 + c * CONSUMER_ROWS, q_bars.index(c), q_smem.index(c))
     for j in range(num_tiles):
         stage = j % NUM_STAGES
-        # The slot's previous use (tile j - NUM_STAGES) must be released by both consumers first.
+        # The slot's previous use (tile j - NUM_STAGES) must be released by every consumer first.
         free_phase = ((j // NUM_STAGES) & 1) ^ 1
         mbarrier.wait(k_empty.index(stage), free_phase, pred=j >= NUM_STAGES)
         _load_tile(k_desc, start + j * BLOCK_N, k_ready.index(stage), k_smem.index(stage))
@@ -190,11 +207,12 @@ def _attn_fwd_hopper_kernel(
     seqlen_q, seqlen_k,
     qk_scale, softcap_log2, window_left, window_right,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     Q_SMEM: gl.constexpr, KV_SMEM: gl.constexpr,
 ):
     dtype: gl.constexpr = Q.dtype.element_ty
+    BLOCK_M: gl.constexpr = CONSUMERS * CONSUMER_ROWS
     pid_m = gl.program_id(0)
     if RIGHT_BOUNDED:
         pid_m = gl.num_programs(0) - 1 - pid_m
@@ -206,43 +224,44 @@ def _attn_fwd_hopper_kernel(
     k_base = K + batch * stride_kb + kv_head * stride_kh
     v_base = V + batch * stride_vb + kv_head * stride_vh
     o_base = O + batch * stride_ob + head * stride_oh
-    q_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, HEAD_DIM_PAD], Q_SMEM)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, CONSUMER_ROWS, HEAD_DIM_PAD], Q_SMEM)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM_PAD], KV_SMEM)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM_PAD], KV_SMEM)
-    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for c in gl.static_range(2):
+    for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_bars.index(c), count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
     start, un_lo, un_hi, end = key_range(m0, seqlen_q, seqlen_k, window_left, window_right,
                                          BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
     num_tiles = (end - start) // BLOCK_N
     lse_base = batch * stride_lse_b + head * stride_lse_h
-    gl.warp_specialize([
-        (_consume_partition, (0, o_base, stride_os, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
-                              lse_base, m0, start, un_lo, un_hi, num_tiles, seqlen_q, seqlen_k, qk_scale,
-                              softcap_log2, window_left, window_right, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES,
-                              LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP, Q_SMEM)),
-        (_consume_partition, (1, o_base, stride_os, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
-                              lse_base, m0, start, un_lo, un_hi, num_tiles, seqlen_q, seqlen_k, qk_scale,
-                              softcap_log2, window_left, window_right, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES,
-                              LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP, Q_SMEM)),
-        (_load_partition, (q_base, k_base, v_base, stride_qs, stride_ks, stride_vs, seqlen_q, seqlen_k, q_smem, k_smem,
-                           v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, m0, start, num_tiles, HEAD_DIM,
-                           HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, Q_SMEM, KV_SMEM)),
-    ], [CONSUMER_WARPS, 1], [232, 40])
+    # Partitions: consumers 0..CONSUMERS-1 (consumer 0 is the default partition, the launch's num_warps),
+    # then the producer. A comprehension over a literal tuple is how Gluon unrolls a list at compile time;
+    # one comprehension, as `+` on tuples of partitions strips their constexpr arguments.
+    gl.warp_specialize(
+        [(_load_partition, (q_base, k_base, v_base, stride_qs, stride_ks, stride_vs, seqlen_q, seqlen_k, q_smem,
+                            k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, m0, start, num_tiles,
+                            HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, CONSUMERS, Q_SMEM, KV_SMEM))
+         if c == CONSUMERS else
+         (_consume_partition, (c, o_base, stride_os, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty,
+                               v_empty, lse_base, m0, start, un_lo, un_hi, num_tiles, seqlen_q, seqlen_k, qk_scale,
+                               softcap_log2, window_left, window_right, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES,
+                               LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP, Q_SMEM))
+         for c in (0, 1, 2, 3)[:CONSUMERS + 1]],
+        _partition_warps(CONSUMERS), _partition_registers(CONSUMERS))
 
 
-# (BLOCK_N, NUM_STAGES) per padded head_dim: two stages of K and V tiles plus the two 64-row Q tiles
-# within Hopper's 227 KB of shared memory (scripts/bench_gluon_forward.py measured the alternatives).
-CONFIGS = {64: (128, 2), 128: (128, 2), 256: (64, 2)}
+# (BLOCK_N, NUM_STAGES, CONSUMERS) per padded head_dim: two stages of K and V tiles plus the 64-row Q
+# tiles within Hopper's 227 KB of shared memory (scripts/bench_gluon_forward.py measured the alternatives).
+CONFIGS = {64: (128, 2, 2), 128: (128, 2, 2), 256: (64, 2, 2)}
 # Where this kernel is the faster forward on the H200: 1.03-1.17x the tl kernel at head_dim 128 and
 # 1.14-1.38x at 256 over 1k-16k tokens; at 64 it is 0.77-0.99x (BENCHMARKS.md), so 64 stays on tl.
 FASTER_HEAD_DIMS = (128, 256)
@@ -264,20 +283,23 @@ def shared_layouts(block_n, head_dim_pad, dtype):
 
 
 def launch_forward(q, k, v, out, lse, qk_scale, softcap_log2, window_left, window_right, softcap, head_dim_pad,
-                   strides, strides_lse, block_n=None, num_stages=None):
-    """Launch the kernel on dense (batch, seqlen, heads, head_dim) inputs the caller has validated."""
+                   strides, strides_lse, block_n=None, num_stages=None, consumers=None):
+    """Launch the kernel on dense (batch, seqlen, heads, head_dim) inputs the caller has validated;
+    block_n, num_stages and consumers override CONFIGS (consumers: 2 or 3 warpgroups of 64 rows)."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
-    default_n, default_stages = CONFIGS[head_dim_pad]
-    block_n, num_stages = block_n or default_n, num_stages or default_stages
+    default_n, default_stages, default_consumers = CONFIGS[head_dim_pad]
+    block_n, num_stages, consumers = block_n or default_n, num_stages or default_stages, consumers or default_consumers
+    if consumers not in REGISTERS:
+        raise ValueError(f"consumers must be one of {sorted(REGISTERS)}, got {consumers}")
     q_smem, kv_smem = shared_layouts(block_n, head_dim_pad, q.dtype)
     ensure_allocator(q.device)  # the in-kernel TMA descriptors' scratch
-    grid = (triton.cdiv(seqlen_q, BLOCK_M), heads_q, batch)
+    grid = (triton.cdiv(seqlen_q, consumers * CONSUMER_ROWS.value), heads_q, batch)
     _attn_fwd_hopper_kernel[grid](
         q, k, v, out, lse, *strides, *strides_lse, seqlen_q, seqlen_k,
         qk_scale, softcap_log2, window_left, window_right,
         GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=num_stages,
+        CONSUMERS=consumers, BLOCK_N=block_n, NUM_STAGES=num_stages,
         LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
         Q_SMEM=q_smem, KV_SMEM=kv_smem, num_warps=CONSUMER_WARPS.value,
     )

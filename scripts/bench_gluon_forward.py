@@ -4,9 +4,11 @@ For every head_dim / causal / seqlen cell (flash-attention's grid: batch * seqle
 heads * head_dim = 2048, 8 heads at head_dim 256) each (BLOCK_N, NUM_STAGES) candidate of
 flash_fwd_hopper is first checked against fp32 math on the same inputs (max abs error beside SDPA's
 in bf16), then timed with do_bench; the table gives forward TFLOP/s and the ratio of the best
-candidate to cuDNN. Writes the cells as JSON to --out.
+candidate to cuDNN. Writes the cells as JSON to --out. --check first checks the candidates of the
+chosen head_dims on odd shapes.
 
     python scripts/bench_gluon_forward.py --head-dims 64 128 256 --seqlens 1024 4096 16384
+    python scripts/bench_gluon_forward.py --check --head-dims 64 --seqlens 1024 4096 16384
 """
 
 from __future__ import annotations
@@ -25,12 +27,15 @@ from flashformer.kernels.flash_fwd import log2_scales
 from flashformer.kernels.launch import new_output, seq_strides
 from flashformer.profiling import benchmark_provenance
 
-# (BLOCK_N, NUM_STAGES)
-CANDIDATES = {64: [(128, 2), (64, 3)], 128: [(128, 2), (64, 3)], 256: [(64, 2)]}
+# (BLOCK_N, NUM_STAGES, CONSUMERS); CONSUMERS warpgroups of 64 query rows each. At head_dim 64 BLOCK_N 256
+# spills (1.4 KB at two consumers), and gl.arange takes powers of two only (no 192).
+CANDIDATES = {64: [(128, 2, 2), (128, 3, 2), (128, 2, 3), (128, 3, 3), (64, 4, 3)],
+              128: [(128, 2, 2), (64, 3, 2)], 256: [(64, 2, 2)]}
 
 
-def gluon_forward(q, k, v, causal, block_n, num_stages, window=(-1, -1), softcap=0.0):
-    """(out, lse) of the Gluon kernel with one tile shape."""
+def gluon_forward(q, k, v, causal, config, window=(-1, -1), softcap=0.0):
+    """(out, lse) of the Gluon kernel with one (BLOCK_N, NUM_STAGES, CONSUMERS) config."""
+    block_n, num_stages, consumers = config
     head_dim_pad = max(16, triton.next_power_of_2(q.shape[-1]))
     out = new_output(q)
     lse = new_output(q, (q.shape[0], q.shape[2], q.shape[1]), torch.float32)
@@ -38,26 +43,33 @@ def gluon_forward(q, k, v, causal, block_n, num_stages, window=(-1, -1), softcap
     window_left, window_right = window[0], 0 if causal else window[1]
     flash_fwd_hopper.launch_forward(q, k, v, out, lse, qk_scale, softcap_log2, window_left, window_right, softcap,
                                     head_dim_pad, [s for t in (q, k, v, out) for s in seq_strides(t, False)],
-                                    lse.stride()[:2], block_n=block_n, num_stages=num_stages)
+                                    lse.stride()[:2], block_n=block_n, num_stages=num_stages, consumers=consumers)
     return out, lse
 
 
-# Odd shapes for --check: (seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, window, softcap)
+# Odd shapes for --check: (seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, window, softcap).
+# At head_dim 64 with 3 consumers (192 rows), 239 and 128 query rows leave a consumer with no row to store.
 CHECK_CASES = [(113, 203, 8, 2, 128, True, (-1, -1), 0.0), (239, 1, 8, 8, 64, False, (-1, -1), 0.0),
                (1023, 1024, 8, 1, 128, True, (-1, -1), 0.0), (200, 57, 8, 2, 80, False, (32, 8), 0.0),
                (128, 217, 8, 8, 64, True, (17, -1), 5.0), (1000, 1000, 8, 8, 256, False, (-1, -1), 15.0),
-               (64, 128, 8, 8, 40, True, (40, -1), 0.0), (4096, 4096, 4, 4, 128, True, (-1, -1), 0.0)]
+               (64, 128, 8, 8, 40, True, (40, -1), 0.0), (4096, 4096, 4, 4, 128, True, (-1, -1), 0.0),
+               (577, 1100, 8, 2, 64, True, (-1, -1), 0.0), (400, 333, 8, 8, 64, False, (100, 50), 5.0),
+               (2000, 2000, 4, 4, 64, True, (-1, -1), 0.0)]
 
 
-def check_candidates():
-    """Every candidate against fp64 math on odd shapes, by flash-attn's 2x rule against the tl kernel's
-    error, for out and lse, with outputs NaN-poisoned before each launch (a freed buffer handed back by
-    torch's allocator can hold the right answer in rows a kernel never writes)."""
+def check_candidates(head_dims):
+    """Every candidate of the padded head_dims ``head_dims`` against fp64 math on odd shapes, by
+    flash-attn's 2x rule against the tl kernel's error, for out and lse, with outputs NaN-poisoned before
+    each launch (a freed buffer handed back by torch's allocator can hold the right answer in rows a
+    kernel never writes)."""
     from flashformer.kernels import attention_materialized, launch
     launch.POISON_OUTPUTS = True
     failures = 0
     try:
         for seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, window, softcap in CHECK_CASES:
+            head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+            if head_dim_pad not in head_dims:
+                continue
             q = torch.randn(2, seqlen_q, heads_q, head_dim, device="cuda", dtype=torch.bfloat16)
             k, v = (torch.randn(2, seqlen_k, heads_kv, head_dim, device="cuda", dtype=torch.bfloat16)
                     for _ in range(2))
@@ -68,20 +80,31 @@ def check_candidates():
                 tl_out, tl_lse = flash_attn_func(q, k, v, return_lse=True, **opts)
             tl_error = (tl_out.double() - ref).abs().max().item()
             tl_lse_error = (tl_lse.double() - ref_lse)[seen].abs().max().item()
-            for block_n, num_stages in CANDIDATES[max(16, triton.next_power_of_2(head_dim))]:
-                out, lse = gluon_forward(q, k, v, causal, block_n, num_stages, window, softcap)
+            for config in CANDIDATES[head_dim_pad]:
+                label = (f"check s{seqlen_q}x{seqlen_k} h{heads_q}:{heads_kv} d{head_dim} causal={causal} w={window} "
+                         f"cap={softcap} {candidate_name(config)}")
+                try:
+                    out, lse = gluon_forward(q, k, v, causal, config, window, softcap)
+                except Exception as error:  # a candidate that does not compile or fit fails, the rest go on
+                    failures += 1
+                    print(f"{label}: FAIL {type(error).__name__}: {str(error)[:300]}")
+                    continue
                 error = (out.double() - ref).abs().nan_to_num(float("inf")).max().item()
                 lse_ok = torch.equal(torch.isneginf(lse), ~seen) and (
                     (lse.double() - ref_lse)[seen].abs().nan_to_num(float("inf")).max().item()
                     <= 2 * tl_lse_error + 1e-5)
                 ok = error <= 2 * tl_error + 1e-6 and lse_ok
                 failures += not ok
-                print(f"check s{seqlen_q}x{seqlen_k} h{heads_q}:{heads_kv} d{head_dim} causal={causal} w={window} "
-                      f"cap={softcap} n{block_n}-s{num_stages}: out {error:.2e} (tl {tl_error:.2e}), "
+                print(f"{label}: out {error:.2e} (tl {tl_error:.2e}), "
                       f"lse {'ok' if lse_ok else 'wrong'} {'ok' if ok else 'FAIL'}")
     finally:
         launch.POISON_OUTPUTS = False
     return failures
+
+
+def candidate_name(config):
+    block_n, num_stages, consumers = config
+    return f"n{block_n}-s{num_stages}-c{consumers}"
 
 
 def sdpa(backend, q, k, v, causal):
@@ -105,7 +128,7 @@ def main(argv=None):
     parser.add_argument("--check", action="store_true", help="first check every candidate on odd shapes")
     args = parser.parse_args(argv)
     if args.check:
-        print(f"check failures: {check_candidates()}")
+        print(f"check failures: {check_candidates(args.head_dims)}")
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     cells = []
     for head_dim in args.head_dims:
@@ -123,16 +146,16 @@ def main(argv=None):
                 timings = {"tl": lambda: tl_forward(q, k, v, causal),
                            "cudnn": lambda: sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, causal)}
                 cell["tl_error"] = (tl_forward(q, k, v, causal).float() - reference).abs().max().item()
-                for block_n, num_stages in CANDIDATES[head_dim]:
-                    name = f"n{block_n}-s{num_stages}"
+                for config in CANDIDATES[head_dim]:
+                    name = candidate_name(config)
                     try:
-                        out, _ = gluon_forward(q, k, v, causal, block_n, num_stages)
+                        out, _ = gluon_forward(q, k, v, causal, config)
                     except Exception as error:  # a candidate that does not compile or fit is reported, not fatal
                         cell["gluon"][name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
                         continue
                     cell["gluon"][name] = {"error_max": (out.float() - reference).abs().max().item(),
                                            "finite": bool(torch.isfinite(out).all())}
-                    timings[name] = (lambda bn=block_n, st=num_stages: gluon_forward(q, k, v, causal, bn, st))
+                    timings[name] = (lambda config=config: gluon_forward(q, k, v, causal, config))
                 for name, fn in timings.items():
                     ms = triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
                     target = cell["gluon"][name] if name in cell["gluon"] else cell

@@ -73,11 +73,12 @@ def attention_constexprs(head_dim, block_m, block_n, causal=True, window=False, 
                 HAS_ALIBI=alibi, HAS_DROPOUT=dropout)
 
 
-def gluon_forward_constexprs(head_dim, causal=True, window=False, softcap=False, group=1):
+def gluon_forward_constexprs(head_dim, causal=True, window=False, softcap=False, group=1, config=None):
+    """config: (BLOCK_N, NUM_STAGES, CONSUMERS), flash_fwd_hopper.CONFIGS' by default."""
     head_dim_pad = pad_head_dim(head_dim)
-    block_n, num_stages = flash_fwd_hopper.CONFIGS[head_dim_pad]
+    block_n, num_stages, consumers = config or flash_fwd_hopper.CONFIGS[head_dim_pad]
     q_smem, kv_smem = flash_fwd_hopper.shared_layouts(block_n, head_dim_pad, torch.bfloat16)
-    return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=flash_fwd_hopper.BLOCK_M,
+    return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, CONSUMERS=consumers,
                 BLOCK_N=block_n, NUM_STAGES=num_stages, LEFT_BOUNDED=window, RIGHT_BOUNDED=causal or window,
                 HAS_SOFTCAP=softcap, Q_SMEM=q_smem, KV_SMEM=kv_smem)
 
@@ -115,6 +116,13 @@ CASES = {
                                          flash_fwd_hopper.CONSUMER_WARPS.value, 1),
     "gluon-fwd-d80": (GLUON_FORWARD, gluon_forward_constexprs(80), flash_fwd_hopper.CONSUMER_WARPS.value, 1),
     "gluon-fwd-d256": (GLUON_FORWARD, gluon_forward_constexprs(256, causal=False), flash_fwd_hopper.CONSUMER_WARPS.value, 1),
+    # head_dim 64 with three consumer warpgroups (192 query rows; scripts/bench_gluon_forward.py's candidates)
+    "gluon-fwd-d64-c3-causal": (GLUON_FORWARD, gluon_forward_constexprs(64, config=(128, 2, 3)), GLUON_WARPS, 1),
+    "gluon-fwd-d64-c3-window-softcap-gqa": (GLUON_FORWARD, gluon_forward_constexprs(64, window=True, softcap=True,
+                                                                                   group=4, config=(128, 3, 3)),
+                                            GLUON_WARPS, 1),
+    "gluon-fwd-d64-c3-full-n64": (GLUON_FORWARD, gluon_forward_constexprs(64, causal=False, config=(64, 4, 3)),
+                                  GLUON_WARPS, 1),
     # every Gluon backward configuration (flash_bwd_hopper.config): head_dim 64, 128, 256 (split), softcap's tile
     "gluon-bwd_dkdv-d128-causal-gqa": (GLUON_DKDV, gluon_backward_constexprs(128, group=4), GLUON_WARPS, 1),
     "gluon-bwd_dkdv-d128-full": (GLUON_DKDV, gluon_backward_constexprs(128, causal=False), GLUON_WARPS, 1),
@@ -200,7 +208,9 @@ def main(selected):
                         "tma_reduce": "cp.reduce.async.bulk.tensor" in ptx,
                         # wgmma.wait_group N with N >= 1: a product left in flight while the program goes on
                         "async_wgmma_wait": bool(re.search(r"wgmma\.wait_group\.sync\.aligned [1-9]", ptx)),
-                        "setmaxnreg": "setmaxnreg" in ptx,
+                        # the register counts the partitions ask for (empty: no setmaxnreg)
+                        "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
+                                                                         ptx)}),
                         "shared_bytes": compiled.metadata.shared, "registers": registers, "spill_bytes": spill_bytes}
     print(json.dumps(report))
 

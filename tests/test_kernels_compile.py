@@ -80,3 +80,14 @@ def test_gluon_kernels_overlap_softmax_with_the_tensor_cores(report):
         assert case["async_wgmma_wait"] and case["setmaxnreg"], (name, case)
         assert case["spill_bytes"] <= GLUON_BACKWARD_SPILL_BOUND.get(name, 0), (name, case)
     assert not any(case.get("async_wgmma_wait") for name, case in report.items() if name.startswith("fwd-"))
+
+
+def test_gluon_forward_partitions_share_the_register_file(report):
+    """The forward's setmaxnreg split (flash_fwd_hopper.REGISTERS) by consumer count: two consumers of
+    232 and a producer of 40, three of 160 and a producer of 32 (16 warps, the SM's 65536 registers)."""
+    from flashformer.kernels.flash_fwd_hopper import REGISTERS
+    for name, case in report.items():
+        if name.startswith("gluon-fwd-"):
+            consumer, producer = REGISTERS[3 if name.startswith("gluon-fwd-d64-c3-") else 2]
+            assert {consumer, producer} <= set(case["setmaxnreg"]), (name, case)
+    assert any(name.startswith("gluon-fwd-d64-c3-") for name in report)
