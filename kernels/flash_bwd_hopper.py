@@ -13,6 +13,10 @@ accumulator starts at -delta) back to back as asynchronous wgmma, waits for S^T 
 while dP^T is still on the tensor cores, then dV += P^T dO, dS^T = P^T (dP^T - delta) and
 dK += dS^T Q, P^T and dS^T in registers as the A operands.
 
+With DQ_MODE ATOMIC or ORDERED (flash_bwd_fused_hopper.launch_fused) a consumer also forms its share
+of the query tile's dQ, dS K, from dS^T stored to shared memory, and adds it into an fp32 buffer
+(_add_dq_share): 5 products per tile instead of the two kernels' 7.
+
 Each product's register operand is waited for before its registers are reused. The semantics are
 flash_bwd.py's: bottom-right causal, windows, softcap, GQA, the lse gradient (through delta); keys
 past seqlen_k and rows past seqlen_q (zeros read by TMA) get p = 0 and so dS = 0.
@@ -392,13 +396,6 @@ def shared_layouts(block_m, head_dim_pad, dtype):
             gl.NVMMASharedLayout.get_default_for([CONSUMER_KEYS.value, head_dim_pad], gl_dtype))
 
 
-def fused_supports(head_dim_pad):
-    """Whether the dK/dV kernel can also form dQ (DQ_ATOMIC / DQ_ORDERED) at this padded head_dim: not
-    when the consumers split the head_dim (each would own half of dQ's columns and need an order of
-    its own); head_dim 256 keeps the two-kernel path."""
-    return not split_head_dim(head_dim_pad)
-
-
 def ds_layout(block_m, dtype):
     """NVMMA layout of a consumer's (keys, BLOCK_M) dS^T tile, dK's and (permuted) dQ's A operand."""
     gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
@@ -439,19 +436,3 @@ def launch_dkdv(q, k, v, grad_out, dk, dv, lse_log2, delta, softmax_scale, qk_sc
         DQ_MODE=mode, DS_SMEM=ds_layout(block_m, q.dtype),
         num_warps=CONSUMER_WARPS.value,
     )
-
-
-def launch_fused(q, k, v, grad_out, dq, dk, dv, lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left,
-                 window_right, softcap, head_dim_pad, strides, strides_lse, deterministic=True):
-    """dQ, dK and dV from the dK/dV kernel alone (fused_supports): dQ's shares are summed in fp32 in a
-    fixed order (``deterministic``) or in arrival order, then scaled into ``dq``. Arguments as
-    launch_dkdv's, ``strides`` without dq's."""
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    semaphores = None
-    if deterministic:
-        batch, seqlen_q, heads_q = q.shape[:3]
-        semaphores = torch.zeros(batch * heads_q * triton.cdiv(seqlen_q, FUSED_BLOCK_M), dtype=torch.int32,
-                                 device=q.device)
-    launch_dkdv(q, k, v, grad_out, dk, dv, lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left,
-                window_right, softcap, head_dim_pad, strides, strides_lse, dq_acc=dq_acc, dq_semaphores=semaphores)
-    return dq.copy_(dq_acc.mul_(softmax_scale))

@@ -224,7 +224,7 @@ def main(selected):
                         # dQ shares added into fp32 (ptxas makes the unused-result atom a RED or ATOMG)
                         "f32_global_adds": len(re.findall(r"(?:atom|red)\.global\.[a-z.]*add\.f32", ptx)),
                         # the ordering of DQ_ORDERED: acquire-loads of the semaphore, release-adds to it
-                        "acquire_release": "ld.acquire.gpu" in ptx and bool(re.search(r"atom\.global\.gpu\.release", ptx)),
+                        "acquire_release": "ld.acquire.gpu" in ptx and "atom.global.gpu.release" in ptx,
                         "shared_bytes": compiled.metadata.shared, "registers": registers, "spill_bytes": spill_bytes}
     print(json.dumps(report))
 
