@@ -13,10 +13,6 @@ accumulator starts at -delta) back to back as asynchronous wgmma, waits for S^T 
 while dP^T is still on the tensor cores, then dV += P^T dO, dS^T = P^T (dP^T - delta) and
 dK += dS^T Q, P^T and dS^T in registers as the A operands.
 
-With DQ_MODE ATOMIC or ORDERED (flash_bwd_fused_hopper.launch_fused) a consumer also forms its share
-of the query tile's dQ, dS K, from dS^T stored to shared memory, and adds it into an fp32 buffer
-(_add_dq_share): 5 products per tile instead of the two kernels' 7.
-
 Each product's register operand is waited for before its registers are reused. The semantics are
 flash_bwd.py's: bottom-right causal, windows, softcap, GQA, the lse gradient (through delta); keys
 past seqlen_k and rows past seqlen_q (zeros read by TMA) get p = 0 and so dS = 0.
@@ -33,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .flash_fwd_hopper import _mma_layout, _rows_descriptor
 from .launch import ensure_allocator
-from .tile_ops import first_key_block, query_range, tanh, visible
+from .tile_ops import query_range, tanh, visible
 
 CONSUMER_WARPS = gl.constexpr(4)
 CONSUMER_KEYS = gl.constexpr(64)
@@ -41,14 +37,6 @@ CONSUMER_KEYS = gl.constexpr(64)
 # both consumers then take the same 64 keys and each accumulates one half of dK's and dV's columns,
 # both computing the whole S^T and dP^T (1.5x the matrix products of the 128-key program).
 SPLIT_HEAD_DIM_ABOVE = 128
-# Where dQ goes (DQ_MODE). SEPARATE: flash_bwd_dq_hopper.py's kernel recomputes S and dP for it (7 tile
-# products per query tile and key block). ATOMIC and ORDERED: each dK/dV consumer also forms its share
-# dS K and adds it into an fp32 buffer (5 products), in arrival order (ATOMIC) or in key-block order
-# behind a semaphore per query tile (ORDERED: deterministic).
-DQ_SEPARATE = gl.constexpr(0)
-DQ_ATOMIC = gl.constexpr(1)
-DQ_ORDERED = gl.constexpr(2)
-CONSUMER_THREADS = gl.constexpr(CONSUMER_WARPS.value * 32)
 
 
 @gluon.jit
@@ -109,58 +97,14 @@ def distinct_registers(x):
 
 
 @gluon.jit
-def _load_acquire(pointers):
-    """ld.acquire.gpu of int32 ``pointers``: what this thread reads after it sees the stores that
-    the writer's releases ordered before the value."""
-    return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [pointers], dtype=gl.int32,
-                                     is_pure=False, pack=1)
-
-
-@gluon.jit
-def _add_dq_share(dq, dq_head, stride_dqs, m0, seqlen_q, semaphore, rank, HEAD_DIM: gl.constexpr,
-                  HEAD_DIM_PAD: gl.constexpr, LAYOUT: gl.constexpr, ORDERED: gl.constexpr):
-    """Add a consumer's dQ share (BLOCK_M x HEAD_DIM_PAD fp32, in LAYOUT) into rows m0.. of dq_head.
-
-    ORDERED: first wait until the tile's semaphore says that the ``rank`` contributors before this one
-    have added theirs, then count this one in. Every thread acquires and releases for itself (the
-    counter goes up by CONSUMER_THREADS per contributor), so no barrier has to carry the ordering
-    between threads. The adds stay fp32 reductions at L2 (red.global.add): ordered, they sum in the
-    same order on every run, and need neither a load of the tile nor its registers. A contributor
-    waits only for lower key blocks (and consumer 1 for consumer 0 of its own block); the grid's
-    fastest axis is the key block, so those were scheduled first and never wait for it: no deadlock
-    (FlashAttention-3's deterministic backward relies on the same order)."""
-    rows = m0 + gl.arange(0, dq.shape[0], layout=gl.SliceLayout(1, LAYOUT))
-    dims = gl.arange(0, HEAD_DIM_PAD, layout=gl.SliceLayout(0, LAYOUT))
-    pointers = dq_head + gl.expand_dims(rows, 1) * stride_dqs + gl.expand_dims(dims, 0)
-    if ORDERED:
-        ones = gl.full([CONSUMER_THREADS], 1, gl.int32, gl.BlockedLayout([1], [32], [CONSUMER_WARPS], [0]))
-        counters = semaphore + (ones - 1)  # one per thread
-        target = rank * CONSUMER_THREADS
-        while gl.min(_load_acquire(counters), axis=0) < target:
-            pass
-    # Masked only where needed: ptxas puts a branch around every predicated atomic.
-    columns = gl.expand_dims(dims, 0) < HEAD_DIM
-    if m0 + dq.shape[0] <= seqlen_q:
-        if HEAD_DIM < HEAD_DIM_PAD:
-            gl.atomic_add(pointers, dq, mask=columns & (gl.expand_dims(rows, 1) >= 0), sem="relaxed", scope="gpu")
-        else:
-            gl.atomic_add(pointers, dq, sem="relaxed", scope="gpu")
-    else:
-        gl.atomic_add(pointers, dq, mask=columns & (gl.expand_dims(rows, 1) < seqlen_q), sem="relaxed", scope="gpu")
-    if ORDERED:
-        gl.atomic_add(counters, ones, sem="release", scope="gpu")
-
-
-@gluon.jit
 def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks, stride_dvs, lse_group,
                             delta_group, stride_lse_h, q_smem, do_smem, k_smem, v_smem, kv_bars, done_bar, q_ready,
                             do_ready, q_empty, do_empty, n0, start, un_lo, un_hi, tiles_per_head, seqlen_q, seqlen_k,
-                            softmax_scale, qk_scale, softcap_log2, window_left, window_right, ds_smem, dq_group,
-                            stride_dqs, stride_dqh, semaphore_group, q_tiles,
+                            softmax_scale, qk_scale, softcap_log2, window_left, window_right,
                             GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
-                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                            LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-                            SPLIT_HEAD_DIM: gl.constexpr, KV_SMEM: gl.constexpr, DQ_MODE: gl.constexpr):
+                            BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, LEFT_BOUNDED: gl.constexpr,
+                            RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr, SPLIT_HEAD_DIM: gl.constexpr,
+                            KV_SMEM: gl.constexpr):
     # The consumer's keys and its columns of dK and dV.
     TILE: gl.constexpr = 0 if SPLIT_HEAD_DIM else CONSUMER
     OUT_DIM: gl.constexpr = HEAD_DIM_PAD // 2 if SPLIT_HEAD_DIM else HEAD_DIM_PAD
@@ -179,10 +123,6 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
     dk = gl.zeros([CONSUMER_KEYS, OUT_DIM], gl.float32, DKV_LAYOUT)
     dv = gl.zeros([CONSUMER_KEYS, OUT_DIM], gl.float32, DKV_LAYOUT)
     st_zero = gl.zeros([CONSUMER_KEYS, BLOCK_M], gl.float32, ST_LAYOUT)
-    if DQ_MODE != DQ_SEPARATE:
-        gl.static_assert((not SPLIT_HEAD_DIM) & (BLOCK_M == 64))  # dQ's wgmma is 64 rows by HEAD_DIM_PAD
-        dq_zero = gl.zeros([BLOCK_M, HEAD_DIM_PAD], gl.float32, DKV_LAYOUT)
-        ds_tile = ds_smem.index(CONSUMER)
 
     mbarrier.wait(kv_bars.index(TILE), 0)
     for i in range(GROUP * tiles_per_head):
@@ -229,28 +169,10 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
         ds_t = p_t * dp_t
         if HAS_SOFTCAP:
             ds_t = ds_t * (1.0 - tanh_t * tanh_t)
-        if DQ_MODE == DQ_SEPARATE:
-            ds_op = gl.convert_layout(ds_t.to(dtype), A_LAYOUT)
-            dk = warpgroup_mma(ds_op, q_tile.slice(OUT_COL, OUT_DIM, dim=1), dk, is_async=True)
-            dk, ds_op = warpgroup_mma_wait(0, deps=[dk, ds_op])
-            mbarrier.arrive(q_empty.index(stage), count=1)
-        else:
-            # dS^T goes through shared memory: as stored it is dK's A operand, and its permuted view
-            # (dS, BLOCK_M x keys, MN-major) dQ's; the previous tile's products that read it are done.
-            ds_tile.store(ds_t.to(dtype))
-            fence_async_shared()
-            dk = warpgroup_mma(ds_tile, q_tile, dk, is_async=True)
-            dq = warpgroup_mma(ds_tile.permute((1, 0)), k_tile, dq_zero, use_acc=False, is_async=True)
-            dk = warpgroup_mma_wait(1, deps=[dk])
-            mbarrier.arrive(q_empty.index(stage), count=1)
-            dq = warpgroup_mma_wait(0, deps=[dq])
-            # This consumer's place among the contributors to the tile: 2 per key block from the first
-            # block that sees it, consumer 0 first.
-            rank = 2 * (n0 // BLOCK_N - first_key_block(m0, seqlen_q, seqlen_k, window_left, BLOCK_N,
-                                                        LEFT_BOUNDED)) + CONSUMER
-            _add_dq_share(dq, dq_group + head * stride_dqh, stride_dqs, m0, seqlen_q,
-                          semaphore_group + head * q_tiles + m0 // BLOCK_M, rank, HEAD_DIM, HEAD_DIM_PAD,
-                          DKV_LAYOUT, DQ_MODE == DQ_ORDERED)
+        ds_op = gl.convert_layout(ds_t.to(dtype), A_LAYOUT)
+        dk = warpgroup_mma(ds_op, q_tile.slice(OUT_COL, OUT_DIM, dim=1), dk, is_async=True)
+        dk, ds_op = warpgroup_mma_wait(0, deps=[dk, ds_op])
+        mbarrier.arrive(q_empty.index(stage), count=1)
 
     # K and V are read by no product any more (with a split head_dim: by neither consumer, once both
     # have arrived): their tiles stage this consumer's dK and dV.
@@ -271,14 +193,13 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
 
 @gluon.jit
 def _attn_bwd_dkdv_hopper_kernel(
-    Q, K, V, DO, DK, DV, LSE_LOG2, DELTA, DQ_ACC, DQ_SEMAPHORES,
+    Q, K, V, DO, DK, DV, LSE_LOG2, DELTA,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
-    stride_dqb, stride_dqs, stride_dqh,
     stride_lse_b, stride_lse_h,
     seqlen_q, seqlen_k,
     softmax_scale, qk_scale, softcap_log2, window_left, window_right,
@@ -286,7 +207,6 @@ def _attn_bwd_dkdv_hopper_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     SPLIT_HEAD_DIM: gl.constexpr, QO_SMEM: gl.constexpr, QO_TMA: gl.constexpr, KV_SMEM: gl.constexpr,
-    DQ_MODE: gl.constexpr = DQ_SEPARATE, DS_SMEM: gl.constexpr = None,
 ):
     KV_TILES: gl.constexpr = 1 if SPLIT_HEAD_DIM else 2
     gl.static_assert(BLOCK_N == KV_TILES * CONSUMER_KEYS)
@@ -303,18 +223,10 @@ def _attn_bwd_dkdv_hopper_kernel(
     dv_base = DV + batch * stride_dvb + kv_head * stride_dvh
     lse_group = LSE_LOG2 + batch * stride_lse_b + head0 * stride_lse_h
     delta_group = DELTA + batch * stride_lse_b + head0 * stride_lse_h
-    # ATOMIC and ORDERED: the group's dQ accumulator, and its semaphores, one per (batch, head, query tile)
-    q_tiles = (seqlen_q + BLOCK_M - 1) // BLOCK_M
-    dq_group = DQ_ACC + batch * stride_dqb + head0 * stride_dqh
-    semaphore_group = DQ_SEMAPHORES + (batch * gl.num_programs(1) + kv_head) * GROUP * q_tiles
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM_PAD], QO_SMEM)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM_PAD], QO_SMEM)
     k_smem = gl.allocate_shared_memory(dtype, [KV_TILES, CONSUMER_KEYS, HEAD_DIM_PAD], KV_SMEM)
     v_smem = gl.allocate_shared_memory(dtype, [KV_TILES, CONSUMER_KEYS, HEAD_DIM_PAD], KV_SMEM)
-    if DQ_MODE == DQ_SEPARATE:
-        ds_smem = v_smem  # not read
-    else:  # each consumer's dS^T tile
-        ds_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_KEYS, BLOCK_M], DS_SMEM)
     kv_bars = gl.allocate_shared_memory(gl.int64, [KV_TILES, 1], mbarrier.MBarrierLayout())
     done_bars = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -337,16 +249,14 @@ def _attn_bwd_dkdv_hopper_kernel(
                                    stride_lse_h, q_smem, do_smem, k_smem, v_smem, kv_bars, done_bars.index(0),
                                    q_ready, do_ready, q_empty, do_empty, n0, start, un_lo, un_hi, tiles_per_head,
                                    seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2, window_left,
-                                   window_right, ds_smem, dq_group, stride_dqs, stride_dqh, semaphore_group, q_tiles,
-                                   GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, NUM_STAGES, LEFT_BOUNDED,
-                                   RIGHT_BOUNDED, HAS_SOFTCAP, SPLIT_HEAD_DIM, KV_SMEM, DQ_MODE)),
+                                   window_right, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, NUM_STAGES, LEFT_BOUNDED,
+                                   RIGHT_BOUNDED, HAS_SOFTCAP, SPLIT_HEAD_DIM, KV_SMEM)),
         (_dkdv_consume_partition, (1, dk_base, dv_base, stride_dks, stride_dvs, lse_group, delta_group,
                                    stride_lse_h, q_smem, do_smem, k_smem, v_smem, kv_bars, done_bars.index(0),
                                    q_ready, do_ready, q_empty, do_empty, n0, start, un_lo, un_hi, tiles_per_head,
                                    seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2, window_left,
-                                   window_right, ds_smem, dq_group, stride_dqs, stride_dqh, semaphore_group, q_tiles,
-                                   GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, NUM_STAGES, LEFT_BOUNDED,
-                                   RIGHT_BOUNDED, HAS_SOFTCAP, SPLIT_HEAD_DIM, KV_SMEM, DQ_MODE)),
+                                   window_right, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, NUM_STAGES, LEFT_BOUNDED,
+                                   RIGHT_BOUNDED, HAS_SOFTCAP, SPLIT_HEAD_DIM, KV_SMEM)),
         (_dkdv_load_partition, (q_base, do_base, k_base, v_base, stride_qh, stride_qs, stride_doh, stride_dos,
                                 stride_ks, stride_vs, seqlen_q, seqlen_k, q_smem, do_smem, k_smem, v_smem, kv_bars,
                                 q_ready, do_ready, q_empty, do_empty, n0, start, tiles_per_head, GROUP, HEAD_DIM,
@@ -361,8 +271,6 @@ def _attn_bwd_dkdv_hopper_kernel(
 # reloaded after it); softcap's tanh tile (64 x BLOCK_M more) needs BLOCK_M = 32.
 CONFIGS = {64: (64, 2), 128: (64, 2), 256: (64, 2)}
 SOFTCAP_BLOCK_M = {64: 64, 128: 32, 256: 32}
-# With dQ formed here (launch_fused) BLOCK_M is dQ's wgmma M: 64, softcap too.
-FUSED_BLOCK_M = 64
 
 
 def config(head_dim_pad, softcap):
@@ -402,43 +310,25 @@ def shared_layouts(block_m, head_dim_pad, dtype):
             gl.NVMMASharedLayout.get_default_for([CONSUMER_KEYS.value, head_dim_pad], gl_dtype))
 
 
-def ds_layout(block_m, dtype):
-    """NVMMA layout of a consumer's (keys, BLOCK_M) dS^T tile, dK's and (permuted) dQ's A operand."""
-    gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    return gl.NVMMASharedLayout.get_default_for([CONSUMER_KEYS.value, block_m], gl_dtype)
-
-
 def launch_dkdv(q, k, v, grad_out, dk, dv, lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left,
-                window_right, softcap, head_dim_pad, strides, strides_lse, block_m=None, num_stages=None,
-                dq_acc=None, dq_semaphores=None):
+                window_right, softcap, head_dim_pad, strides, strides_lse, block_m=None, num_stages=None):
     """Launch the dK/dV kernel on dense (batch, seqlen, heads, head_dim) inputs the caller has validated;
     ``strides`` are (batch, seq, head) strides of q, k, v, grad_out, dk, dv; lse_log2 and delta as
-    flash_bwd's preprocess wrote them. With ``dq_acc`` (fp32, q's shape, zeros) the kernel also adds
-    dQ / softmax_scale into it: in key-block order behind ``dq_semaphores`` (int32 zeros, one per
-    (batch, query head, BLOCK_M query tile)), or in arrival order where they are None."""
+    flash_bwd's preprocess wrote them."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     default_m, default_stages = config(head_dim_pad, softcap)
-    if dq_acc is not None:
-        default_m = FUSED_BLOCK_M
     block_m, num_stages = block_m or default_m, num_stages or default_stages
     qo_smem, qo_tma, kv_smem = shared_layouts(block_m, head_dim_pad, q.dtype)
     ensure_allocator(q.device)  # the in-kernel TMA descriptors' scratch
     keys = block_n(head_dim_pad)
-    mode = DQ_SEPARATE if dq_acc is None else DQ_ATOMIC if dq_semaphores is None else DQ_ORDERED
-    # Key blocks on the grid's fastest axis: DQ_ORDERED's contributors wait for lower blocks only.
     grid = (triton.cdiv(seqlen_k, keys), heads_kv, batch)
-    # DQ_MODE decides whether the dQ pointers are read; placeholders of their types where they are not.
-    placeholders = (delta if dq_acc is None else dq_acc,
-                    delta.view(torch.int32) if dq_semaphores is None else dq_semaphores)
     _attn_bwd_dkdv_hopper_kernel[grid](
-        q, k, v, grad_out, dk, dv, lse_log2, delta, *placeholders, *strides,
-        *(dq_acc.stride()[:3] if dq_acc is not None else (0, 0, 0)), *strides_lse, seqlen_q, seqlen_k,
+        q, k, v, grad_out, dk, dv, lse_log2, delta, *strides, *strides_lse, seqlen_q, seqlen_k,
         softmax_scale, qk_scale, softcap_log2, window_left, window_right,
         GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_M=block_m, BLOCK_N=keys, NUM_STAGES=num_stages,
         LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
         SPLIT_HEAD_DIM=split_head_dim(head_dim_pad), QO_SMEM=qo_smem, QO_TMA=qo_tma, KV_SMEM=kv_smem,
-        DQ_MODE=mode, DS_SMEM=ds_layout(block_m, q.dtype),
         num_warps=CONSUMER_WARPS.value,
     )

@@ -26,7 +26,7 @@ from flashformer.kernels.sizes import pad_head_dim
 FP32_POINTERS = {"LSE", "DELTA", "LSE_LOG2", "DLSE", "LSE_PART", "O_PART", "DQ_ACC", "LOSSES", "TOKEN_SCALE",
                  "ALIBI_SLOPES"}
 INT64_POINTERS = {"TARGETS", "DROPOUT_SEED"}
-INT32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K", "BLOCK_TABLE", "DQ_SEMAPHORES"}
+INT32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K", "BLOCK_TABLE"}
 FLOAT_SCALARS = {"qk_scale", "softcap_log2", "softmax_scale", "softcap", "dropout_rescale"}
 
 
@@ -83,19 +83,16 @@ def gluon_forward_constexprs(head_dim, causal=True, window=False, softcap=False,
                 HAS_SOFTCAP=softcap, Q_SMEM=q_smem, KV_SMEM=kv_smem)
 
 
-def gluon_backward_constexprs(head_dim, causal=True, window=False, softcap=False, group=1, block_m=None,
-                              dq_mode=flash_bwd_hopper.DQ_SEPARATE.value):
+def gluon_backward_constexprs(head_dim, causal=True, window=False, softcap=False, group=1, block_m=None):
     head_dim_pad = pad_head_dim(head_dim)
     default_m, num_stages = flash_bwd_hopper.config(head_dim_pad, 1.0 if softcap else 0.0)
-    if dq_mode != flash_bwd_hopper.DQ_SEPARATE.value:
-        default_m = flash_bwd_hopper.FUSED_BLOCK_M
     block_m = block_m or default_m
     qo_smem, qo_tma, kv_smem = flash_bwd_hopper.shared_layouts(block_m, head_dim_pad, torch.bfloat16)
     return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m,
                 BLOCK_N=flash_bwd_hopper.block_n(head_dim_pad), NUM_STAGES=num_stages, LEFT_BOUNDED=window,
                 RIGHT_BOUNDED=causal or window, HAS_SOFTCAP=softcap,
                 SPLIT_HEAD_DIM=flash_bwd_hopper.split_head_dim(head_dim_pad), QO_SMEM=qo_smem, QO_TMA=qo_tma,
-                KV_SMEM=kv_smem, DQ_MODE=dq_mode, DS_SMEM=flash_bwd_hopper.ds_layout(block_m, torch.bfloat16))
+                KV_SMEM=kv_smem)
 
 
 def gluon_dq_constexprs(head_dim, causal=True, window=False, softcap=False, group=1):
@@ -112,7 +109,6 @@ GLUON_FORWARD = flash_fwd_hopper._attn_fwd_hopper_kernel
 GLUON_DQ = flash_bwd_dq_hopper._attn_bwd_dq_hopper_kernel
 GLUON_DKDV = flash_bwd_hopper._attn_bwd_dkdv_hopper_kernel
 GLUON_WARPS = flash_fwd_hopper.CONSUMER_WARPS.value
-ORDERED, ATOMIC = flash_bwd_hopper.DQ_ORDERED.value, flash_bwd_hopper.DQ_ATOMIC.value
 CASES = {
     "gluon-fwd-d128-causal": (GLUON_FORWARD, gluon_forward_constexprs(128), flash_fwd_hopper.CONSUMER_WARPS.value, 1),
     "gluon-fwd-d128-full": (GLUON_FORWARD, gluon_forward_constexprs(128, causal=False), flash_fwd_hopper.CONSUMER_WARPS.value, 1),
@@ -143,22 +139,6 @@ CASES = {
     "gluon-bwd_dq-d64-softcap-gqa": (GLUON_DQ, gluon_dq_constexprs(64, softcap=True, group=2), GLUON_WARPS, 1),
     "gluon-bwd_dq-d256-causal": (GLUON_DQ, gluon_dq_constexprs(256), GLUON_WARPS, 1),
     "gluon-bwd_dq-d256-full-softcap": (GLUON_DQ, gluon_dq_constexprs(256, causal=False, softcap=True), GLUON_WARPS, 1),
-    # the dK/dV kernel that also forms dQ (launch_fused): ordered (deterministic) and atomic
-    "gluon-bwd_fused-d128-causal-gqa": (GLUON_DKDV, gluon_backward_constexprs(128, group=4, dq_mode=ORDERED),
-                                        GLUON_WARPS, 1),
-    "gluon-bwd_fused-d128-full": (GLUON_DKDV, gluon_backward_constexprs(128, causal=False, dq_mode=ORDERED),
-                                  GLUON_WARPS, 1),
-    "gluon-bwd_fused-d128-window-softcap": (GLUON_DKDV, gluon_backward_constexprs(128, window=True, softcap=True,
-                                                                                  dq_mode=ORDERED), GLUON_WARPS, 1),
-    "gluon-bwd_fused-d64-window-softcap-gqa": (GLUON_DKDV, gluon_backward_constexprs(64, window=True, softcap=True,
-                                                                                     group=2, dq_mode=ORDERED),
-                                               GLUON_WARPS, 1),
-    "gluon-bwd_fused-d80-window": (GLUON_DKDV, gluon_backward_constexprs(80, window=True, dq_mode=ORDERED),
-                                   GLUON_WARPS, 1),
-    "gluon-bwd_fused_atomic-d128-causal-gqa": (GLUON_DKDV, gluon_backward_constexprs(128, group=4, dq_mode=ATOMIC),
-                                               GLUON_WARPS, 1),
-    "gluon-bwd_fused_atomic-d64-full": (GLUON_DKDV, gluon_backward_constexprs(64, causal=False, dq_mode=ATOMIC),
-                                        GLUON_WARPS, 1),
     "gluon-bwd_dkdv-d64-causal-gqa": (GLUON_DKDV, gluon_backward_constexprs(64, group=4), GLUON_WARPS, 1),
     "gluon-bwd_dkdv-d64-window-softcap": (GLUON_DKDV, gluon_backward_constexprs(64, window=True, softcap=True),
                                           GLUON_WARPS, 1),
@@ -231,10 +211,6 @@ def main(selected):
                         # the register counts the partitions ask for (empty: no setmaxnreg)
                         "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
                                                                          ptx)}),
-                        # dQ shares added into fp32 (ptxas makes the unused-result atom a RED or ATOMG)
-                        "f32_global_adds": len(re.findall(r"(?:atom|red)\.global\.[a-z.]*add\.f32", ptx)),
-                        # the ordering of DQ_ORDERED: acquire-loads of the semaphore, release-adds to it
-                        "acquire_release": "ld.acquire.gpu" in ptx and "atom.global.gpu.release" in ptx,
                         "shared_bytes": compiled.metadata.shared, "registers": registers, "spill_bytes": spill_bytes}
     print(json.dumps(report))
 

@@ -64,16 +64,9 @@ def test_nondeterministic_backward_reduces_dq_through_tma(report):
 # four accumulators take 192 of a consumer's 240 registers, and ptxas spills a few scalars, stored
 # before the query loop and reloaded after it (about one reload per query tile); at 256 also the
 # 64-bit shared-memory descriptors of the 16 k-steps of S^T and dP^T (reloaded once per query tile).
-# The fused kernel (dQ formed in the dK/dV kernel) reads dS^T from shared memory for two products: ptxas
-# keeps the 64-bit wgmma descriptors of their k-steps in local memory (stored before the query loop,
-# reloaded per tile), ~0.6-0.9 KB at head_dim 128, more with softcap's tanh tile beside them.
 GLUON_BACKWARD_SPILL_BOUND = {"gluon-bwd_dkdv-d128-causal-gqa": 128, "gluon-bwd_dkdv-d128-full": 128,
                               "gluon-bwd_dkdv-d80-window": 128, "gluon-bwd_dkdv-d256-causal-gqa": 640,
-                              "gluon-bwd_dkdv-d192-window": 640, "gluon-bwd_dkdv-d256-full-softcap": 128,
-                              "gluon-bwd_fused-d128-causal-gqa": 1024, "gluon-bwd_fused-d128-full": 1024,
-                              "gluon-bwd_fused-d80-window": 1024, "gluon-bwd_fused-d128-window-softcap": 1792,
-                              "gluon-bwd_fused-d64-window-softcap-gqa": 256,
-                              "gluon-bwd_fused_atomic-d128-causal-gqa": 384, "gluon-bwd_fused_atomic-d64-full": 0}
+                              "gluon-bwd_dkdv-d192-window": 640, "gluon-bwd_dkdv-d256-full-softcap": 128}
 
 
 def test_gluon_kernels_overlap_softmax_with_the_tensor_cores(report):
@@ -98,17 +91,3 @@ def test_gluon_forward_partitions_share_the_register_file(report):
             consumer, producer = REGISTERS[3 if name.startswith("gluon-fwd-d64-c3-") else 2]
             assert {consumer, producer} <= set(case["setmaxnreg"]), (name, case)
     assert any(name.startswith("gluon-fwd-d64-c3-") for name in report)
-
-
-def test_fused_backward_orders_its_dq_adds(report):
-    """The fused Gluon backward adds dQ shares with fp32 global atomics; deterministic (DQ_ORDERED) it
-    orders them through its semaphores with ld.acquire and release-adds, in arrival order without
-    them; the two-kernel dK/dV kernel adds nothing."""
-    fused = {name: case for name, case in report.items() if name.startswith("gluon-bwd_fused")}
-    assert any("atomic" in name for name in fused) and any("atomic" not in name for name in fused)
-    for name, case in fused.items():
-        assert case["f32_global_adds"] > 0, (name, case)
-        assert case["acquire_release"] == ("atomic" not in name), (name, case)
-    for name, case in report.items():
-        if name.startswith("gluon-bwd_dkdv"):
-            assert case["f32_global_adds"] == 0 and not case["acquire_release"], (name, case)
