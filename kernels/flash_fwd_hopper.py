@@ -261,10 +261,11 @@ def _attn_fwd_hopper_kernel(
 
 # (BLOCK_N, NUM_STAGES, CONSUMERS) per padded head_dim: two stages of K and V tiles plus the 64-row Q
 # tiles within Hopper's 227 KB of shared memory (scripts/bench_gluon_forward.py measured the alternatives).
-CONFIGS = {64: (128, 2, 2), 128: (128, 2, 2), 256: (64, 2, 2)}
-# Where this kernel is the faster forward on the H200: 1.03-1.17x the tl kernel at head_dim 128 and
-# 1.14-1.38x at 256 over 1k-16k tokens; at 64 it is 0.77-0.99x (BENCHMARKS.md), so 64 stays on tl.
-FASTER_HEAD_DIMS = (128, 256)
+# At head_dim 64 three consumers (192 rows per K/V tile) beat two by 1.05-1.10x at 4k-16k tokens.
+CONFIGS = {64: (128, 2, 3), 128: (128, 2, 2), 256: (64, 2, 2)}
+# Where this kernel is the faster forward on the H200 (BENCHMARKS.md): 1.03-1.17x the tl kernel at head_dim
+# 128, 1.14-1.38x at 256 over 1k-16k tokens, 1.01-1.11x at 64 over 4k-16k with three consumers.
+FASTER_HEAD_DIMS = (64, 128, 256)
 
 
 def supports(q, cu_seqlens_q, head_dim_pad, has_alibi, has_dropout):

@@ -112,11 +112,12 @@ GLUON_WARPS = flash_fwd_hopper.CONSUMER_WARPS.value
 CASES = {
     "gluon-fwd-d128-causal": (GLUON_FORWARD, gluon_forward_constexprs(128), flash_fwd_hopper.CONSUMER_WARPS.value, 1),
     "gluon-fwd-d128-full": (GLUON_FORWARD, gluon_forward_constexprs(128, causal=False), flash_fwd_hopper.CONSUMER_WARPS.value, 1),
-    "gluon-fwd-d64-window-softcap-gqa": (GLUON_FORWARD, gluon_forward_constexprs(64, window=True, softcap=True, group=4),
-                                         flash_fwd_hopper.CONSUMER_WARPS.value, 1),
+    "gluon-fwd-d64-c2-window-softcap-gqa": (GLUON_FORWARD, gluon_forward_constexprs(64, window=True, softcap=True,
+                                                                                   group=4, config=(128, 2, 2)),
+                                            GLUON_WARPS, 1),
     "gluon-fwd-d80": (GLUON_FORWARD, gluon_forward_constexprs(80), flash_fwd_hopper.CONSUMER_WARPS.value, 1),
     "gluon-fwd-d256": (GLUON_FORWARD, gluon_forward_constexprs(256, causal=False), flash_fwd_hopper.CONSUMER_WARPS.value, 1),
-    # head_dim 64 with three consumer warpgroups (192 query rows; scripts/bench_gluon_forward.py's candidates)
+    # head_dim 64 with three consumer warpgroups (192 query rows: the default) and bench_gluon_forward's others
     "gluon-fwd-d64-c3-causal": (GLUON_FORWARD, gluon_forward_constexprs(64, config=(128, 2, 3)), GLUON_WARPS, 1),
     "gluon-fwd-d64-c3-window-softcap-gqa": (GLUON_FORWARD, gluon_forward_constexprs(64, window=True, softcap=True,
                                                                                    group=4, config=(128, 3, 3)),
