@@ -115,16 +115,14 @@ def from_pretrained(path, dtype=None, device=None, attn_backend: str = "auto"):
             raise ValueError("neither a flashformer config (format: flashformer) nor a Hugging Face one (model_type)")
     except ValueError as err:
         raise CheckpointError(f"{os.path.join(directory, CONFIG_FILE)}: {err}") from None
-    tensors = {name.removeprefix(COMPILED_PREFIX): t for name, t in read_weights(directory).items()}
+    tensors = {name.removeprefix(COMPILED_PREFIX): t for name, t in read_weights(directory, dtype).items()}
     if not is_ours:
         tensors = state_dict_from_hf(tensors, cfg)
     # Build on the meta device (no memory, no init cost), check everything, then adopt the tensors.
     with torch.device("meta"):
         model = Transformer(cfg, attn_backend=attn_backend)
     _check_tensors({name: t.shape for name, t in model.state_dict().items()}, tensors, directory)
-    if dtype is not None:
-        tensors = {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
-    else:
+    if dtype is None:
         _check_one_float_dtype(tensors, directory)
     model.load_state_dict(tensors, strict=True, assign=True)
     return model.to(device) if device is not None else model
