@@ -22,7 +22,7 @@ import torch.distributed as dist
 import yaml
 from tqdm.auto import tqdm
 
-from ..checkpoint import from_pretrained
+from ..checkpoint import from_pretrained, resolve_checkpoint_dir
 from ..config import ConfigError, config_to_dict, save_config
 from ..batches import TrainBatches, eval_batches
 from ..chat import ChatTemplate, load_chat_corpus
@@ -32,7 +32,7 @@ from ..model import Transformer
 from ..parallel import all_reduce, barrier, full_optimizer_state_dict, full_state_dicts, init_distributed
 from ..parallel import load_optimizer_state_dict, parallelize, shutdown_distributed
 from ..tokenizer import TOKENIZER_FILE, load_tokenizer
-from ..weights import latest_checkpoint
+from ..weights import CheckpointError, latest_checkpoint
 from .config import RUN_CONFIG_FILE, TrainConfig, resume_changes, resume_refusal, saved_run_config
 from .model_setup import build_model
 from .metrics import METRICS_FILE, MetricsLog, abridged, plot_losses
@@ -164,12 +164,14 @@ class Trainer:
         return latest
 
     def _init_checkpoint(self) -> str | None:
-        """The directory ``init_from`` names: a checkpoint, or a run directory's latest checkpoint."""
+        """The directory ``init_from`` names: a checkpoint, a run directory's latest checkpoint, or a hub id's
+        snapshot."""
         if self.cfg.init_from is None:
             return None
-        if not os.path.isdir(self.cfg.init_from):
-            raise ConfigError(f"init_from: {self.cfg.init_from!r} is not a directory")
-        return latest_checkpoint(self.cfg.init_from) or self.cfg.init_from
+        try:
+            return resolve_checkpoint_dir(self.cfg.init_from, self.cfg.init_revision)
+        except CheckpointError as error:
+            raise ConfigError(f"init_from: {error}") from None
 
     def _choose_tokenizer(self) -> None:
         data = self.cfg.data
