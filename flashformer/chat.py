@@ -257,8 +257,10 @@ def _build_chat_cache(cfg: DataConfig, tokenizer, template: ChatTemplate, cache_
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
     pad_id = next((i for i in (tokenizer.pad_id, tokenizer.eos_id) if i is not None), 0)
     eval_every = max(2, round(1 / cfg.eval_fraction))
-    sources = [(path, None) for path in _expand_paths(cfg.train_files, "data.train_files")]
-    sources += [(path, "eval") for path in _expand_paths(cfg.eval_files, "data.eval_files")]
+    eval_files = _expand_paths(cfg.eval_files, "data.eval_files")
+    # Without eval files the held-out conversations come from the training files (split None: every n-th).
+    sources = [(path, "train" if eval_files else None) for path in _expand_paths(cfg.train_files, "data.train_files")]
+    sources += [(path, "eval") for path in eval_files]
     with atomic_directory(cache_dir) as tmp:
         writers = {split: _SplitWriter(tmp, split, dtype, loss_mask=True) for split in ("train", "eval")}
         packers = {split: _RowPacker(writer, cfg.seq_len, pad_id) for split, writer in writers.items()}
@@ -279,18 +281,15 @@ def _build_chat_cache(cfg: DataConfig, tokenizer, template: ChatTemplate, cache_
                         dropped[split] += 1
                     else:
                         packers[split].add(ids, mask)
+            conversations = {split: packer.conversations for split, packer in packers.items()}
+            if not all(conversations.values()):
+                raise DataError(f"the chat data yields {conversations['train']} training and {conversations['eval']} "
+                                f"eval conversations of at most data.seq_len={cfg.seq_len} tokens ({dropped['train']} "
+                                f"and {dropped['eval']} longer ones dropped); both must be > 0")
             for packer in packers.values():
-                if packer.conversations:
-                    packer.finish()
+                packer.finish()
         except BaseException:
-            for writer in writers.values():
+            for writer in writers.values():  # atomic_directory discards the files: close them first
                 writer.close_files()
             raise
-        conversations = {split: packer.conversations for split, packer in packers.items()}
-        if not all(conversations.values()):
-            for writer in writers.values():
-                writer.close_files()
-            raise DataError(f"the chat data yields {conversations['train']} training and {conversations['eval']} eval "
-                            f"conversations of at most data.seq_len={cfg.seq_len} tokens ({dropped['train']} and "
-                            f"{dropped['eval']} longer ones dropped); both must be > 0")
         write_meta(tmp, writers, tokenizer.eos_id, conversations=conversations, dropped=dropped)

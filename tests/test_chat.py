@@ -250,3 +250,20 @@ def test_sft_recipe_trains_from_the_command_line(tmp_path):
     assert len(losses) == 3 and all(np.isfinite(losses))
     assert any("eval_loss" in r for r in records)
     assert "<|im_start|>assistant" in result.stdout  # the sample's prompt, rendered back
+
+
+def test_eval_files_hold_the_eval_split_and_an_empty_split_is_refused(tmp_path, unmarked_dir):
+    tokenizer = load_tokenizer(unmarked_dir)
+    eval_path = tmp_path / "held_out.jsonl"
+    eval_path.write_text(json.dumps({"messages": CONVERSATIONS[1]}) + "\n")
+    lines = [json.dumps({"messages": CONVERSATIONS[0]})] * 8
+    train, held_out = load_chat_corpus(chat_config(tmp_path, lines, unmarked_dir, seq_len=128,
+                                                   eval_files=[str(eval_path)]),
+                                       tokenizer)
+    ids, _ = encode_conversation(tokenizer, ChatTemplate.of(tokenizer), CONVERSATIONS[0])
+    per_row = 128 // len(ids)
+    assert train.num_tokens == -(-8 // per_row) * 128 + 1  # all 8 in training, whole rows of them, + 1 token
+    assert held_out.num_tokens == 128 + 1 and int(held_out.loss_mask.sum()) > 0
+    with pytest.raises(DataError, match=r"yields 0 training and 0 eval conversations .*\(8 and 1 longer ones dropped"):
+        load_chat_corpus(chat_config(tmp_path, lines, unmarked_dir, seq_len=8, eval_files=[str(eval_path)]),
+                         tokenizer)
