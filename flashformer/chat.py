@@ -101,8 +101,9 @@ class ChatTemplate:
         source = getattr(tokenizer, "chat_template", None)
         if not source:
             where = getattr(tokenizer, "path", "the byte-level tokenizer")
-            raise ChatTemplateError(f"data.format=chat needs a tokenizer with a chat_template; {where} has none "
-                                    "(add one to the tokenizer_config.json beside its tokenizer.json)")
+            raise ChatTemplateError(f"data.format=chat needs a tokenizer with a chat_template; {where} has none: "
+                                    "set data.tokenizer to one whose tokenizer_config.json (beside its tokenizer.json) "
+                                    "holds a chat_template")
         return cls(source, tokenizer.template_tokens)
 
     def fingerprint(self) -> str:

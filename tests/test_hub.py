@@ -63,6 +63,17 @@ def test_a_hub_id_missing_offline_names_it_and_what_to_do(hub_cache):
     assert "HF_HUB_OFFLINE=1" in done.stderr and "hf download tiny-org/not-there" in done.stderr
 
 
+def test_generate_from_a_hub_id_at_a_revision(hub_cache):
+    cache, _ = hub_cache
+    done = subprocess.run([sys.executable, "-m", "flashformer.cli", "generate", REPO, "--revision", "v1", "--prompt",
+                           "ab", "--max-new-tokens", "3", "--device", "cpu"],
+                          env=offline_env(cache), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    snapshot = os.path.join(str(cache), f"models--{REPO.replace('/', '--')}", "snapshots", COMMITS["v1"])
+    assert f"{snapshot} (the Hugging Face cache's snapshot of {REPO})" in done.stderr
+    assert done.stdout.startswith("ab")
+
+
 def test_init_from_a_hub_id_at_a_revision(hub_cache, tmp_path):
     cache, models = hub_cache
     run = tmp_path / "run"
