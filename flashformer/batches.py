@@ -15,11 +15,14 @@ import torch
 
 from .data import DataConfig, DataError, TokenCorpus
 
+IGNORE_INDEX = -100  # a target without a loss (chat data's non-assistant tokens): cross_entropy's default
+
 
 @dataclass
 class Batch:
-    """One micro batch. input_ids, targets, position_ids: (batch, seq_len) int64; cu_seqlens: int32
-    (n_segments + 1,) document boundaries over the flattened batch*seq_len tokens (packed only)."""
+    """One micro batch. input_ids, targets, position_ids: (batch, seq_len) int64 (targets IGNORE_INDEX where a
+    token has no loss); cu_seqlens: int32 (n_segments + 1,) document boundaries over the flattened
+    batch*seq_len tokens (packed only)."""
 
     input_ids: torch.Tensor
     targets: torch.Tensor
@@ -48,6 +51,9 @@ def _rows(corpus: TokenCorpus, starts: np.ndarray, seq_len: int, packed: bool) -
     windows = np.stack([np.asarray(corpus.tokens[s : s + seq_len + 1], dtype=np.int64) for s in starts])
     windows = torch.from_numpy(windows)
     batch = Batch(input_ids=windows[:, :-1].contiguous(), targets=windows[:, 1:].contiguous())
+    if corpus.loss_mask is not None:
+        learned = np.stack([np.asarray(corpus.loss_mask[s + 1 : s + seq_len + 1], dtype=bool) for s in starts])
+        batch.targets[~torch.from_numpy(learned)] = IGNORE_INDEX
     if not packed:
         return batch
     # Segments start at every row start and at every document start inside a row; an EOS closes its

@@ -1,5 +1,6 @@
 """Loading checkpoints into models: ours (weights.py's format), Hugging Face directories, or LoRA adapter
-checkpoints (lora.py), which load as their base with the adapters merged in.
+checkpoints (lora.py), which load as their base with the adapters merged in. A Hugging Face hub id
+("org/name") that is not a local path loads from its snapshot in the Hugging Face cache (hub_snapshot).
 
 Above model.py (it builds Transformers); the files themselves are written and read in weights.py.
 """
@@ -7,6 +8,7 @@ Above model.py (it builds Transformers); the files themselves are written and re
 from __future__ import annotations
 
 import os
+import re
 
 from .weights import (ADAPTER_CONFIG_FILE, COMPILED_PREFIX, CONFIG_FILE, CheckpointError, latest_checkpoint, read_json,
                       read_weights)
@@ -43,14 +45,50 @@ def _architecture_fields(model_fields):
     return model_fields
 
 
-def resolve_checkpoint_dir(path) -> str:
-    """The checkpoint directory ``path`` names: itself, or, for a run directory (no config.json, ckpt-<step>
-    directories inside), its latest checkpoint.
+# "org/name": what the hub calls a repository id (a local path wins where one exists).
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# What a model needs from a hub repository: weights, configs, tokenizer files, chat templates.
+_HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
+
+
+def hub_snapshot(repo_id: str, revision: str | None = None) -> str:
+    """The local directory of hub model ``repo_id`` at ``revision`` (a branch, tag or commit; None: main):
+    its snapshot in the Hugging Face cache (HF_HUB_CACHE / HF_HOME), through huggingface_hub's
+    snapshot_download, which downloads what the cache lacks unless HF_HUB_OFFLINE=1.
 
     Raises:
-        CheckpointError: ``path`` is not a directory.
+        CheckpointError: naming the id, when neither the cache nor the hub has it.
+    """
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError, HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    named = f"{repo_id}" + (f" (revision {revision})" if revision else "")
+    try:
+        return snapshot_download(repo_id, revision=revision, allow_patterns=_HUB_FILES,
+                                 local_files_only=constants.HF_HUB_OFFLINE)
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as error:
+        raise CheckpointError(
+            f"{named} is neither a local directory nor in the Hugging Face cache ({constants.HF_HUB_CACHE}), and "
+            f"HF_HUB_OFFLINE=1 forbids downloading it: download it once online (`hf download {repo_id}`), "
+            f"or pass a local directory ({type(error).__name__})") from None
+    except (HfHubHTTPError, HFValidationError, OSError) as error:
+        raise CheckpointError(f"{named} is neither a local directory nor a model the Hugging Face hub gives: "
+                              f"{type(error).__name__}: {str(error).splitlines()[0]}") from None
+
+
+def resolve_checkpoint_dir(path, revision: str | None = None) -> str:
+    """The checkpoint directory ``path`` names: itself, or, for a run directory (no config.json, ckpt-<step>
+    directories inside), its latest checkpoint; a hub id ("org/name") that is no local path: its snapshot.
+
+    Args:
+        path: a directory or a hub id.
+        revision: the hub revision (branch, tag or commit) of a hub id.
+    Raises:
+        CheckpointError: ``path`` is neither a directory nor a hub id the cache or the hub has.
     """
     directory = os.fspath(path)
+    if not os.path.exists(directory) and _HUB_ID.match(directory):
+        directory = hub_snapshot(directory, revision)
     if not os.path.isdir(directory):
         raise CheckpointError(f"checkpoint directory {directory} not found")
     if not any(os.path.isfile(os.path.join(directory, name)) for name in (CONFIG_FILE, ADAPTER_CONFIG_FILE)):
@@ -73,15 +111,17 @@ def _check_one_float_dtype(tensors: dict, directory: str) -> None:
                               f"(--dtype) to load every tensor in one")
 
 
-def from_pretrained(path, dtype=None, device=None, attn_backend: str = "auto"):
+def from_pretrained(path, dtype=None, device=None, attn_backend: str = "auto", revision: str | None = None):
     """Load a Transformer from our checkpoint directory, a Hugging Face one (detected by config.json), or a
     LoRA adapter checkpoint (its base with the adapters merged: a plain Transformer).
 
     Args:
-        path: checkpoint directory, or a run directory (its latest checkpoint).
+        path: checkpoint directory, a run directory (its latest checkpoint), or a hub id ("org/name": its
+            snapshot in the Hugging Face cache, see hub_snapshot).
         dtype: torch.dtype or name ("bfloat16", ...) for floating tensors; None keeps the stored dtype.
         device: where to put the model (default CPU).
         attn_backend: the loaded model's attention backend (a runtime choice; checkpoints hold none).
+        revision: a hub id's branch, tag or commit (None: main).
     Returns:
         A fully loaded Transformer: every tensor is checked before the model is returned.
     Raises:
@@ -95,7 +135,7 @@ def from_pretrained(path, dtype=None, device=None, attn_backend: str = "auto"):
     from .lora import is_adapter_checkpoint, merge_lora
     from .model import ModelConfig, Transformer
 
-    directory = resolve_checkpoint_dir(path)
+    directory = resolve_checkpoint_dir(path, revision)
     dtype = _parse_dtype(dtype)
     if is_adapter_checkpoint(directory):
         adapted = load_adapted(directory, dtype, device, attn_backend)
@@ -115,16 +155,14 @@ def from_pretrained(path, dtype=None, device=None, attn_backend: str = "auto"):
             raise ValueError("neither a flashformer config (format: flashformer) nor a Hugging Face one (model_type)")
     except ValueError as err:
         raise CheckpointError(f"{os.path.join(directory, CONFIG_FILE)}: {err}") from None
-    tensors = {name.removeprefix(COMPILED_PREFIX): t for name, t in read_weights(directory).items()}
+    tensors = {name.removeprefix(COMPILED_PREFIX): t for name, t in read_weights(directory, dtype).items()}
     if not is_ours:
         tensors = state_dict_from_hf(tensors, cfg)
     # Build on the meta device (no memory, no init cost), check everything, then adopt the tensors.
     with torch.device("meta"):
         model = Transformer(cfg, attn_backend=attn_backend)
     _check_tensors({name: t.shape for name, t in model.state_dict().items()}, tensors, directory)
-    if dtype is not None:
-        tensors = {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
-    else:
+    if dtype is None:
         _check_one_float_dtype(tensors, directory)
     model.load_state_dict(tensors, strict=True, assign=True)
     return model.to(device) if device is not None else model

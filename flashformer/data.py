@@ -56,6 +56,8 @@ class DataConfig:
     ``packing``: ``blocks`` cuts the token stream into rows of seq_len + 1 tokens; ``packed`` does
     the same but passes document boundaries (cu_seqlens, position_ids) so attention and positions
     restart at every document.
+    ``format``: ``text`` (documents of text), or ``chat``: .jsonl files of {"messages": [...]} rendered
+    with the tokenizer's chat template, the loss on assistant tokens only (chat.py; packed).
     """
 
     source: Literal["stdlib", "files", "hub"] = "stdlib"
@@ -72,6 +74,7 @@ class DataConfig:
     tokenizer: str | None = None
     seq_len: int = 256
     packing: Literal["blocks", "packed"] = "blocks"
+    format: Literal["text", "chat"] = "text"
     cache_dir: str = field(default_factory=default_cache_dir)
 
     def validate(self) -> None:
@@ -85,15 +88,22 @@ class DataConfig:
             raise DataError("data.source=files needs data.train_files (paths or globs)")
         if self.source == "hub" and not self.hub_name:
             raise DataError("data.source=hub needs data.hub_name")
+        if self.format == "chat" and (self.source != "files" or self.packing != "packed"):
+            raise DataError("data.format=chat needs data.source=files (.jsonl conversations) and data.packing=packed "
+                            f"(got source={self.source}, packing={self.packing})")
 
 
 @dataclass
 class TokenCorpus:
     """A tokenized split: ``tokens`` (n_tokens,) uint16/uint32 memmap; ``doc_starts`` (n_docs + 1,) int64
-    offsets of each document's first token, ending with n_tokens."""
+    offsets of each document's first token, ending with n_tokens; ``loss_mask`` (n_tokens,) uint8, 1 where
+    a token is a target with a loss (chat data; None: every token is); ``dropped``: documents left out
+    for not fitting a row."""
 
     tokens: np.ndarray
     doc_starts: np.ndarray
+    loss_mask: np.ndarray | None = None
+    dropped: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -197,9 +207,13 @@ def tokenizer_fingerprint(tokenizer_path: str | None) -> str:
     return digest.hexdigest()
 
 
-def corpus_cache_dir(cfg: DataConfig) -> str:
+def corpus_cache_dir(cfg: DataConfig, chat_template: str | None = None) -> str:
     """The cache directory of ``cfg``'s corpus: ``cfg.cache_dir/<hash of sources, tokenizer, version>``.
 
+    Args:
+        cfg: the data section of the training config.
+        chat_template: for data.format=chat, the template's fingerprint (chat caches are laid out in
+            rows of seq_len, so their key holds both).
     Raises:
         DataError: a data file is missing or of an unknown kind.
     """
@@ -211,6 +225,8 @@ def corpus_cache_dir(cfg: DataConfig) -> str:
         "text_field": cfg.text_field,
         "eval_fraction": cfg.eval_fraction,
     }
+    if cfg.format == "chat":
+        key["chat"] = {"template": chat_template, "seq_len": cfg.seq_len}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return os.path.join(cfg.cache_dir, digest)
 
@@ -252,13 +268,25 @@ def _open_split(cache_dir: str, split: str) -> TokenCorpus:
                         f"{dtype.name}; {redo}")
     if len(doc_starts) != expected["documents"] + 1 or doc_starts[-1] != expected["tokens"]:
         raise DataError(f"{split}_doc_starts.npy in {cache_dir} does not match meta.json; {redo}")
-    tokens = np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype=dtype)
+    tokens = _checked_memmap(path, dtype, expected["blake2b"], redo)
+    loss_mask = None
+    if "loss_mask_blake2b" in expected:
+        mask_path = os.path.join(cache_dir, f"{split}_loss_mask.bin")
+        if not os.path.exists(mask_path) or os.path.getsize(mask_path) != expected["tokens"]:
+            raise DataError(f"{mask_path} is missing or does not hold one byte per token; {redo}")
+        loss_mask = _checked_memmap(mask_path, np.uint8, expected["loss_mask_blake2b"], redo)
+    return TokenCorpus(tokens, doc_starts, loss_mask, expected.get("dropped", 0))
+
+
+def _checked_memmap(path: str, dtype, blake2b: str, redo: str) -> np.ndarray:
+    """``path`` memmapped as ``dtype``, after checking its checksum against meta.json's."""
+    values = np.memmap(path, dtype=dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype=dtype)
     digest = _token_digest()
-    for start in range(0, len(tokens), 1 << 24):
-        digest.update(np.ascontiguousarray(tokens[start:start + (1 << 24)]).tobytes())
-    if digest.hexdigest() != expected["blake2b"]:
+    for start in range(0, len(values), 1 << 24):
+        digest.update(np.ascontiguousarray(values[start:start + (1 << 24)]).tobytes())
+    if digest.hexdigest() != blake2b:
         raise DataError(f"{path} changed since it was written (checksum mismatch); {redo}")
-    return TokenCorpus(tokens, doc_starts)
+    return values
 
 
 def _load_documents(cfg: DataConfig, sources: _Sources):
@@ -305,27 +333,41 @@ def _token_digest():
 
 
 class _SplitWriter:
-    """Appends documents (token ids + EOS) to ``<split>.bin`` and records their offsets and checksum."""
+    """Appends documents (token ids + EOS) to ``<split>.bin`` and records their offsets and checksum;
+    with ``loss_mask``, also each token's loss-mask byte to ``<split>_loss_mask.bin``."""
 
-    def __init__(self, directory: str, split: str, dtype):
+    def __init__(self, directory: str, split: str, dtype, loss_mask: bool = False):
         self.directory, self.split, self.dtype = directory, split, dtype
         self.file = open(os.path.join(directory, f"{split}.bin"), "wb")
+        self.mask_file = open(os.path.join(directory, f"{split}_loss_mask.bin"), "wb") if loss_mask else None
         self.doc_starts = [0]
-        self.digest = _token_digest()
+        self.digest, self.mask_digest = _token_digest(), _token_digest()
 
-    def add(self, ids: np.ndarray) -> None:
+    def add(self, ids: np.ndarray, loss_mask: np.ndarray | None = None) -> None:
         data = ids.astype(self.dtype).tobytes()
         self.file.write(data)
         self.digest.update(data)
+        if self.mask_file is not None:
+            mask = loss_mask.astype(np.uint8).tobytes()
+            self.mask_file.write(mask)
+            self.mask_digest.update(mask)
         self.doc_starts.append(self.doc_starts[-1] + len(ids))
+
+    def close_files(self) -> None:
+        self.file.close()
+        if self.mask_file is not None:
+            self.mask_file.close()
 
     def close(self) -> dict:
         """Closes the files; returns the split's entry of meta.json."""
-        self.file.close()
+        self.close_files()
         doc_starts = np.asarray(self.doc_starts, dtype=np.int64)
         np.save(os.path.join(self.directory, f"{self.split}_doc_starts.npy"), doc_starts)
-        return {"documents": len(self.doc_starts) - 1, "tokens": int(doc_starts[-1]),
-                "blake2b": self.digest.hexdigest()}
+        entry = {"documents": len(self.doc_starts) - 1, "tokens": int(doc_starts[-1]),
+                 "blake2b": self.digest.hexdigest()}
+        if self.mask_file is not None:
+            entry["loss_mask_blake2b"] = self.mask_digest.hexdigest()
+        return entry
 
 
 def _build_cache(cfg: DataConfig, sources: _Sources, tokenizer, cache_dir: str) -> None:
@@ -358,13 +400,28 @@ def _build_cache(cfg: DataConfig, sources: _Sources, tokenizer, cache_dir: str) 
                         writers[split].add(encode(text))
         except BaseException:
             for writer in writers.values():  # atomic_directory discards the files: close them first
-                writer.file.close()
+                writer.close_files()
             raise
-        splits = {split: writer.close() for split, writer in writers.items()}
-        if splits["train"]["documents"] == 0 or splits["eval"]["documents"] == 0:
-            raise DataError(f"the corpus yields {splits['train']['documents']} training and "
-                            f"{splits['eval']['documents']} eval documents; both must be > 0")
-        meta = {"version": DATA_CACHE_VERSION, "dtype": np.dtype(dtype).name, "splits": splits,
-                "eos_id": tokenizer.eos_id}
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f)
+        write_meta(tmp, writers, tokenizer.eos_id)
+
+
+def write_meta(directory: str, writers: dict, eos_id: int | None, **extra_by_split: dict) -> None:
+    """Close the split writers and write meta.json, refusing a split without documents.
+
+    Args:
+        directory: the cache directory being built.
+        writers: {"train": _SplitWriter, "eval": _SplitWriter}.
+        eos_id: the tokenizer's EOS id, recorded.
+        extra_by_split: more entries per split, e.g. dropped={"train": 3, "eval": 0}.
+    """
+    splits = {split: writer.close() for split, writer in writers.items()}
+    for name, values in extra_by_split.items():
+        for split, value in values.items():
+            splits[split][name] = value
+    if splits["train"]["documents"] == 0 or splits["eval"]["documents"] == 0:
+        raise DataError(f"the corpus yields {splits['train']['documents']} training and "
+                        f"{splits['eval']['documents']} eval documents; both must be > 0")
+    dtype = writers["train"].dtype
+    meta = {"version": DATA_CACHE_VERSION, "dtype": np.dtype(dtype).name, "splits": splits, "eos_id": eos_id}
+    with open(os.path.join(directory, "meta.json"), "w") as f:
+        json.dump(meta, f)

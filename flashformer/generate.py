@@ -204,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="flashformer generate", description=main.__doc__,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("checkpoint", help="flashformer or Hugging Face checkpoint directory, or a run directory "
-                        "(its latest checkpoint)")
+    parser.add_argument("checkpoint", help="flashformer or Hugging Face checkpoint directory, a run directory "
+                        "(its latest checkpoint), or a Hugging Face hub id org/name (from the Hugging Face cache)")
+    parser.add_argument("--revision", default=None, help="a hub id's branch, tag or commit (default: main)")
     parser.add_argument("--prompt", default="", help="text to continue")
     parser.add_argument("--max-new-tokens", type=_positive_int, default=200,
                         help="tokens to sample at most (stops early at an end-of-text token)")
@@ -224,9 +225,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="replay one CUDA graph per token (CUDA and attn_backend=flash only)")
     args = parser.parse_args(argv)
 
-    checkpoint = resolve_checkpoint_dir(args.checkpoint)
+    checkpoint = resolve_checkpoint_dir(args.checkpoint, args.revision)
     if checkpoint != args.checkpoint:
-        print(f"{parser.prog}: {checkpoint} (the latest checkpoint of {args.checkpoint})", file=sys.stderr)
+        what = "the latest checkpoint" if os.path.isdir(args.checkpoint) else "the Hugging Face cache's snapshot"
+        print(f"{parser.prog}: {checkpoint} ({what} of {args.checkpoint})", file=sys.stderr)
     model = from_pretrained(checkpoint, dtype=args.dtype, device=args.device, attn_backend=args.attn_backend)
     tokenizer = load_tokenizer(checkpoint)
     if (not os.path.isfile(os.path.join(checkpoint, TOKENIZER_FILE))

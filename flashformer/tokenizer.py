@@ -4,8 +4,8 @@ A checkpoint directory with a tokenizer.json uses it; without one it is byte-lev
 are bytes, special tokens follow from 256).
 
 Next to a tokenizer.json, a Hugging Face checkpoint keeps what transformers adds on top:
-tokenizer_config.json (bos / eos / pad tokens, add_bos_token / add_eos_token) and
-generation_config.json (the eos_token_id list generation stops at). HFTokenizer reads both and
+tokenizer_config.json (bos / eos / pad tokens, add_bos_token / add_eos_token, chat_template),
+chat_template.jinja and generation_config.json (the eos_token_id list generation stops at). HFTokenizer reads both and
 encodes as ``AutoTokenizer(text)["input_ids"]`` does.
 """
 
@@ -20,6 +20,9 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS_FILE = "special_tokens_map.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+# The named special tokens transformers hands a chat template as variables (its special_tokens_map).
+_TEMPLATE_TOKEN_ROLES = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
 ENDOFTEXT = "<|endoftext|>"
 # End-of-sequence spellings for a bare tokenizer.json (no tokenizer_config.json naming its eos_token),
 # e.g. one written by train_bpe, in order of preference.
@@ -89,6 +92,19 @@ def _token_text(token) -> str | None:
     return token.get("content") if isinstance(token, dict) else token
 
 
+def _chat_template(config: dict, jinja_path: str) -> str | None:
+    """The chat template transformers would use: chat_template.jinja, else tokenizer_config.json's
+    ``chat_template`` (a string, or a list of {"name", "template"} of which "default" is the one)."""
+    if os.path.isfile(jinja_path):
+        with open(jinja_path, encoding="utf-8") as f:
+            return f.read()
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+        return named.get("default")
+    return template
+
+
 class HFTokenizer:
     """A ``tokenizers`` tokenizer.json (BPE or any other model), with the special tokens that
     transformers applies from the tokenizer_config.json / generation_config.json beside it.
@@ -104,14 +120,17 @@ class HFTokenizer:
         self._tokenizer = Tokenizer.from_file(self.path)
         directory = os.path.dirname(os.path.abspath(self.path))
         self._extra_files = [os.path.join(directory, name)
-                             for name in (TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_FILE, GENERATION_CONFIG_FILE)
+                             for name in (TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_FILE, GENERATION_CONFIG_FILE,
+                                          CHAT_TEMPLATE_FILE)
                              if os.path.isfile(os.path.join(directory, name))]
         config = {**_read_json(os.path.join(directory, SPECIAL_TOKENS_FILE)),
                   **_read_json(os.path.join(directory, TOKENIZER_CONFIG_FILE))}
         self._generation = _read_json(os.path.join(directory, GENERATION_CONFIG_FILE))
-        self._special = {role: _token_text(config.get(f"{role}_token")) for role in ("bos", "eos", "pad")}
+        self._chat_template = _chat_template(config, os.path.join(directory, CHAT_TEMPLATE_FILE))
+        self._special = {role: _token_text(config.get(f"{role}_token")) for role in _TEMPLATE_TOKEN_ROLES}
         # transformers adds named special tokens missing from the vocabulary.
-        missing = [t for t in self._special.values() if t is not None and self._tokenizer.token_to_id(t) is None]
+        missing = [self._special[role] for role in ("bos", "eos", "pad")
+                   if self._special[role] is not None and self._tokenizer.token_to_id(self._special[role]) is None]
         if missing:
             self._tokenizer.add_special_tokens([AddedToken(t, special=True) for t in missing])
         # An explicit add_bos_token / add_eos_token replaces tokenizer.json's post-processor with
@@ -173,6 +192,23 @@ class HFTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``, with the bos / eos tokens transformers would add (add_special_tokens)."""
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of ``text`` without added special tokens (as transformers tokenizes a rendered chat), and
+        each token's (start, end) character offsets in ``text``."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
+    @property
+    def chat_template(self) -> str | None:
+        """The jinja chat template: chat_template.jinja, else tokenizer_config.json's (its "default" one
+        where it names several); None without one."""
+        return self._chat_template
+
+    @property
+    def template_tokens(self) -> dict[str, str]:
+        """The special tokens a chat template sees as variables: {"bos_token": "<s>", ...}."""
+        return {f"{role}_token": token for role, token in self._special.items() if token is not None}
 
     def decode(self, ids) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)

@@ -131,33 +131,55 @@ def read_json(path):
         raise CheckpointError(f"{path} is not valid JSON: {err}") from None
 
 
-def read_safetensors_file(path) -> dict:
-    """All tensors of one safetensors file, on the CPU; CheckpointError when it is missing or unreadable."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def read_safetensors_file(path, dtype=None) -> dict:
+    """All tensors of one safetensors file, on the CPU, read one at a time (safe_open).
+
+    Tensors kept as stored stay backed by the file's mapping (no copy). Floating tensors converted to
+    ``dtype`` are converted as each is read, with the file reopened per tensor: a mapping keeps every page
+    read through it resident until it closes, so one open for all would peak at the whole file beside
+    its converted copy; this way memory peaks at the converted tensors plus one stored tensor.
+
+    Raises:
+        CheckpointError: the file is missing, corrupted or truncated.
+    """
+    from safetensors import SafetensorError, safe_open
 
     if not os.path.isfile(path):
         raise CheckpointError(f"weights file {path} not found")
+    tensors = {}
     try:
-        return load_file(path)
+        with safe_open(path, framework="pt", device="cpu") as f:
+            names = list(f.keys())
+            if dtype is None:
+                return {name: f.get_tensor(name) for name in names}
+        for name in names:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                tensor = f.get_tensor(name)
+            tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     except (SafetensorError, OSError, RuntimeError, ValueError) as err:
         raise CheckpointError(f"{path} is corrupted or truncated (not a readable safetensors file): {err}") from None
+    return tensors
 
 
-def read_weights(directory) -> dict:
-    """All tensors of a checkpoint directory (single file or sharded with an index), on the CPU."""
+def read_weights(directory, dtype=None) -> dict:
+    """All tensors of a checkpoint directory (single file or sharded with an index), on the CPU.
+
+    Args:
+        directory: the checkpoint directory.
+        dtype: floating tensors are converted to it one by one as they are read (None: as stored).
+    """
     index_path = os.path.join(directory, INDEX_FILE)
     if not os.path.exists(index_path):
         single = os.path.join(directory, SINGLE_FILE)
         if not os.path.exists(single) and os.path.exists(os.path.join(directory, "pytorch_model.bin")):
             raise CheckpointError(f"{directory} holds pytorch_model.bin; only safetensors checkpoints are supported")
-        return read_safetensors_file(single)
+        return read_safetensors_file(single, dtype)
     weight_map = read_json(index_path).get("weight_map")
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index_path} has no weight_map")
     tensors = {}
     for filename in sorted(set(weight_map.values())):
-        shard = read_safetensors_file(os.path.join(directory, filename))
+        shard = read_safetensors_file(os.path.join(directory, filename), dtype)
         listed = {name for name, file in weight_map.items() if file == filename}
         if listed - shard.keys():
             absent = ", ".join(sorted(listed - shard.keys()))

@@ -214,3 +214,32 @@ def test_failed_save_leaves_previous_checkpoint(tmp_path):
         save_pretrained(tiny_model(n_layer=1), tmp_path / "ckpt", tokenizer=BrokenTokenizer())
     assert torch.equal(logits(flashformer.from_pretrained(tmp_path / "ckpt")), logits(model))
     assert os.listdir(tmp_path) == ["ckpt"]
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_streamed_read_of_a_sharded_transformers_checkpoint_equals_whole_file_loads(tmp_path, dtype):
+    """read_weights (one tensor at a time through safe_open, converted as read) equals safetensors' load_file
+    of every shard, then converted: same names, dtypes and bits; from_pretrained holds the same values."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from flashformer.weights import read_weights
+
+    torch.manual_seed(0)
+    hf_model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2))
+    hf_model.save_pretrained(tmp_path, max_shard_size="60KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2
+    whole = {}
+    for shard in shards:
+        whole.update(load_file(tmp_path / shard))
+    expected = {name: t.to(dtype) if dtype is not None else t for name, t in whole.items()}
+    streamed = read_weights(tmp_path, dtype)
+    assert streamed.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert streamed[name].dtype == tensor.dtype and torch.equal(streamed[name], tensor), name
+    loaded = flashformer.from_pretrained(tmp_path, dtype=dtype)
+    ours = loaded.state_dict()
+    assert torch.equal(ours["embed.weight"], expected["model.embed_tokens.weight"])
+    assert torch.equal(ours["blocks.1.mlp.down_proj.weight"], expected["model.layers.1.mlp.down_proj.weight"])

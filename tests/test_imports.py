@@ -39,6 +39,7 @@ LAYERS = [
     ("checkpoint files", ["flashformer.weights"]),
     ("Hugging Face translation", ["flashformer.hf"]),
     ("model config", ["flashformer.model_config"]),
+    ("chat data", ["flashformer.chat"]),
     ("model parts, data",
      ["flashformer.attention", "flashformer.losses", "flashformer.rope", "flashformer.data", "flashformer.profiling",
       "flashformer.layers", "flashformer.families"]),

@@ -82,7 +82,10 @@ class TrainConfig:
     ckpt_every: int = 500
     keep_checkpoints: int = 2
     resume: bool = False  # continue from the latest checkpoint in out_dir (fresh start if there is none)
-    init_from: str | None = None  # fine-tune: our checkpoint / run directory or a Hugging Face directory
+    # fine-tune: our checkpoint / run directory, a Hugging Face directory, or a hub id ("org/name", from the
+    # Hugging Face cache; downloaded unless HF_HUB_OFFLINE=1) at init_revision (branch, tag or commit)
+    init_from: str | None = None
+    init_revision: str | None = None
     freeze: list[str] = field(default_factory=list)  # fnmatch patterns of parameter names to keep fixed
     device: Literal["auto", "cpu", "cuda"] = "auto"
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 elsewhere

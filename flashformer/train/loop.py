@@ -22,16 +22,17 @@ import torch.distributed as dist
 import yaml
 from tqdm.auto import tqdm
 
-from ..checkpoint import from_pretrained
+from ..checkpoint import from_pretrained, resolve_checkpoint_dir
 from ..config import ConfigError, config_to_dict, save_config
 from ..batches import TrainBatches, eval_batches
+from ..chat import ChatTemplate, load_chat_corpus
 from ..data import corpus_cache_dir, load_corpus
 from ..losses import default_chunk_size
 from ..model import Transformer
 from ..parallel import all_reduce, barrier, full_optimizer_state_dict, full_state_dicts, init_distributed
 from ..parallel import load_optimizer_state_dict, parallelize, shutdown_distributed
 from ..tokenizer import TOKENIZER_FILE, load_tokenizer
-from ..weights import latest_checkpoint
+from ..weights import CheckpointError, latest_checkpoint
 from .config import RUN_CONFIG_FILE, TrainConfig, resume_changes, resume_refusal, saved_run_config
 from .model_setup import build_model
 from .metrics import METRICS_FILE, MetricsLog, abridged, plot_losses
@@ -87,6 +88,8 @@ class Trainer:
         self._choose_tokenizer()
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         corpus_cache_dir(cfg.data)  # raises now, before any model is built, if a data file is missing
+        if cfg.data.format == "chat":
+            ChatTemplate.of(self.tokenizer)  # and if the tokenizer cannot render chats
         seed_everything(cfg.seed)
         self.model = self._build_model()
         train_corpus, eval_corpus = self._load_data()
@@ -161,12 +164,14 @@ class Trainer:
         return latest
 
     def _init_checkpoint(self) -> str | None:
-        """The directory ``init_from`` names: a checkpoint, or a run directory's latest checkpoint."""
+        """The directory ``init_from`` names: a checkpoint, a run directory's latest checkpoint, or a hub id's
+        snapshot."""
         if self.cfg.init_from is None:
             return None
-        if not os.path.isdir(self.cfg.init_from):
-            raise ConfigError(f"init_from: {self.cfg.init_from!r} is not a directory")
-        return latest_checkpoint(self.cfg.init_from) or self.cfg.init_from
+        try:
+            return resolve_checkpoint_dir(self.cfg.init_from, self.cfg.init_revision)
+        except CheckpointError as error:
+            raise ConfigError(f"init_from: {error}") from None
 
     def _choose_tokenizer(self) -> None:
         data = self.cfg.data
@@ -188,9 +193,10 @@ class Trainer:
 
     def _load_data(self):
         # The main process tokenizes (once, cached); the others wait, then map the same files.
-        corpora = load_corpus(self.cfg.data, self.tokenizer) if self.env.is_main else None
+        load = load_chat_corpus if self.cfg.data.format == "chat" else load_corpus
+        corpora = load(self.cfg.data, self.tokenizer) if self.env.is_main else None
         barrier(self.env)
-        return corpora or load_corpus(self.cfg.data, self.tokenizer, build=False)
+        return corpora or load(self.cfg.data, self.tokenizer, build=False)
 
     def _print_summary(self, train_corpus, eval_corpus) -> None:
         cfg = self.cfg
@@ -202,6 +208,10 @@ class Trainer:
         print(f"data: {train_corpus.num_tokens:,} train tokens ({train_corpus.num_docs} docs), "
               f"{eval_corpus.num_tokens:,} eval tokens | {tokens_per_step:,} tokens/step, "
               f"grad accumulation {self.batches.grad_accum_steps}")
+        if train_corpus.loss_mask is not None:
+            print(f"chat: the loss is on {int(train_corpus.loss_mask.sum()):,} assistant tokens of "
+                  f"{train_corpus.num_tokens:,} in training; conversations longer than data.seq_len="
+                  f"{cfg.data.seq_len} dropped: {train_corpus.dropped} train, {eval_corpus.dropped} eval")
         if self.resume_from:
             print(f"resuming from {self.resume_from} (step {self.step})")
             if self.step >= self.cfg.steps:
