@@ -34,7 +34,8 @@ from flashformer.train import (
     read_metrics,
     train,
 )
-from test_train import SUBPROCESS_ENV, cli_command, data_cache, losses, one_thread, tiny_recipe, write_recipe  # noqa: F401
+from test_train import (SUBPROCESS_ENV, cli_command, data_cache, losses, one_thread, tiny_recipe,  # noqa: F401
+                        write_recipe)
 
 
 def run_cli(*args, timeout=120):

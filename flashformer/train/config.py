@@ -25,8 +25,9 @@ RUN_CONFIG_FILE = "config.yaml"
 # the data, the batch, the seed) shapes the checkpoint or the data order, so changing it on resume would
 # train a different run under the old one's name.
 RESUMABLE_KEYS = ("steps", "log_every", "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints",
-                  "max_nonfinite_skips", "optim.", "sample.", "parallel.", "device", "precision", "compile", "activation_checkpointing",
-                  "chunked_loss", "peak_flops_per_gpu", "attn_backend", "deterministic", "data.cache_dir")
+                  "max_nonfinite_skips", "optim.", "sample.", "parallel.", "device", "precision", "compile",
+                  "activation_checkpointing", "chunked_loss", "peak_flops_per_gpu", "attn_backend", "deterministic",
+                  "data.cache_dir")
 # Not part of the comparison: where the run lives, and the tokenizer file, which a resumed run always
 # takes from its checkpoint (the recorded path may point into a pruned checkpoint).
 IGNORED_ON_RESUME = ("name", "out_dir", "resume", "data.tokenizer")

@@ -31,7 +31,7 @@ from ..fileio import WriteError
 from ..losses import default_chunk_size
 from ..model import Transformer
 from ..parallel import all_reduce, barrier, full_optimizer_state_dict, full_state_dicts, init_distributed
-from ..parallel import load_optimizer_state_dict, parallelize, shutdown_distributed
+from ..parallel import load_optimizer_state_dict, parallelize, raise_on_every_rank, shutdown_distributed
 from ..tokenizer import TOKENIZER_FILE, load_tokenizer
 from ..weights import latest_checkpoint
 from .config import RUN_CONFIG_FILE, TrainConfig, resume_changes, resume_refusal, saved_run_config
@@ -135,23 +135,12 @@ class Trainer:
                 weakref.finalize(self, self.lock.release)  # a Trainer dropped without close() lets go too
             except RunDirLocked as error:
                 refused = error
-        self._raise_on_every_rank(refused, RunDirLocked(f"{self.run_dir} is in use by another run (rank 0 says by "
-                                                        "whom)"))
+        raise_on_every_rank(refused, RunDirLocked(f"{self.run_dir} is in use by another run (rank 0 says by whom)"),
+                            self.env)
         if self.env.is_main:
             for name in clean_stale_writes(self.run_dir):
                 print(f"{self.run_dir}: cleaned up {name}, left by an interrupted write")
         barrier(self.env)
-
-    def _raise_on_every_rank(self, error: Exception | None, elsewhere: Exception) -> None:
-        """Raise ``error`` where it happened and ``elsewhere`` on every other rank: one rank's failure must
-        end them all (the others would wait for it in the next collective)."""
-        if self.env.distributed:
-            failed = all_reduce(torch.tensor(float(error is not None), device=self.device), self.env,
-                                op=dist.ReduceOp.MAX)
-            if failed.item() and error is None:
-                raise elsewhere
-        if error is not None:
-            raise error
 
     def _resume_checkpoint(self) -> str | None:
         """The checkpoint to resume from (None: a fresh start), its config checked against this one."""
@@ -275,7 +264,7 @@ class Trainer:
                 failure = error
             else:
                 prune_checkpoints(self.run_dir, self.cfg.keep_checkpoints)
-        self._raise_on_every_rank(failure, WriteError(f"rank 0 could not write {path} (its error says why)"))
+        raise_on_every_rank(failure, WriteError(f"rank 0 could not write {path} (its error says why)"), self.env)
         return path
 
     def _full_model(self, model_state: dict) -> Transformer:
@@ -366,7 +355,7 @@ class Trainer:
                     skipped = False  # this step's when logging: its flags are read last
                     for flags in to_read:
                         signum, skipped = flags.read()
-                        warning = self.skipped.count(flags, skipped, self._divergence_advice())
+                        warning = self.skipped.count(flags, skipped, self._divergence_advice)
                         if warning and main:
                             bar.write(warning, file=sys.stderr)
                             metrics.write({"step": flags.step, "skipped": flags.problem(),

@@ -107,11 +107,11 @@ class SkippedSteps:
     def __init__(self, limit: int, total: int = 0):
         self.limit, self.total, self.in_a_row = limit, total, 0
 
-    def count(self, flags: StepFlags, skipped: bool, advice: str) -> str | None:
+    def count(self, flags: StepFlags, skipped: bool, advice) -> str | None:
         """Count the step of ``flags`` (skipped or not); returns the warning of a skipped one.
 
         Raises:
-            NonFiniteLossError: past the limit, naming the step and what was not finite, then ``advice``.
+            NonFiniteLossError: past the limit, naming the step and what was not finite, then ``advice()``.
         """
         if not skipped:
             self.in_a_row = 0
@@ -120,6 +120,6 @@ class SkippedSteps:
         self.in_a_row += 1
         if self.in_a_row > self.limit:
             in_a_row = f" ({self.in_a_row} steps in a row, max_nonfinite_skips={self.limit})" if self.limit else ""
-            raise NonFiniteLossError(f"step {flags.step}: {flags.problem()}{in_a_row}, so training stopped. {advice}")
+            raise NonFiniteLossError(f"step {flags.step}: {flags.problem()}{in_a_row}, so training stopped. {advice()}")
         return (f"warning: step {flags.step}: {flags.problem()}: skipped (no update), {self.in_a_row} in a row "
                 f"(max_nonfinite_skips={self.limit})")
