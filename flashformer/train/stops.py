@@ -101,11 +101,10 @@ class SkippedSteps:
 
     Args:
         limit: ``max_nonfinite_skips``.
-        total: the count a resumed run had reached.
     """
 
-    def __init__(self, limit: int, total: int = 0):
-        self.limit, self.total, self.in_a_row = limit, total, 0
+    def __init__(self, limit: int):
+        self.limit, self.total, self.in_a_row = limit, 0, 0  # a resumed run sets total to its checkpoint's
 
     def count(self, flags: StepFlags, skipped: bool, advice) -> str | None:
         """Count the step of ``flags`` (skipped or not); returns the warning of a skipped one.
