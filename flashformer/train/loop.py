@@ -300,13 +300,15 @@ class Trainer:
     def _divergence_advice(self) -> str:
         optim = self.cfg.optim
         return (f"Lower optim.lr (it is {optim.lr:g}), raise optim.warmup_steps ({optim.warmup_steps}) or clip "
-                f"harder (optim.grad_clip={optim.grad_clip:g}); {self._latest_checkpoint_note()}")
+                f"harder (optim.grad_clip={optim.grad_clip:g}); {self._how_to_continue(' optim.lr=...')}")
 
-    def _latest_checkpoint_note(self) -> str:
+    def _how_to_continue(self, overrides: str = "", when: str = "") -> str:
+        """Which checkpoint survived a failed run, and the command that continues from it."""
+        command = f"`flashformer train --resume {self.run_dir}{overrides}`"
         latest = latest_checkpoint(self.run_dir)
         if latest is None:
-            return "no checkpoint had been written yet"
-        return f"{latest} is intact: continue from it with `flashformer train --resume {self.run_dir}` (+ overrides)"
+            return f"no checkpoint had been written yet: {command} starts the run again{when}"
+        return f"{latest} is intact: continue from it with {command}{when}"
 
     def fit(self) -> TrainResult:
         """Train until ``cfg.steps`` (or SIGINT / SIGTERM: checkpoint, then stop); returns the last losses.
@@ -400,9 +402,9 @@ class Trainer:
                     if stop_signal:
                         break
         except WriteError as error:
-            raise WriteError(f"{error}. Once the disk takes writes again (space freed, a limit lifted): "
-                             f"{self._latest_checkpoint_note()}; or resume a copy of {self.run_dir} on another disk",
-                             error.errno) from error
+            when = " once the disk takes writes again (space freed, a limit lifted)"
+            raise WriteError(f"{error}. {self._how_to_continue(when=when)}, or resume a copy of {self.run_dir} on "
+                             "another disk", error.errno) from error
         finally:
             bar.close()
             if main:
