@@ -9,9 +9,10 @@ only, the work lives in the modules.
     flashformer merge-lora runs/tiny-lora/ckpt-200 --out merged/
     flashformer tokenizer train --files data/*.txt --vocab-size 8192 --out tokenizer.json
 
-Exit codes: 0 done; 2 a usage error (a config key, a file, a run directory in use), reported in one
-line (``--debug`` shows the traceback); 3 training diverged (a NaN / inf loss); 128 + N stopped by
-signal N after saving a checkpoint (130 Ctrl-C, 143 SIGTERM).
+Exit codes: 0 done; 1 another failure, e.g. a disk that refused a write (full, a file-size limit: the
+message names the path); 2 a usage error (a config key, a file, a run directory in use), reported in one
+line (``--debug`` shows the traceback); 3 training diverged (more NaN / inf losses in a row than
+max_nonfinite_skips); 128 + N stopped by signal N after saving a checkpoint (130 Ctrl-C, 143 SIGTERM).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def _guarded(prog: str, debug: bool, work) -> int:
     from .checkpoint import CheckpointError
     from .config import ConfigError
     from .data import DataError
+    from .fileio import WriteError
     from .train import INTERRUPTED_EXIT_CODE, NONFINITE_EXIT_CODE, NonFiniteLossError
 
     if debug:
@@ -40,6 +42,9 @@ def _guarded(prog: str, debug: bool, work) -> int:
     except NonFiniteLossError as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return NONFINITE_EXIT_CODE
+    except WriteError as error:  # names the path and what to do: where in the code does not help
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return FAILURE_EXIT_CODE
     except OSError as error:
         print(f"{prog}: error: {error} (--debug shows where)", file=sys.stderr)
         return FAILURE_EXIT_CODE

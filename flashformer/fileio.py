@@ -2,15 +2,68 @@
 file / directory or the new complete one, never a mixture.
 
 The bottom of flashformer's import layers (it imports nothing of ours): configs, data caches,
-tokenizers and checkpoints all write through it.
+tokenizers and checkpoints all write through it. A write the operating system refuses (a full disk, a
+file-size limit, a read-only disk) raises WriteError, which names the path and the error.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import re
 import shutil
 import tempfile
+
+# The errors of a write that no retry fixes, and what usually causes each.
+_WRITE_FAILURES = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EFBIG: "the file outgrew the file-size limit (`ulimit -f`) or the file system's",
+    errno.EROFS: "the file system is read-only",
+    errno.EIO: "the disk reported an I/O error",
+}
+
+
+class WriteError(OSError):
+    """The operating system refused a write; the message names the path, the error and its usual cause.
+
+    Args:
+        message: the whole message (``str`` of the error).
+        errno: the operating system's error number.
+    """
+
+    def __init__(self, message: str, errno: int | None = None):
+        super().__init__(message)
+        self.errno = errno
+
+
+def _os_error(error: BaseException | None) -> OSError | None:
+    """The operating system's error behind ``error``: itself, one it was raised over (torch.save raises a
+    RuntimeError over its file's OSError), or the "(os error N)" in the message of safetensors' Rust writer."""
+    while error is not None:
+        if isinstance(error, OSError) and not isinstance(error, WriteError):
+            return error
+        number = re.search(r"\(os error (\d+)\)", str(error))
+        if number:
+            return OSError(int(number.group(1)), os.strerror(int(number.group(1))))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def raise_write_error(path, error: BaseException) -> None:
+    """Raise ``error`` as a WriteError naming ``path`` when the operating system refused a write (one of
+    _WRITE_FAILURES); return otherwise, for the caller to re-raise ``error`` itself.
+
+    Args:
+        path: the file or directory being written.
+        error: what the write raised.
+    """
+    cause = _os_error(error)
+    if cause is None or cause.errno not in _WRITE_FAILURES:
+        return
+    raise WriteError(f"could not write {os.fspath(path)}: {cause.strerror} ({errno.errorcode[cause.errno]}: "
+                     f"{_WRITE_FAILURES[cause.errno]})", cause.errno) from error
 
 
 def _fsync_directory(path) -> None:
@@ -31,6 +84,8 @@ def atomic_write_file(path, write_fn) -> None:
     Args:
         path: destination file.
         write_fn: called with a binary file object opened on a temporary file in the same directory.
+    Raises:
+        WriteError: the operating system refused the write (``path`` keeps its old content).
     """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
@@ -41,9 +96,10 @@ def atomic_write_file(path, write_fn) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_path, path)
-    except BaseException:
+    except BaseException as error:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp_path)
+        raise_write_error(path, error)
         raise
     _fsync_directory(directory)
 
@@ -54,7 +110,8 @@ def atomic_directory(final_dir):
 
     Yields the temporary directory path. On success its files are fsynced and it replaces
     ``final_dir`` (an existing one is first renamed aside, then deleted, so a crash leaves either
-    the old or the new directory under a recognisable name). On an exception it is removed.
+    the old or the new directory under a recognisable name). On an exception it is removed; an error
+    of the operating system refusing a write is raised as a WriteError naming ``final_dir``.
     """
     final_dir = os.path.abspath(os.fspath(final_dir))
     parent = os.path.dirname(final_dir)
@@ -76,6 +133,8 @@ def atomic_directory(final_dir):
         _fsync_directory(parent)
         if old_dir is not None:
             shutil.rmtree(old_dir, ignore_errors=True)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise_write_error(final_dir, error)
         raise
+

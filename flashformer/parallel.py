@@ -111,6 +111,17 @@ def all_reduce(values: torch.Tensor, env: DistributedEnv, op=dist.ReduceOp.SUM) 
     return values
 
 
+def raise_on_every_rank(error: Exception | None, elsewhere: Exception, env: DistributedEnv) -> None:
+    """Raise ``error`` on the rank where it happened and ``elsewhere`` on every other one (all ranks call
+    this): one rank's failure must end them all, the others would wait for it in the next collective."""
+    if env.distributed:
+        failed = all_reduce(torch.tensor(float(error is not None), device=env.device), env, op=dist.ReduceOp.MAX)
+        if failed.item() and error is None:
+            raise elsewhere
+    if error is not None:
+        raise error
+
+
 ACTIVATION_CHECKPOINTING = (False, True, "offload")
 
 

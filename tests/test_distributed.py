@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -11,7 +12,7 @@ import time
 import pytest
 import yaml
 
-from flashformer.train import latest_checkpoint, load_train_config, read_metrics, train
+from flashformer.train import NonFiniteLossError, latest_checkpoint, load_train_config, read_metrics, train
 from test_train import SUBPROCESS_ENV, data_cache, one_thread, tiny_recipe  # noqa: F401 (fixtures)
 
 TOLERANCE = 1e-5  # fp32: the two runs sum the same numbers in a different order
@@ -21,14 +22,15 @@ TOLERANCE = 1e-5  # fp32: the two runs sum the same numbers in a different order
 CPU = dict(device="cpu")
 
 
-def torchrun(recipe: dict, tmp_path, *args) -> None:
+def torchrun(recipe: dict, tmp_path, *args, succeed: bool = True) -> subprocess.CompletedProcess:
     config = tmp_path / f"{len(list(tmp_path.glob('*.yaml')))}.yaml"
     config.write_text(yaml.safe_dump(recipe))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
                "-m", "flashformer.cli", "train", *args]
     result = subprocess.run(command + ([] if "--resume" in args else [str(config)]), capture_output=True, text=True,
                             env=SUBPROCESS_ENV, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (result.returncode == 0) == succeed, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
 
 
 def assert_same_losses(run_dir, reference_dir):
@@ -65,6 +67,22 @@ def test_fsdp_matches_one_process_and_resumes(tmp_path, data_cache):
     torchrun({}, tmp_path, "--resume", str(sharded))
     assert (sharded / "ckpt-6").is_dir()
     assert_same_losses(sharded, tmp_path / "one")
+
+
+def test_ranks_skip_the_same_nonfinite_steps_and_stop_after_the_same_one(tmp_path, data_cache):
+    # lr=1e6 wrecks the weights in one step. One process and two (the same global batch) must skip the same
+    # steps and stop at the same one; ranks that disagreed would step apart and hang in their collectives.
+    fields = dict(steps=20, batch_size=8, log_every=5, max_nonfinite_skips=2, optim__lr=1e6, **CPU)
+    one = tmp_path / "one"
+    with pytest.raises(NonFiniteLossError, match=r"^step (\d+):") as stopped:
+        train(load_train_config(tiny_recipe(one, data_cache, micro_batch_size=8, **fields)))
+    two = tmp_path / "two"
+    result = torchrun(tiny_recipe(two, data_cache, micro_batch_size=2, parallel={"mode": "ddp"}, **fields), tmp_path,
+                      succeed=False)
+    step = re.match(r"step (\d+):", str(stopped.value)).group(1)
+    assert re.findall(r"error: step (\d+):", result.stderr) == [step, step], result.stderr[-3000:]  # both ranks
+    skipped = [[(r["step"], r["skipped_steps"]) for r in read_metrics(run) if "skipped" in r] for run in (one, two)]
+    assert skipped[0] == skipped[1] and len(skipped[0]) == 2
 
 
 def worker_pid(rank: int, marker: str) -> int | None:

@@ -3,9 +3,11 @@
 Kills, locks and signals go through real processes (the ``flashformer`` command in a subprocess).
 """
 
+import copy
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,10 +16,15 @@ import time
 import pytest
 import torch
 
+try:
+    import resource
+except ImportError:  # Windows
+    resource = None
+
 from flashformer.checkpoint import from_pretrained
 from flashformer.cli import main as cli_main
 from flashformer.config import ConfigError
-from flashformer.weights import CheckpointError
+from flashformer.weights import CheckpointError, read_weights
 from flashformer.train import (
     TRAINER_STATE_FILE,
     Trainer,
@@ -27,7 +34,8 @@ from flashformer.train import (
     read_metrics,
     train,
 )
-from test_train import SUBPROCESS_ENV, cli_command, data_cache, one_thread, tiny_recipe, write_recipe  # noqa: F401
+from test_train import (SUBPROCESS_ENV, cli_command, data_cache, losses, one_thread, tiny_recipe,  # noqa: F401
+                        write_recipe)
 
 
 def run_cli(*args, timeout=120):
@@ -65,23 +73,125 @@ def test_a_kill_while_resuming_loses_no_metrics_record(tmp_path, data_cache):
     assert all(json.loads(line)["step"] != 7 or "padding" in line for line in lines)
 
 
-def test_a_diverging_run_stops_naming_the_step_and_keeps_the_finite_checkpoint(tmp_path, data_cache, capsys):
+def skip_records(run):
+    return [r for r in read_metrics(run) if "skipped" in r]
+
+
+def test_a_diverging_run_skips_its_nonfinite_steps_then_stops_naming_the_step(tmp_path, data_cache, capsys):
+    # lr=1e6: the first update wrecks the weights, every later step's gradient norm or loss is NaN / inf.
     config = write_recipe(tmp_path / "recipe.yaml", tiny_recipe(tmp_path / "fresh", data_cache, log_every=5))
-    assert cli_main(["train", config, "optim.lr=1e6"]) == 3
+    assert cli_main(["train", config, "optim.lr=1e6", "max_nonfinite_skips=3"]) == 3
     fresh = capsys.readouterr().err
     assert "Traceback" not in fresh
-    assert re.search(r"error: step \d+: the (loss|gradient norm) is (nan|inf).*Lower optim.lr", fresh)
+    stop = re.search(r"error: step (\d+): the (loss|gradient norm) is (nan|inf).* \(4 steps in a row, "
+                     r"max_nonfinite_skips=3\), so training stopped\. Lower optim.lr", fresh)
+    assert stop, fresh[-2000:]
+    skips = skip_records(tmp_path / "fresh")
+    stop_step = int(stop.group(1))
+    assert [r["step"] for r in skips] == list(range(stop_step - 3, stop_step))  # the 3 before the stop
+    assert [r["skipped_steps"] for r in skips] == [1, 2, 3]
+    assert all(f"warning: step {r['step']}: {r['skipped']}: skipped (no update)" in fresh for r in skips)
+    assert all(r["step"] < stop_step for r in read_metrics(tmp_path / "fresh"))
 
+    assert cli_main(["train", config, "optim.lr=1e6", "max_nonfinite_skips=0", f"out_dir={tmp_path / 'zero'}"]) == 3
+    first = int(re.search(r"error: step (\d+):", capsys.readouterr().err).group(1))
+    assert first == skips[0]["step"] and not skip_records(tmp_path / "zero")  # same run, stopped at the first
+
+
+def test_no_checkpoint_is_saved_amid_nonfinite_steps(tmp_path, data_cache, capsys):
     run = tmp_path / "run"
     train(load_train_config(tiny_recipe(run, data_cache, steps=4, keep_checkpoints=1)))
+    # ckpt_every=4 would save (and keep only) ckpt-8, amid the skipped steps, and prune the good ckpt-4.
     assert cli_main(["train", "--resume", str(run), "steps=40", "optim.lr=1e6", "log_every=5"]) == 3
     diverged = capsys.readouterr().err
     step = int(re.search(r"error: step (\d+):", diverged).group(1))
-    assert "is finite: resume from it" in diverged
-    latest = latest_checkpoint(str(run))
-    assert int(latest.rsplit("-", 1)[1]) < step  # nothing saved at or after the first non-finite step
-    assert all(torch.isfinite(p).all() for p in from_pretrained(latest).parameters())
-    assert all(r["step"] < step for r in read_metrics(run))
+    assert step > 8 and skip_records(run)[0]["step"] <= 8
+    assert f"{run / 'ckpt-4'} is intact: continue from it with `flashformer train --resume {run} optim.lr=...`" in diverged
+    assert latest_checkpoint(str(run)) == str(run / "ckpt-4")
+    assert all(torch.isfinite(p).all() for p in from_pretrained(run / "ckpt-4").parameters())
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit, NaNs included."""
+    a, b = a.detach().reshape(-1), b.detach().reshape(-1)
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_a_skipped_step_changes_no_parameter_nor_optimizer_state(tmp_path, data_cache):
+    trainer = Trainer(load_train_config(tiny_recipe(tmp_path, data_cache)))
+    trainer.train_step()  # the optimizer holds moments from here on
+    embed = trainer.model.embed.weight
+    good = embed.detach().clone()
+    with torch.no_grad():
+        embed.fill_(float("nan"))  # a real NaN through the real forward and backward
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    moments = copy.deepcopy(trainer.optimizer.state_dict()["state"])
+    lr_step = trainer.scheduler.last_epoch
+    loss, grad_norm, _ = trainer.train_step()
+    assert not torch.isfinite(loss) and not torch.isfinite(grad_norm)
+    after = dict(trainer.model.named_parameters())
+    assert all(same_bits(after[name], p) for name, p in before.items())
+    state = trainer.optimizer.state_dict()["state"]
+    assert all(same_bits(state[i][key], value) for i in moments for key, value in moments[i].items())
+    assert all(p.grad is None for p in trainer.model.parameters())
+    assert trainer.scheduler.last_epoch == lr_step + 1  # the schedule follows the step count
+    with torch.no_grad():
+        embed.copy_(good)
+    loss, grad_norm, _ = trainer.train_step()  # and training goes on
+    assert torch.isfinite(loss) and torch.isfinite(grad_norm)
+    assert not torch.equal(trainer.model.embed.weight, good)
+    trainer.close()
+
+
+def file_size_limit(max_bytes: int):
+    """A preexec_fn: the child may write no file past ``max_bytes`` (writes past it fail with EFBIG)."""
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the limit's signal would kill the process first
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
+    return limit
+
+
+@pytest.mark.skipif(resource is None, reason="no setrlimit")
+def test_a_checkpoint_the_disk_refuses_leaves_the_last_one_to_resume_to_the_same_end(tmp_path, data_cache):
+    reference = tmp_path / "reference"
+    recipe = tiny_recipe(reference, data_cache, steps=8, ckpt_every=4, eval_every=4)
+    train(load_train_config(recipe))
+    # As if the run had stopped at ckpt-4: then its next checkpoint meets a limit below a weights file's size.
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    shutil.rmtree(run / "ckpt-8")
+    weights = (reference / "ckpt-8" / "model.safetensors").stat().st_size
+    failed = subprocess.run(cli_command("train", "--resume", str(run)), capture_output=True, text=True,
+                            env=SUBPROCESS_ENV, timeout=120, preexec_fn=file_size_limit(weights // 2))
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    error = failed.stderr.strip().splitlines()[-1]
+    assert error.startswith(f"flashformer train: error: could not write {run / 'ckpt-8'}: File too large (EFBIG: "
+                            "the file outgrew the file-size limit"), error
+    assert f"{run / 'ckpt-4'} is intact: continue from it with `flashformer train --resume {run}`" in error
+    assert "Traceback" not in failed.stderr
+    assert sorted(p.name for p in run.iterdir() if "ckpt" in p.name) == ["ckpt-4"]  # no temporary left either
+    assert latest_checkpoint(str(run)) == str(run / "ckpt-4")
+
+    assert cli_main(["train", "--resume", str(run)]) == 0  # the limit gone
+    assert losses(run) == losses(reference)
+    resumed, uninterrupted = (read_weights(str(r / "ckpt-8")) for r in (run, reference))
+    assert resumed.keys() == uninterrupted.keys()
+    assert all(torch.equal(resumed[name], uninterrupted[name]) for name in uninterrupted)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+def test_a_full_disk_under_the_metrics_file_stops_the_run_naming_it(tmp_path, data_cache, capsys):
+    run = tmp_path / "run"
+    train(load_train_config(tiny_recipe(run, data_cache, steps=2, ckpt_every=2)))
+    metrics = run / "metrics.jsonl"
+    metrics.unlink()
+    metrics.symlink_to("/dev/full")  # every write: ENOSPC
+    assert cli_main(["train", "--resume", str(run), "steps=4"]) == 1
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith(f"flashformer train: error: could not write {metrics}: No space left on device (ENOSPC: "
+                            "the disk is full)"), error
+    assert f"{run / 'ckpt-2'} is intact" in error
+    assert latest_checkpoint(str(run)) == str(run / "ckpt-2")
 
 
 @pytest.mark.skipif(not sys.platform.startswith(("linux", "darwin")), reason="flock")

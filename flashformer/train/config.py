@@ -25,8 +25,9 @@ RUN_CONFIG_FILE = "config.yaml"
 # the data, the batch, the seed) shapes the checkpoint or the data order, so changing it on resume would
 # train a different run under the old one's name.
 RESUMABLE_KEYS = ("steps", "log_every", "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints",
-                  "optim.", "sample.", "parallel.", "device", "precision", "compile", "activation_checkpointing",
-                  "chunked_loss", "peak_flops_per_gpu", "attn_backend", "deterministic", "data.cache_dir")
+                  "max_nonfinite_skips", "optim.", "sample.", "parallel.", "device", "precision", "compile",
+                  "activation_checkpointing", "chunked_loss", "peak_flops_per_gpu", "attn_backend", "deterministic",
+                  "data.cache_dir")
 # Not part of the comparison: where the run lives, and the tokenizer file, which a resumed run always
 # takes from its checkpoint (the recorded path may point into a pruned checkpoint).
 IGNORED_ON_RESUME = ("name", "out_dir", "resume", "data.tokenizer")
@@ -81,6 +82,9 @@ class TrainConfig:
     eval_batches: int = 8  # held-out rows per evaluation: eval_batches x batch_size
     ckpt_every: int = 500
     keep_checkpoints: int = 2
+    # A step whose loss or gradient norm is NaN / inf changes nothing (no update, on every rank); this many
+    # such steps in a row are skipped, the next one stops the run. 0 stops at the first.
+    max_nonfinite_skips: int = 5
     resume: bool = False  # continue from the latest checkpoint in out_dir (fresh start if there is none)
     # fine-tune: our checkpoint / run directory, a Hugging Face directory, or a hub id ("org/name", from the
     # Hugging Face cache; downloaded unless HF_HUB_OFFLINE=1) at init_revision (branch, tag or commit)
@@ -111,6 +115,9 @@ class TrainConfig:
                      "ckpt_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_nonfinite_skips < 0:
+            raise ConfigError(f"max_nonfinite_skips must be >= 0 (0 stops at the first non-finite step), "
+                              f"got {self.max_nonfinite_skips}")
         if self.batch_size % self.micro_batch_size:
             raise ConfigError(f"batch_size ({self.batch_size}) must be a multiple of "
                               f"micro_batch_size ({self.micro_batch_size})")

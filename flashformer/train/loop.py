@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import sys
 import tempfile
 import time
 import weakref
@@ -27,10 +28,11 @@ from ..config import ConfigError, config_to_dict, save_config
 from ..batches import TrainBatches, eval_batches
 from ..chat import ChatTemplate, load_chat_corpus
 from ..data import corpus_cache_dir, load_corpus
+from ..fileio import WriteError
 from ..losses import default_chunk_size
 from ..model import Transformer
 from ..parallel import all_reduce, barrier, full_optimizer_state_dict, full_state_dicts, init_distributed
-from ..parallel import load_optimizer_state_dict, parallelize, shutdown_distributed
+from ..parallel import load_optimizer_state_dict, parallelize, raise_on_every_rank, shutdown_distributed
 from ..tokenizer import TOKENIZER_FILE, load_tokenizer
 from ..weights import CheckpointError, latest_checkpoint
 from .config import RUN_CONFIG_FILE, TrainConfig, resume_changes, resume_refusal, saved_run_config
@@ -38,8 +40,8 @@ from .model_setup import build_model
 from .metrics import METRICS_FILE, MetricsLog, abridged, plot_losses
 from .state import (LOCK_FILE, RunDirLocked, RunLock, capture_rng, clean_stale_writes, prune_checkpoints,
                     read_trainer_state, restore_rng, seed_everything, write_checkpoint)
-from .step import build_optimizer, lm_loss, lr_factor, set_hyperparameters, train_step
-from .stops import NonFiniteLossError, StepFlags, StopRequests, TrainResult
+from .step import build_optimizer, lm_loss, lr_factor, nonfinite, set_hyperparameters, train_step
+from .stops import SkippedSteps, StepFlags, StopRequests, TrainResult
 
 CHUNKED_LOSS_MIN_SEQ_LEN = 8192  # chunked_loss=None chunks from here: the logits outgrow the activations
 
@@ -104,6 +106,7 @@ class Trainer:
         chunked = cfg.chunked_loss if cfg.chunked_loss is not None else cfg.data.seq_len >= CHUNKED_LOSS_MIN_SEQ_LEN
         self.loss_chunk_size = default_chunk_size(self.model.config.vocab_size) if chunked else None
         self.step = 0
+        self.skipped = SkippedSteps(cfg.max_nonfinite_skips)
         if self.resume_from is not None:
             self._load_trainer_state()
         if self.env.is_main:
@@ -125,7 +128,9 @@ class Trainer:
             with tempfile.TemporaryFile(dir=self.run_dir):
                 pass
         except OSError as error:
-            raise ConfigError(f"out_dir {self.run_dir!r} is not writable: {error.strerror or error}") from None
+            where = f" ({error.filename})" if error.filename and error.filename != self.run_dir else ""
+            raise ConfigError(f"out_dir {self.run_dir!r} is not writable: {error.strerror or error}{where}; choose "
+                              f"another out_dir= (or name=, for runs/<name>)") from None
         refused = None
         if self.env.is_main:
             try:
@@ -133,13 +138,8 @@ class Trainer:
                 weakref.finalize(self, self.lock.release)  # a Trainer dropped without close() lets go too
             except RunDirLocked as error:
                 refused = error
-        if self.env.distributed:  # every rank must stop, not only the one that saw the lock taken
-            flag = all_reduce(torch.tensor(float(refused is not None), device=self.device), self.env,
-                              op=dist.ReduceOp.MAX)
-            if flag.item() and refused is None:
-                raise RunDirLocked(f"{self.run_dir} is in use by another run (rank 0 says by whom)")
-        if refused is not None:
-            raise refused
+        raise_on_every_rank(refused, RunDirLocked(f"{self.run_dir} is in use by another run (rank 0 says by whom)"),
+                            self.env)
         if self.env.is_main:
             for name in clean_stale_writes(self.run_dir):
                 print(f"{self.run_dir}: cleaned up {name}, left by an interrupted write")
@@ -226,9 +226,11 @@ class Trainer:
         the first two as device tensors: nothing here waits for the GPU."""
         lr = self.optimizer.param_groups[0]["lr"]
         micro_batches = [batch.to(self.device) for batch in self.batches.next_step()]
+        agree = (lambda flag: all_reduce(flag, self.env, op=dist.ReduceOp.MAX)) if self.env.distributed else None
         loss, grad_norm = train_step(self.wrapped, self.optimizer, micro_batches, bf16=self.bf16,
                                      loss_chunk_size=self.loss_chunk_size, scheduler=self.scheduler,
-                                     max_grad_norm=self.cfg.optim.grad_clip or math.inf)
+                                     max_grad_norm=self.cfg.optim.grad_clip or math.inf, skip_nonfinite=True,
+                                     agree=agree)
         return loss, grad_norm, lr
 
     @torch.no_grad()
@@ -254,19 +256,25 @@ class Trainer:
         else:
             model_state, optimizer_state = full_state_dicts(self.wrapped, self.optimizer)
         path = os.path.join(self.run_dir, f"ckpt-{self.step}")
+        failure = None
         if self.env.is_main:
             state = {
                 "step": self.step,
                 "data_position": self.batches.position,
+                "skipped_steps": self.skipped.total,
                 "optimizer": optimizer_state,
                 "scheduler": self.scheduler.state_dict(),
                 "rng": capture_rng(),
                 "config": config_to_dict(self.cfg),
             }
             model = self.model if lora is not None else self._full_model(model_state)
-            write_checkpoint(path, model, self.tokenizer, state, lora, self.init_dir)
-            prune_checkpoints(self.run_dir, self.cfg.keep_checkpoints)
-        barrier(self.env)
+            try:
+                write_checkpoint(path, model, self.tokenizer, state, lora, self.init_dir)
+            except WriteError as error:
+                failure = error
+            else:
+                prune_checkpoints(self.run_dir, self.cfg.keep_checkpoints)
+        raise_on_every_rank(failure, WriteError(f"rank 0 could not write {path} (its error says why)"), self.env)
         return path
 
     def _full_model(self, model_state: dict) -> Transformer:
@@ -287,34 +295,42 @@ class Trainer:
                             lr_factor(self.scheduler.last_epoch, self.cfg.optim, self.cfg.steps))
         self.step = state["step"]
         self.batches.position = state["data_position"]
+        self.skipped.total = state.get("skipped_steps", 0)  # absent from checkpoints of earlier versions
         restore_rng(state["rng"])
 
     # ----- the loop -----
 
     def _flags(self, stop: StopRequests, step: int, loss, grad_norm) -> StepFlags:
-        nonfinite = (~(torch.isfinite(loss) & torch.isfinite(grad_norm))).float()
-        flags = torch.stack([torch.full_like(nonfinite, float(stop.signal)), nonfinite])
+        skipped = nonfinite(loss, grad_norm)
+        flags = torch.stack([torch.full_like(skipped, float(stop.signal)), skipped])
         if self.env.distributed:
             flags = all_reduce(flags, self.env, op=dist.ReduceOp.MAX)
         return StepFlags(step, flags, loss, grad_norm)
 
-    def _diverged(self, flags: StepFlags) -> NonFiniteLossError:
-        values = {"loss": flags.loss.item(), "gradient norm": flags.grad_norm.item()}
-        bad = " and ".join(f"the {name} is {value}" for name, value in values.items() if not math.isfinite(value))
+    def _divergence_advice(self) -> str:
+        optim = self.cfg.optim
+        return (f"Lower optim.lr (it is {optim.lr:g}), raise optim.warmup_steps ({optim.warmup_steps}) or clip "
+                f"harder (optim.grad_clip={optim.grad_clip:g}); {self._how_to_continue(' optim.lr=...')}")
+
+    def _how_to_continue(self, overrides: str = "", when: str = "") -> str:
+        """Which checkpoint survived a failed run, and the command that continues from it."""
+        command = f"`flashformer train --resume {self.run_dir}{overrides}`"
         latest = latest_checkpoint(self.run_dir)
-        kept = (f"{latest} (the last checkpoint) is finite: resume from it with `flashformer train --resume "
-                f"{self.run_dir} optim.lr=...`" if latest else "no checkpoint had been written yet")
-        return NonFiniteLossError(
-            f"step {flags.step}: {bad or 'another rank saw a non-finite loss'}, so training stopped without saving "
-            f"it. Lower optim.lr (it is {self.cfg.optim.lr:g}) or raise optim.warmup_steps "
-            f"({self.cfg.optim.warmup_steps}); {kept}")
+        if latest is None:
+            return f"no checkpoint had been written yet: {command} starts the run again{when}"
+        return f"{latest} is intact: continue from it with {command}{when}"
 
     def fit(self) -> TrainResult:
         """Train until ``cfg.steps`` (or SIGINT / SIGTERM: checkpoint, then stop); returns the last losses.
 
+        A step whose loss or gradient norm is NaN / inf leaves the weights and the optimizer as they were
+        (on every rank); it is logged and counted (``skipped_steps`` in metrics.jsonl).
+
         Raises:
-            NonFiniteLossError: a step's loss or gradient norm was NaN / inf (found at that step when it
-                is logged, evaluated or checkpointed, otherwise one step later); nothing is saved after it.
+            NonFiniteLossError: more than ``max_nonfinite_skips`` steps in a row were not finite (found at
+                the last of them when it is logged, evaluated or checkpointed, otherwise one step later).
+            fileio.WriteError: the disk refused metrics.jsonl or a checkpoint (full, a file-size limit): the
+                previous checkpoint is intact; the message says how to continue.
         """
         cfg, main = self.cfg, self.env.is_main
         metrics = MetricsLog(os.path.join(self.run_dir, METRICS_FILE), self.step) if main else None
@@ -348,18 +364,22 @@ class Trainer:
                     pending = None
                     if not (logging or evaluating or checkpointing):
                         to_read, pending = to_read[:-1], current
+                    skipped = False  # this step's when logging: its flags are read last
                     for flags in to_read:
-                        signum, nonfinite = flags.read()
-                        if nonfinite:
-                            raise self._diverged(flags)
+                        signum, skipped = flags.read()
+                        warning = self.skipped.count(flags, skipped, self._divergence_advice)
+                        if warning and main:
+                            bar.write(warning, file=sys.stderr)
+                            metrics.write({"step": flags.step, "skipped": flags.problem(),
+                                           "skipped_steps": self.skipped.total})
                         stop_signal = stop_signal or signum
-                    if logging:
+                    if logging and not skipped:  # a skipped step's record is its warning
                         train_loss = (all_reduce(loss, self.env) / self.env.world_size).item()
                         now = time.perf_counter()
                         tokens_per_s = interval_steps * tokens_per_step / (interval_seconds + now - clock)
                         record = {"step": self.step, "loss": train_loss, "lr": lr,
                                   "grad_norm": grad_norm.item(), "tokens": self.step * tokens_per_step,
-                                  "tokens_per_s": tokens_per_s}
+                                  "tokens_per_s": tokens_per_s, "skipped_steps": self.skipped.total}
                         postfix = {"loss": f"{train_loss:.3f}", "tok/s": f"{tokens_per_s:,.0f}"}
                         if self.device.type == "cuda":
                             record["mfu"] = flops_per_token * tokens_per_s / (cfg.peak_flops_per_gpu
@@ -370,7 +390,9 @@ class Trainer:
                         if main:
                             metrics.write(record)
                         interval_seconds, interval_steps, clock = 0.0, 0, time.perf_counter()
-                    checkpointing = checkpointing or bool(stop_signal)
+                    # Amid non-finite steps only the last step or a stop saves: the weights of the step before
+                    # them may already be the bad ones, and saving would prune an older, good checkpoint.
+                    checkpointing = (checkpointing and (not self.skipped.in_a_row or last)) or bool(stop_signal)
                     if evaluating or checkpointing:
                         if self.device.type == "cuda":
                             torch.cuda.synchronize(self.device)
@@ -389,6 +411,10 @@ class Trainer:
                         clock = time.perf_counter()
                     if stop_signal:
                         break
+        except WriteError as error:
+            when = " once the disk takes writes again (space freed, a limit lifted)"
+            raise WriteError(f"{error}. {self._how_to_continue(when=when)}, or resume a copy of {self.run_dir} on "
+                             "another disk", error.errno) from error
         finally:
             bar.close()
             if main:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 
-from ..fileio import atomic_write_file
+from ..fileio import atomic_write_file, raise_write_error
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
@@ -32,18 +32,25 @@ class MetricsLog:
     def __init__(self, path: str, keep_through_step: int):
         self.path = path
         text = ""
-        if os.path.exists(path):
+        if os.path.isfile(path):  # not a device: /dev/full would read forever
             with open(path, encoding="utf-8") as f:
                 text = f.read()
         kept = [line for line in text.splitlines(keepends=True) if _step(line) is not None
                 and _step(line) <= keep_through_step and line.endswith("\n")]
         if len(kept) != len(text.splitlines()):
             atomic_write_file(path, lambda f: f.write("".join(kept).encode("utf-8")))
-        self.file = open(path, "a", encoding="utf-8")
+        # Unbuffered: a record the disk refused is not retried (and refused again) when the file closes.
+        self.file = open(path, "ab", buffering=0)
 
     def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        """Append ``record``; fileio.WriteError naming the file when the disk refuses it."""
+        unwritten = memoryview((json.dumps(record) + "\n").encode("utf-8"))
+        try:
+            while unwritten:  # a nearly full disk takes part of a write; the next part's write raises
+                unwritten = unwritten[self.file.write(unwritten):]
+        except OSError as error:
+            raise_write_error(self.path, error)
+            raise
 
     def close(self) -> None:
         self.file.close()

@@ -157,6 +157,9 @@ def write_checkpoint(path: str, model, tokenizer, state: dict, lora: LoRAConfig 
         state: the trainer state (``trainer_state.pt``).
         lora, base_dir: for a model adapted with ``lora``: only its adapters are written, with a record
             of the base checkpoint ``base_dir``.
+    Raises:
+        fileio.WriteError: the disk refused the write (full, a file-size limit, read-only); nothing of the
+            new checkpoint is left behind and an older one is untouched.
     """
     with atomic_directory(path) as tmp:
         if lora is not None:
@@ -164,7 +167,10 @@ def write_checkpoint(path: str, model, tokenizer, state: dict, lora: LoRAConfig 
             tokenizer.save(tmp)
         else:
             write_pretrained_files(model, tmp, tokenizer=tokenizer)
-        torch.save(state, os.path.join(tmp, TRAINER_STATE_FILE))
+        # Through a Python file: its OSError (a full disk) stays in the chain of the error torch.save raises,
+        # where a path's C++ stream would report only "file write failed".
+        with open(os.path.join(tmp, TRAINER_STATE_FILE), "wb") as f:
+            torch.save(state, f)
 
 
 def prune_checkpoints(run_dir: str, keep: int) -> None:

@@ -44,8 +44,9 @@ def build_optimizer(model: nn.Module, cfg) -> torch.optim.AdamW:
     trainable = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}]
-    fused = bool(trainable) and trainable[0].device.type == "cuda"
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused)
+    # Fused (on CPU too): it skips a step whose gradients are not finite on the device (``found_inf``),
+    # so train_step needs no wait for the loss to decide.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=bool(trainable))
 
 
 def set_hyperparameters(optimizer: torch.optim.Optimizer, scheduler, cfg, factor: float) -> None:
@@ -85,9 +86,17 @@ def lm_loss(model: nn.Module, batch: Batch, bf16: bool = False, loss_chunk_size:
     return F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten())
 
 
+def nonfinite(loss: torch.Tensor, grad_norm: torch.Tensor | None) -> torch.Tensor:
+    """1.0 where the 0-dim ``loss`` or ``grad_norm`` (if any) is NaN or infinite, else 0.0 (a 0-dim float32
+    tensor on their device, not read back)."""
+    finite = torch.isfinite(loss) if grad_norm is None else torch.isfinite(loss) & torch.isfinite(grad_norm)
+    return (~finite).float()
+
+
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[Batch], *,
                bf16: bool = False, loss_chunk_size: int | None = None, max_grad_norm: float | None = None,
-               scheduler=None, context=contextlib.nullcontext, reduce_gradients=None):
+               scheduler=None, context=contextlib.nullcontext, reduce_gradients=None, skip_nonfinite: bool = False,
+               agree=None):
     """Queue one optimizer step: forward + backward of every micro batch (DDP / FSDP reduce the
     gradients on the last only), then clip, step the optimizer and the schedule, zero the gradients.
 
@@ -103,6 +112,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
             attention around the ring inside it; recomputed activations need it in backward too).
         reduce_gradients: called with the mean loss after the last backward, before clipping, for
             gradients averaged by hand (context parallelism without DDP); may average the loss in place.
+        skip_nonfinite: where the mean loss or the gradient norm is NaN / inf, leave the parameters and the
+            optimizer state as they were (needs the fused AdamW of ``build_optimizer``); the schedule steps.
+        agree: under several processes, the max of a flag over the ranks (e.g. an all-reduce), so that every
+            rank skips the same steps.
     Returns:
         (mean loss, gradient norm or None), 0-dim tensors on the device.
     """
@@ -118,7 +131,15 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
     grad_norm = None
     if max_grad_norm is not None:
         grad_norm = clip_grad_norm([p for group in optimizer.param_groups for p in group["params"]], max_grad_norm)
+    if skip_nonfinite:
+        if not optimizer.defaults.get("fused"):
+            raise ValueError("skip_nonfinite needs a fused optimizer (build_optimizer's), which reads found_inf")
+        flag = nonfinite(mean_loss, grad_norm)
+        # The flag GradScaler hands fused optimizers: read on the device, the host never waits for it.
+        optimizer.found_inf = agree(flag) if agree is not None else flag
     optimizer.step()
+    if skip_nonfinite:
+        del optimizer.found_inf
     if scheduler is not None:
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import math
 import signal
 import sys
 from dataclasses import dataclass
@@ -18,8 +19,8 @@ NONFINITE_EXIT_CODE = 3
 
 
 class NonFiniteLossError(RuntimeError):
-    """The loss or the gradient norm of a step was NaN or infinite; nothing after the last finite
-    checkpoint was saved."""
+    """More steps in a row than ``max_nonfinite_skips`` had a NaN or infinite loss or gradient norm;
+    nothing after the last checkpoint was saved."""
 
 
 @dataclass
@@ -86,3 +87,38 @@ class StepFlags:
         if self.event is not None:
             self.event.synchronize()
         return int(self.flags[0]), bool(self.flags[1])
+
+    def problem(self) -> str:
+        """What was not finite, e.g. "the loss is nan" (once ``read`` said something was)."""
+        values = {"loss": self.loss.item(), "gradient norm": self.grad_norm.item()}
+        bad = " and ".join(f"the {name} is {value}" for name, value in values.items() if not math.isfinite(value))
+        return bad or "another rank's loss or gradient norm is not finite"
+
+
+class SkippedSteps:
+    """Counts the steps that changed nothing for a NaN / inf loss or gradient norm: all of a run's, and
+    those in a row; more than ``limit`` in a row stop the run.
+
+    Args:
+        limit: ``max_nonfinite_skips``.
+    """
+
+    def __init__(self, limit: int):
+        self.limit, self.total, self.in_a_row = limit, 0, 0  # a resumed run sets total to its checkpoint's
+
+    def count(self, flags: StepFlags, skipped: bool, advice) -> str | None:
+        """Count the step of ``flags`` (skipped or not); returns the warning of a skipped one.
+
+        Raises:
+            NonFiniteLossError: past the limit, naming the step and what was not finite, then ``advice()``.
+        """
+        if not skipped:
+            self.in_a_row = 0
+            return None
+        self.total += 1
+        self.in_a_row += 1
+        if self.in_a_row > self.limit:
+            in_a_row = f" ({self.in_a_row} steps in a row, max_nonfinite_skips={self.limit})" if self.limit else ""
+            raise NonFiniteLossError(f"step {flags.step}: {flags.problem()}{in_a_row}, so training stopped. {advice()}")
+        return (f"warning: step {flags.step}: {flags.problem()}: skipped (no update), {self.in_a_row} in a row "
+                f"(max_nonfinite_skips={self.limit})")
