@@ -12,12 +12,13 @@ from .checks import (autocast_inputs, check_attention_args, check_cu_seqlens, ch
                      check_dropout_and_alibi, draw_dropout_seed, kernel_inputs, max_seqlen_arg, reads_offsets)
 from .interface import attention_probs_dmask, attention_with_lse, kernel_impl, triton_attention, varlen_tiled
 from .masking import normalize_window
+from .varlen_kv import varlen_kv_attention
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=True, return_attn_probs=False, block_table=None, *, return_lse=False,
-                           check_lengths=None):
+                           deterministic=True, return_attn_probs=False, block_table=None, *, seqused_k=None,
+                           return_lse=False, check_lengths=None):
     """Exact attention over sequences packed along the token dim, flash-attn's varlen API.
 
     No attention crosses a sequence boundary; every option of flash_attn_func applies per sequence
@@ -39,15 +40,26 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
             the PyTorch path); with both max_seqlen given the Triton path reads no device value (no
             host sync) and trusts the offsets, as flash-attn does. True: always (one device read per
             offsets tensor and version). False: never; needs both max_seqlen and the Triton path.
-        block_table: flash-attn's paged K/V for varlen; not supported (an error): use
-            flash_attn_with_kvcache, whose caches may be paged.
+        block_table: int32 (batch, max_blocks_per_seq): k and v are then paged pools (num_blocks,
+            page_block_size, heads_kv, head_dim / head_dim_v), page_block_size a multiple of 16
+            (flash-attn's: of 256), and sequence b's keys are pages block_table[b, :ceil(len_b /
+            page_block_size)], len_b from cu_seqlens_k (whose last entry is then no token count).
+            Forward only (an error if an input requires grad under grad mode), as in flash-attn; no
+            dropout_p, alibi_slopes or return_attn_probs. Entries past a sequence's pages are never read.
+        seqused_k: int32 (batch,): only the first seqused_k[b] keys of sequence b are used (causal
+            aligns to seqused_k[b]), packed or paged; forward only, as block_table.
+            With either, max_seqlen_k None is bounded by the shapes (no host read), and check_lengths
+            also checks seqused_k (in [0, len_b]) and the pages in use (inside the pool and the row).
     Returns:
         out (total_q, heads_q, head_dim_v), or (out, lse) with lse (heads_q, total_q) fp32, or with
         return_attn_probs (out, lse, S_dmask), S_dmask (batch, heads_q, max_seqlen_q, max_seqlen_k).
     """
-    if block_table is not None:
-        raise ValueError("block_table (paged K/V) is not supported by flash_attn_varlen_func; "
-                         "flash_attn_with_kvcache takes paged caches")
+    if block_table is not None or seqused_k is not None:
+        out, lse = varlen_kv_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                       softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+                                       block_table, seqused_k, check_lengths, kernel_impl(q.device) != "torch")
+        out = out[..., :v.shape[-1]]
+        return (out, lse) if return_lse else out
     softmax_scale, window_size = check_attention_args(q, k, v, 0, softmax_scale, window_size, softcap)
     deterministic = check_deterministic(deterministic)
     if check_lengths is not None and not isinstance(check_lengths, bool):
