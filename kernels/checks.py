@@ -161,7 +161,8 @@ def check_cu_seqlens(name, cu_seqlens, total, device, read_values=True):
     lengths = cu_seqlens.diff()
     first, last, shortest, longest = torch.stack((cu_seqlens[0], cu_seqlens[-1], lengths.min(), lengths.max())).tolist()
     if first != 0 or last != (last if total is None else total):
-        raise ValueError(f"{name} must start at 0 and end at the token count {total}, got {first} ... {last}")
+        end = "" if total is None else f" and end at the token count {total}"
+        raise ValueError(f"{name} must start at 0{end}, got {first} ... {last}")
     if shortest < 0:
         raise ValueError(f"{name} must be non-decreasing, got {cu_seqlens.tolist()}")
     if version is not None:

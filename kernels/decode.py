@@ -78,11 +78,12 @@ def _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_
 
 
 # Launched through launch.CompiledLaunch: no int is specialised, and of the pointers only the caller's
-# SEQLENS_K and BLOCK_TABLE may be unaligned (q and the caches pass as_descriptor_compatible; the
-# outputs and partials are fresh allocations).
+# SEQLENS_K, BLOCK_TABLE and CU_SEQLENS_Q may be unaligned (q and the caches pass as_descriptor_compatible;
+# the outputs and partials are fresh allocations).
 @triton.jit(do_not_specialize=["stride_qb", "stride_qs", "stride_qh", "stride_ks", "stride_kh", "stride_vs",
-                               "stride_vh", "stride_bt", "stride_lse_h", "seqlen_q", "heads_kv", "num_splits", "k_page_rows",
-                               "v_page_rows", "k_rows", "v_rows", "cache_len", "window_left", "window_right"],
+                               "stride_vh", "stride_bt", "stride_lse_h", "seqlen_q", "heads_kv", "num_splits",
+                               "k_page_rows", "v_page_rows", "k_rows", "v_rows", "cache_len", "window_left",
+                               "window_right"],
             do_not_specialize_on_alignment=["SEQLENS_K", "BLOCK_TABLE", "CU_SEQLENS_Q"])
 def _decode_kernel(
     Q, K, V, O, LSE, O_PART, LSE_PART, SEQLENS_K, BLOCK_TABLE, CU_SEQLENS_Q,
@@ -333,8 +334,9 @@ def _build_plan(q, k_cache, v_cache, block_table, per_sequence, max_seqlen_k, so
         meta=dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_N=block_n, PAGE_SIZE=page_size,
                   HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, LEFT_BOUNDED=window_left >= 0,
                   RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0, SPLIT=split,
-                  PER_SEQUENCE_LENGTHS=per_sequence, VARLEN_Q=packed_q is not None, DOT_PRECISION=dot_precision(q.dtype),
-                  UPCAST_DOT=upcast_dot(q.dtype), num_warps=num_warps, num_stages=num_stages),
+                  PER_SEQUENCE_LENGTHS=per_sequence, VARLEN_Q=packed_q is not None,
+                  DOT_PRECISION=dot_precision(q.dtype), UPCAST_DOT=upcast_dot(q.dtype), num_warps=num_warps,
+                  num_stages=num_stages),
         partial_shapes=((*rows, heads_q, num_splits, head_dim), (*rows, heads_q, num_splits)) if split else (),
         combine_grid=(math.prod(rows) * heads_q,),
         combine_ints=(seqlen_q if packed_q is None else rows[0], heads_q, num_splits),

@@ -247,7 +247,7 @@ def _check_lengths(k_cache, cache_seqlens, shared_length, seqlen_new, block_tabl
     no_tensor = ends_t.new_empty(0)
     counts = torch.zeros(3, dtype=torch.int32, device=ends_t.device)
     if block_table is not None:
-        counts[0] = bad_pages(k_cache, block_table, ends_t)
+        counts[0] = count_bad_pages(k_cache, block_table, ends_t)
     if cache_batch_idx is not None:
         counts[1] = ((cache_batch_idx < 0) | (cache_batch_idx >= k_cache.shape[0])).sum()
     if cache_leftpad is not None:
@@ -262,7 +262,7 @@ def _check_lengths(k_cache, cache_seqlens, shared_length, seqlen_new, block_tabl
     if cache_leftpad is not None:
         starts = values
     _check_length_values(k_cache, ends, seqlen_new, block_table)
-    _raise_forbad_pages(bad_pages, k_cache)
+    raise_for_bad_pages(bad_pages, k_cache)
     if bad_rows:
         raise ValueError(f"cache_batch_idx has {bad_rows} entries outside [0, k_cache rows={k_cache.shape[0]})")
     if bad_starts:
@@ -271,7 +271,7 @@ def _check_lengths(k_cache, cache_seqlens, shared_length, seqlen_new, block_tabl
     return ends, list(zip(rows, starts, ends))
 
 
-def bad_pages(k_cache, block_table, lengths_t):
+def count_bad_pages(k_cache, block_table, lengths_t):
     """How many block_table entries among the pages in use lie outside the pool (a 0-d device tensor).
     Only the pages in use must be valid: the rest of a row may hold anything (as in flash-attn)."""
     pages_used = (lengths_t.clamp(min=0)[:, None] + k_cache.shape[1] - 1) // k_cache.shape[1]
@@ -279,7 +279,7 @@ def bad_pages(k_cache, block_table, lengths_t):
     return (((block_table < 0) | (block_table >= k_cache.shape[0])) & in_use).sum()
 
 
-def _raise_forbad_pages(bad, k_cache):
+def raise_for_bad_pages(bad, k_cache):
     if bad:
         raise ValueError(f"block_table has {bad} entries outside [0, num_blocks={k_cache.shape[0]}) among the pages "
                          "in use")
@@ -316,7 +316,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Inference only: raises if an input requires grad while grad mode is on.
 
     Args:
-        q: (batch, seqlen_q, heads_q, head_dim); fp16, bf16 or fp32, the caches' dtype.
+        q: (batch, seqlen_q, heads_q, head_dim); fp16, bf16 or fp32, the caches' dtype. seqlen_q may
+            exceed 1 (speculative tokens, a prefill chunk), usually with k/v of as many tokens.
         k_cache, v_cache: (batch_cache, max_cache, heads_kv, head_dim), or paged (num_blocks,
             block_size, heads_kv, head_dim) with block_size a multiple of 16, addressed through
             block_table. The caches are read in place, so head_dim must be one the kernels take (a

@@ -13,7 +13,7 @@ import torch
 
 from .checks import autocast_inputs, check_attention_args, check_cu_seqlens, kernel_inputs, max_seqlen_arg
 from .interface import varlen_tiled
-from .kvcache import PAGE_MULTIPLE, bad_pages, describe, rows_as_pages
+from .kvcache import PAGE_MULTIPLE, count_bad_pages, describe, raise_for_bad_pages, rows_as_pages
 from .masking import normalize_window
 from .sizes import cdiv
 
@@ -54,16 +54,14 @@ def _check_key_counts(k, cu_seqlens_k, block_table, seqused_k, lengths):
         counts[0] = ((seqused_k < 0) | (seqused_k > cu_seqlens_k.diff())).sum()
     if block_table is not None:
         counts[1] = (lengths > block_table.shape[1] * k.shape[1]).sum()
-        counts[2] = bad_pages(k, block_table, lengths)
+        counts[2] = count_bad_pages(k, block_table, lengths)
     bad_used, too_long, bad_page_count = counts.tolist()
     if bad_used:
         raise ValueError(f"seqused_k has {bad_used} entries outside [0, the sequence's length in cu_seqlens_k]")
     if too_long:
         raise ValueError(f"{too_long} sequences hold more keys than their block_table row's "
                          f"{block_table.shape[1]} pages of {k.shape[1]}")
-    if bad_page_count:
-        raise ValueError(f"block_table has {bad_page_count} entries outside [0, num_blocks={k.shape[0]}) among the "
-                         "pages in use")
+    raise_for_bad_pages(bad_page_count, k)
 
 
 def _gathered_keys(k, v, cu_seqlens_k, block_table, lengths):
