@@ -65,20 +65,18 @@ def _kvcache_torch(q, k_cache, v_cache, spans, block_table, softmax_scale, windo
     return out, lse
 
 
-# Pages of the decode kernel's paged view onto a contiguous cache (rows_as_pages): the widest tile the
+# Pages of the decode kernel's paged view onto a contiguous cache (_rows_as_pages): the widest tile the
 # kernel would read from a contiguous cache anyway, or less for a cache with fewer rows.
 ROW_PAGE_SIZE = 64
 
 
-def rows_as_pages(k_cache, v_cache, cache_batch_idx, cache_leftpad, batch, span=None):
+def _rows_as_pages(k_cache, v_cache, cache_batch_idx, cache_leftpad, batch):
     """A contiguous cache whose sequence b lives in cache row cache_batch_idx[b] from entry
     cache_leftpad[b] on, as the paged cache (pool, block_table) that the decode kernel reads with no
     kernel of its own and no copy: the pool's page p is the ROW_PAGE_SIZE cache entries that start at
     flat entry p (pages overlap, one entry apart), and sequence b's page j starts at its first valid
     entry + j * ROW_PAGE_SIZE. Entries a page holds past the sequence's end are masked by its length.
 
-    Args:
-        span: the most entries a sequence holds (the table covers them); None = a cache row's capacity.
     Returns:
         k_pool, v_pool (pages, page_size, heads_kv, head_dim) and block_table int32 (batch, pages per
         sequence), all on the caches' device.
@@ -108,7 +106,7 @@ def rows_as_pages(k_cache, v_cache, cache_batch_idx, cache_leftpad, batch, span=
     rows = (cache_batch_idx.long() if cache_batch_idx is not None
             else torch.arange(batch, device=k_cache.device))
     first = rows * sequence_entries + (cache_leftpad.long() if cache_leftpad is not None else 0)
-    pages = torch.arange(0, capacity if span is None else span, page_size, device=k_cache.device)
+    pages = torch.arange(0, capacity, page_size, device=k_cache.device)
     return pool(k_cache), pool(v_cache), (first[:, None] + pages).int()
 
 
@@ -430,7 +428,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     else:
         seqlens_k = cache_seqlens + seqlen_new if seqlen_new else cache_seqlens
     if cache_batch_idx is not None or cache_leftpad is not None:
-        k_cache, v_cache, block_table = rows_as_pages(k_cache, v_cache, cache_batch_idx, cache_leftpad, q.shape[0])
+        k_cache, v_cache, block_table = _rows_as_pages(k_cache, v_cache, cache_batch_idx, cache_leftpad, q.shape[0])
         if cache_leftpad is not None:
             seqlens_k = seqlens_k - cache_leftpad
     args = (q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, softmax_scale, window_left, window_right,

@@ -106,7 +106,7 @@ def test_torch_path_memory_is_linear():
 def _entry_point_calls(device):
     """One call of every public entry point, with its inputs made up front (making them may copy from
     the host): dense and varlen forward + backward in both deterministic modes, their packed forms, a
-    head_dim the kernels pad, varlen over paged keys and with seqused_k (max_seqlen_k left None), decoding
+    head_dim the kernels pad, varlen over paged keys (max_seqlen_k left None) and with seqused_k, decoding
     against contiguous and paged caches with tensor and int lengths, appending new tokens (several per
     sequence too), with rotary embeddings, chosen cache rows and left padding."""
     from flashformer.kernels import (cu_seqlens_from_lengths, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
@@ -152,7 +152,8 @@ def _entry_point_calls(device):
     chunk_cu = cu_seqlens_from_lengths([3, 9]).to(device)
     calls.append(functools.partial(flash_attn_varlen_func, packed_q[:12], pool_k, pool_v, chunk_cu,
                                    cu_seqlens_from_lengths([40, 64]).to(device), 9, block_table=table, causal=True))
-    calls.append(functools.partial(flash_attn_varlen_func, packed_q, packed_k, packed_v, cu, cu, max(lengths),
+    calls.append(functools.partial(grads, flash_attn_varlen_func, packed_q, packed_k, packed_v, cu_seqlens_q=cu,
+                                   cu_seqlens_k=cu, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths),
                                    seqused_k=torch.tensor([30, 0, 90, 1], dtype=torch.int32, device=device)))
     chunk_q, chunk_k, chunk_v = (torch.randn(2, 5, heads, 64, device=device, dtype=dtype) for heads in (4, 2, 2))
     for caches, block_table in (((cache_k, cache_v), None), ((pool_k, pool_v), table)):

@@ -116,6 +116,39 @@ def test_split_keys_are_merged(device, triton_path):
     assert_matches_reference(batch, causal=True)
 
 
+def _reference_grads(batch, grad_out, upcast, **opts):
+    """(out, dq, dk, dv) of dense attention per sequence over its first used packed keys."""
+    leaves = [(t.double() if upcast else t).detach().requires_grad_() for t in (batch.q, batch.k, batch.v)]
+    outs = []
+    for b, n in enumerate(batch.used):
+        q0, q1, k0 = batch.cu_q[b].item(), batch.cu_q[b + 1].item(), batch.cu_k[b].item()
+        out, _ = attention_materialized(leaves[0][None, q0:q1], leaves[1][None, k0:k0 + n],
+                                        leaves[2][None, k0:k0 + n], upcast=upcast, **opts)
+        outs.append(out[0])
+    out = torch.cat(outs)
+    return (out, *torch.autograd.grad(out, leaves, grad_out.to(out.dtype)))
+
+
+@pytest.mark.parametrize("impl,deterministic", [("triton", True), ("triton", False), ("torch", True)])
+def test_seqused_k_backward(impl, deterministic, device, monkeypatch):
+    """Packed keys with seqused_k train: gradients match the per-sequence math, and the unused keys (NaN
+    here) get a gradient of exactly 0."""
+    monkeypatch.setenv("FLASHFORMER_KERNEL", impl)
+    monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
+    batch = Batch([5, 0, 9, 3], [30, 4, 21, 40], (4, 2), 32, torch.bfloat16, None, [17, 4, 0, 33], device)
+    grad_out = torch.randn_like(batch.q)
+    leaves = [t.detach().clone().requires_grad_() for t in (batch.q, batch.k, batch.v)]
+    opts = dict(causal=True, window_size=(12, -1))
+    out = flash_attn_varlen_func(*leaves, batch.cu_q, batch.cu_k, 9, 40, seqused_k=batch.seqused_k,
+                                 deterministic=deterministic, **opts)
+    ours = (out, *torch.autograd.grad(out, leaves, grad_out))
+    ref, lowp = _reference_grads(batch, grad_out, True, **opts), _reference_grads(batch, grad_out, False, **opts)
+    for name, a, r, l in zip(("out", "dq", "dk", "dv"), ours, ref, lowp):
+        assert_within_2x(name, a, r, l)
+    unused = batch.k.isnan()
+    assert (ours[2][unused] == 0).all() and (ours[3][batch.v.isnan()] == 0).all()
+
+
 def test_seqused_k_equals_truncated_offsets(device, triton_path):
     """seqused_k on packed keys gives what the same keys cut to those lengths give through the dense
     varlen kernel (whose offsets then name only the used keys)."""
@@ -129,6 +162,16 @@ def test_seqused_k_equals_truncated_offsets(device, triton_path):
     ref_out, _ = batch.reference(True, causal=True)
     assert_within_2x("out", out, ref_out, dense_out)
     torch.testing.assert_close(lse, dense_lse, atol=2e-3, rtol=0)
+
+
+def _packed(batch):
+    """Packed keys in place of a batch's pages (the pages' order: not the sequences', which these checks
+    do not need)."""
+    return dict(k=batch.k[:2].flatten(0, 1), v=batch.v[:2].flatten(0, 1), block_table=None)
+
+
+def _i32(values, device):
+    return torch.tensor(values, dtype=torch.int32, device=device)
 
 
 def _small(device, page_size=16):
@@ -150,6 +193,8 @@ def _small(device, page_size=16):
     (lambda b: dict(q=b.q.clone().requires_grad_()), "forward-only"),
     (lambda b: dict(cu_seqlens_q=b.cu_q.long()), "cu_seqlens_q must be a 1-d int32"),
     (lambda b: dict(check_lengths=1), "check_lengths must be a bool"),
+    (lambda b: dict(_packed(b), seqused_k=torch.tensor([3, 2], device=b.q.device)), "seqused_k must be an int32"),
+    (lambda b: dict(_packed(b), return_attn_probs=True, seqused_k=_i32([3, 2], b.q.device)), "return_attn_probs"),
 ])
 def test_bad_arguments_name_themselves(change, match, device, triton_path):
     batch = _small(device)
@@ -158,10 +203,6 @@ def test_bad_arguments_name_themselves(change, match, device, triton_path):
     args.update(change(batch))
     with pytest.raises(ValueError, match=match):
         flash_attn_varlen_func(**args)
-
-
-def _i32(values, device):
-    return torch.tensor(values, dtype=torch.int32, device=device)
 
 
 BAD_VALUES = [  # (paged, changes, what check_lengths=True says)
