@@ -20,7 +20,8 @@ from .sizes import cdiv
 
 
 def _check_pools(k, v):
-    """Validate paged k/v pools; return one page of each, for the checks of packed keys."""
+    """Validate paged k/v pools; return one page of each, (tokens, heads, head_dim) as check_attention_args
+    takes packed keys."""
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[0] == 0:
             raise ValueError(f"{name} must be a paged pool (num_blocks >= 1, page_block_size, heads_kv, head_dim) "
