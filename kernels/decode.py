@@ -113,9 +113,9 @@ def _decode_kernel(
     # Queries packed along the token dim (flash_attn_varlen_func): the grid covers the longest sequence
     # (seqlen_q is max_seqlen_q), and this sequence's first row and length come from the offsets.
     if VARLEN_Q:
-        q_first = tl.load(CU_SEQLENS_Q + batch).to(tl.int64)
-        seqlen_q = (tl.load(CU_SEQLENS_Q + batch + 1) - q_first).to(tl.int32)
-        q_base = Q + q_first * stride_qs
+        q_first = tl.load(CU_SEQLENS_Q + batch)
+        seqlen_q = tl.load(CU_SEQLENS_Q + batch + 1) - q_first
+        q_base = Q + q_first.to(tl.int64) * stride_qs
         out_first = q_first  # out's flat row of the sequence's first token
         lse_base = q_first
     else:
