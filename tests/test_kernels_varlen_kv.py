@@ -116,29 +116,32 @@ def test_split_keys_are_merged(device, triton_path):
     assert_matches_reference(batch, causal=True)
 
 
-def _reference_grads(batch, grad_out, upcast, **opts):
-    """(out, dq, dk, dv) of dense attention per sequence over its first used packed keys."""
+def _reference_grads(batch, grad_out, upcast, alibi_slopes=None, **opts):
+    """(out, dq, dk, dv) of dense attention per sequence over its first used packed keys; alibi_slopes
+    (batch, heads_q) or None."""
     leaves = [(t.double() if upcast else t).detach().requires_grad_() for t in (batch.q, batch.k, batch.v)]
     outs = []
     for b, n in enumerate(batch.used):
         q0, q1, k0 = batch.cu_q[b].item(), batch.cu_q[b + 1].item(), batch.cu_k[b].item()
         out, _ = attention_materialized(leaves[0][None, q0:q1], leaves[1][None, k0:k0 + n],
-                                        leaves[2][None, k0:k0 + n], upcast=upcast, **opts)
+                                        leaves[2][None, k0:k0 + n], upcast=upcast,
+                                        alibi_slopes=None if alibi_slopes is None else alibi_slopes[b], **opts)
         outs.append(out[0])
     out = torch.cat(outs)
     return (out, *torch.autograd.grad(out, leaves, grad_out.to(out.dtype)))
 
 
+@pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
 @pytest.mark.parametrize("impl,deterministic", [("triton", True), ("triton", False), ("torch", True)])
-def test_seqused_k_backward(impl, deterministic, device, monkeypatch):
-    """Packed keys with seqused_k train: gradients match the per-sequence math, and the unused keys (NaN
-    here) get a gradient of exactly 0."""
+def test_seqused_k_backward(impl, deterministic, alibi, device, monkeypatch):
+    """Packed keys with seqused_k train: gradients match the per-sequence math (with per-sequence ALiBi
+    slopes too), and the unused keys (NaN here) get a gradient of exactly 0."""
     monkeypatch.setenv("FLASHFORMER_KERNEL", impl)
     monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
     batch = Batch([5, 0, 9, 3], [30, 4, 21, 40], (4, 2), 32, torch.bfloat16, None, [17, 4, 0, 33], device)
     grad_out = torch.randn_like(batch.q)
     leaves = [t.detach().clone().requires_grad_() for t in (batch.q, batch.k, batch.v)]
-    opts = dict(causal=True, window_size=(12, -1))
+    opts = dict(causal=True, window_size=(12, -1), alibi_slopes=torch.rand(4, 4, device=device) if alibi else None)
     out = flash_attn_varlen_func(*leaves, batch.cu_q, batch.cu_k, 9, 40, seqused_k=batch.seqused_k,
                                  deterministic=deterministic, **opts)
     ours = (out, *torch.autograd.grad(out, leaves, grad_out))
