@@ -136,8 +136,9 @@ _CHECKED_CU_SEQLENS: dict[int, tuple[int, int, int]] = {}
 
 
 def check_cu_seqlens(name, cu_seqlens, total, device, read_values=True):
-    """Validate int32 (batch + 1,) sequence offsets over ``total`` packed tokens: always their type,
-    shape and device; their values (one device read for all) when ``read_values``.
+    """Validate int32 (batch + 1,) sequence offsets over ``total`` packed tokens (None: any count, as
+    for keys in pages): always their type, shape and device; their values (one device read for all)
+    when ``read_values``.
 
     Returns:
         The longest sequence's length, or None when the values were not read (``read_values`` False,
@@ -160,8 +161,9 @@ def check_cu_seqlens(name, cu_seqlens, total, device, read_values=True):
         return checked[2]
     lengths = cu_seqlens.diff()
     first, last, shortest, longest = torch.stack((cu_seqlens[0], cu_seqlens[-1], lengths.min(), lengths.max())).tolist()
-    if first != 0 or last != total:
-        raise ValueError(f"{name} must start at 0 and end at the token count {total}, got {first} ... {last}")
+    if first != 0 or last != (last if total is None else total):
+        end = "" if total is None else f" and end at the token count {total}"
+        raise ValueError(f"{name} must start at 0{end}, got {first} ... {last}")
     if shortest < 0:
         raise ValueError(f"{name} must be non-decreasing, got {cu_seqlens.tolist()}")
     if version is not None:

@@ -78,21 +78,23 @@ def _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_
 
 
 # Launched through launch.CompiledLaunch: no int is specialised, and of the pointers only the caller's
-# SEQLENS_K and BLOCK_TABLE may be unaligned (q and the caches pass as_descriptor_compatible; the
-# outputs and partials are fresh allocations).
+# SEQLENS_K, BLOCK_TABLE and CU_SEQLENS_Q may be unaligned (q and the caches pass as_descriptor_compatible;
+# the outputs and partials are fresh allocations).
 @triton.jit(do_not_specialize=["stride_qb", "stride_qs", "stride_qh", "stride_ks", "stride_kh", "stride_vs",
-                               "stride_vh", "stride_bt", "seqlen_q", "heads_kv", "num_splits", "k_page_rows",
-                               "v_page_rows", "k_rows", "v_rows", "cache_len", "window_left", "window_right"],
-            do_not_specialize_on_alignment=["SEQLENS_K", "BLOCK_TABLE"])
+                               "stride_vh", "stride_bt", "stride_lse_h", "seqlen_q", "heads_kv", "num_splits",
+                               "k_page_rows", "v_page_rows", "k_rows", "v_rows", "cache_len", "window_left",
+                               "window_right"],
+            do_not_specialize_on_alignment=["SEQLENS_K", "BLOCK_TABLE", "CU_SEQLENS_Q"])
 def _decode_kernel(
-    Q, K, V, O, LSE, O_PART, LSE_PART, SEQLENS_K, BLOCK_TABLE,
-    stride_qb, stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt,
+    Q, K, V, O, LSE, O_PART, LSE_PART, SEQLENS_K, BLOCK_TABLE, CU_SEQLENS_Q,
+    stride_qb, stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, stride_lse_h,
     seqlen_q, heads_kv, num_splits, k_page_rows, v_page_rows, k_rows, v_rows, cache_len,
     qk_scale, softcap_log2, window_left, window_right,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr,
-    PER_SEQUENCE_LENGTHS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    PER_SEQUENCE_LENGTHS: tl.constexpr, VARLEN_Q: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
 ):
     # Token blocks and (sequence, kv head) share grid dimension 0, whose cap (2**31 - 1) no batch reaches.
     token_blocks = tl.cdiv(seqlen_q, BLOCK_T)
@@ -108,13 +110,27 @@ def _decode_kernel(
         seqlen_k = cache_len
 
     t0 = pid_t * BLOCK_T
+    # Queries packed along the token dim (flash_attn_varlen_func): the grid covers the longest sequence
+    # (seqlen_q is max_seqlen_q), and this sequence's first row and length come from the offsets.
+    if VARLEN_Q:
+        q_first = tl.load(CU_SEQLENS_Q + batch)
+        seqlen_q = tl.load(CU_SEQLENS_Q + batch + 1) - q_first
+        q_base = Q + q_first.to(tl.int64) * stride_qs
+        out_first = q_first  # out's flat row of the sequence's first token
+        lse_base = q_first
+    else:
+        q_base = Q + batch * stride_qb
+        out_first = batch * seqlen_q
+        lse_base = batch * heads_q * seqlen_q
+    if t0 >= seqlen_q:  # a token block past a shorter packed sequence's end
+        return
     r = tl.arange(0, BLOCK_T * GROUP_PAD)
     tokens = t0 + r // GROUP_PAD
     heads = kv_head * GROUP + r % GROUP_PAD
     row_ok = (tokens < seqlen_q) & (r % GROUP_PAD < GROUP)
     dims = tl.arange(0, HEAD_DIM_PAD)
     tile_ok = row_ok[:, None] & (dims[None, :] < HEAD_DIM)
-    q = tl.load(Q + batch * stride_qb + tokens[:, None] * stride_qs + heads[:, None] * stride_qh + dims[None, :],
+    q = tl.load(q_base + tokens[:, None] * stride_qs + heads[:, None] * stride_qh + dims[None, :],
                 mask=tile_ok, other=0.0)
     k_desc = tl.make_tensor_descriptor(K + kv_head * stride_kh, shape=[k_rows, HEAD_DIM], strides=[stride_ks, 1],
                                        block_shape=[BLOCK_N, HEAD_DIM_PAD])
@@ -150,21 +166,24 @@ def _decode_kernel(
     empty = row_sum == 0.0
     acc = acc / tl.where(empty, 1.0, row_sum)[:, None]
     lse = tl.where(empty, float("-inf"), (row_max + tl.log2(tl.where(empty, 1.0, row_sum))) * LN2)
-    # out and the partials are contiguous (batch, seqlen_q, heads_q[, splits], head_dim): one flat row index.
-    out_row = (batch * seqlen_q + tokens) * heads_q + heads
+    # out and the partials are contiguous (batch, seqlen_q or total_q, heads_q[, splits], head_dim): one flat
+    # row index; lse is (batch, heads_q, seqlen_q), or (heads_q, total_q) with stride_lse_h = total_q.
+    out_row = (out_first + tokens) * heads_q + heads
     if SPLIT:
         part_row = out_row * num_splits + split
         tl.store(O_PART + part_row[:, None] * HEAD_DIM + dims[None, :], acc, mask=tile_ok)
         tl.store(LSE_PART + part_row, lse, mask=row_ok)
     else:
         tl.store(O + out_row[:, None] * HEAD_DIM + dims[None, :], narrow(acc, O.dtype.element_ty), mask=tile_ok)
-        tl.store(LSE + (batch * heads_q + heads) * seqlen_q + tokens, lse, mask=row_ok)
+        tl.store(LSE + lse_base + heads * stride_lse_h + tokens, lse, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "heads_q", "num_splits"])  # CompiledLaunch; pointers: fresh buffers
 def _combine_kernel(O_PART, LSE_PART, O, LSE, seqlen_q, heads_q, num_splits,
-                    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
-    # One program per (batch, token, query head) row: out = sum_s exp(lse_s - lse) * out_s.
+                    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                    VARLEN_Q: tl.constexpr):
+    # One program per (batch, token, query head) row: out = sum_s exp(lse_s - lse) * out_s. Packed
+    # queries (VARLEN_Q) have rows (token, head) with seqlen_q = total_q, and lse (heads_q, total_q).
     row = tl.program_id(0)
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
@@ -179,10 +198,13 @@ def _combine_kernel(O_PART, LSE_PART, O, LSE, seqlen_q, heads_q, num_splits,
     out = tl.sum(out_s * weights[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     lse = tl.where(total == 0.0, float("-inf"), lse_max_safe + tl.log(tl.where(total == 0.0, 1.0, total)))
     tl.store(O + row * HEAD_DIM + dims, narrow(out, O.dtype.element_ty), mask=dims < HEAD_DIM)
-    batch = row // (seqlen_q * heads_q)
-    token = (row // heads_q) % seqlen_q
     head = row % heads_q
-    tl.store(LSE + (batch * heads_q + head) * seqlen_q + token, lse)
+    if VARLEN_Q:
+        tl.store(LSE + head * seqlen_q + row // heads_q, lse)
+    else:
+        batch = row // (seqlen_q * heads_q)
+        token = (row // heads_q) % seqlen_q
+        tl.store(LSE + (batch * heads_q + head) * seqlen_q + token, lse)
 
 
 def _page_pool(cache):
@@ -268,19 +290,24 @@ MAX_PLANS = 256  # a model decodes with a handful; a long-lived server must not 
 
 
 def _plan_key(q, k_cache, v_cache, block_table, per_sequence, max_seqlen_k, softmax_scale, window_left,
-              window_right, softcap, num_splits):
+              window_right, softcap, num_splits, packed_q):
     # Automatic splits depend on the cache length only through keys // MIN_KEYS_PER_SPLIT (capped), so a
     # growing cache changes the plan every MIN_KEYS_PER_SPLIT steps at most.
     budget = min(max_seqlen_k // MIN_KEYS_PER_SPLIT, MAX_SPLITS) if num_splits == 0 else 0
     return (q.shape, q.stride(), q.dtype, k_cache.dtype, q.device, k_cache.shape, k_cache.stride(), v_cache.shape,
             v_cache.stride(), None if block_table is None else block_table.stride(), per_sequence, softmax_scale,
-            window_left, window_right, softcap, num_splits, budget)
+            window_left, window_right, softcap, num_splits, budget, packed_q)
 
 
 def _build_plan(q, k_cache, v_cache, block_table, per_sequence, max_seqlen_k, softmax_scale, window_left,
-                window_right, softcap, num_splits):
-    """The _Plan of tensors the kernels can read as they are (see _readable)."""
-    batch, seqlen_q, heads_q, head_dim = q.shape
+                window_right, softcap, num_splits, packed_q):
+    """The _Plan of tensors the kernels can read as they are (see _readable); packed_q: (batch,
+    max_seqlen_q) of packed queries (total_q, heads_q, head_dim), None for (batch, seqlen_q, ...)."""
+    *rows, heads_q, head_dim = q.shape
+    if packed_q is None:
+        (batch, seqlen_q), q_strides, lse_head_stride = rows, q.stride()[:3], rows[1]
+    else:
+        (batch, seqlen_q), q_strides, lse_head_stride = packed_q, (0, *q.stride()[:2]), rows[0]
     heads_kv = k_cache.shape[2]
     group = heads_q // heads_kv
     page_size = k_cache.shape[1] if block_table is not None else 0
@@ -300,21 +327,21 @@ def _build_plan(q, k_cache, v_cache, block_table, per_sequence, max_seqlen_k, so
     qk_scale, softcap_log2 = log2_scales(softmax_scale, softcap)
     return _Plan(
         grid=(token_blocks * batch * heads_kv, num_splits),
-        ints=(*q.stride()[:3], *k_cache.stride()[1:3], *v_cache.stride()[1:3],
-              block_table.stride(0) if block_table is not None else 0,
+        ints=(*q_strides, *k_cache.stride()[1:3], *v_cache.stride()[1:3],
+              block_table.stride(0) if block_table is not None else 0, lse_head_stride,
               seqlen_q, heads_kv, num_splits, k_page_rows, v_page_rows, k_rows, v_rows),
         scalars=(qk_scale, softcap_log2, window_left, window_right),
         meta=dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_N=block_n, PAGE_SIZE=page_size,
                   HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, LEFT_BOUNDED=window_left >= 0,
                   RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0, SPLIT=split,
-                  PER_SEQUENCE_LENGTHS=per_sequence, DOT_PRECISION=dot_precision(q.dtype),
-                  UPCAST_DOT=upcast_dot(q.dtype), num_warps=num_warps, num_stages=num_stages),
-        partial_shapes=((batch, seqlen_q, heads_q, num_splits, head_dim), (batch, seqlen_q, heads_q, num_splits))
-        if split else (),
-        combine_grid=(batch * seqlen_q * heads_q,),
-        combine_ints=(seqlen_q, heads_q, num_splits),
+                  PER_SEQUENCE_LENGTHS=per_sequence, VARLEN_Q=packed_q is not None,
+                  DOT_PRECISION=dot_precision(q.dtype), UPCAST_DOT=upcast_dot(q.dtype), num_warps=num_warps,
+                  num_stages=num_stages),
+        partial_shapes=((*rows, heads_q, num_splits, head_dim), (*rows, heads_q, num_splits)) if split else (),
+        combine_grid=(math.prod(rows) * heads_q,),
+        combine_ints=(seqlen_q if packed_q is None else rows[0], heads_q, num_splits),
         combine_meta=dict(SPLITS_PAD=max(2, next_power_of_2(num_splits)), HEAD_DIM=head_dim,
-                          HEAD_DIM_PAD=head_dim_pad, num_warps=4),
+                          HEAD_DIM_PAD=head_dim_pad, VARLEN_Q=packed_q is not None, num_warps=4),
     )
 
 
@@ -328,11 +355,12 @@ def _readable(q, k_cache, v_cache, block_table):
 
 
 def decode_attention(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, softmax_scale, window_left,
-                     window_right, softcap, num_splits=0, return_lse=True):
+                     window_right, softcap, num_splits=0, return_lse=True, cu_seqlens_q=None, max_seqlen_q=0):
     """Attention of a few query tokens over KV caches, on validated inputs (k/v already appended).
 
     Args:
-        q: (batch, seqlen_q, heads_q, head_dim).
+        q: (batch, seqlen_q, heads_q, head_dim), or packed (total_q, heads_q, head_dim) with
+            cu_seqlens_q int32 (batch + 1,) and max_seqlen_q (flash_attn_varlen_func's paged form).
         k_cache, v_cache: (batch, max_cache, heads_kv, head_dim), or paged (num_blocks, block_size,
             heads_kv, head_dim) with block_table (batch, max_blocks) int32.
         seqlens_k: int32 (batch,): valid cache entries per sequence, or an int shared by every sequence;
@@ -341,10 +369,10 @@ def decode_attention(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, 
         num_splits: chunks of the cache per (sequence, kv head); 0 = choose_num_splits.
         return_lse: False returns None for lse, whose buffer is then reused between calls on CUDA.
     Returns:
-        out like q (contiguous), lse fp32 (batch, heads_q, seqlen_q) or None.
+        out like q (contiguous), lse fp32 (batch, heads_q, seqlen_q) or (heads_q, total_q), or None.
     """
     out = new_output(q)
-    lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if cu_seqlens_q is None else (q.shape[1], q.shape[0])
     if return_lse or q.device.type != "cuda":
         lse = new_output(q, lse_shape, torch.float32)
     else:
@@ -354,7 +382,8 @@ def decode_attention(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, 
     if max_seqlen_k == 0:  # nothing to attend to: every row is empty
         return out.zero_(), lse.fill_(-math.inf) if return_lse else None
     per_sequence = isinstance(seqlens_k, torch.Tensor)
-    options = (per_sequence, max_seqlen_k, softmax_scale, window_left, window_right, softcap, num_splits)
+    packed_q = None if cu_seqlens_q is None else (cu_seqlens_q.numel() - 1, max_seqlen_q)
+    options = (per_sequence, max_seqlen_k, softmax_scale, window_left, window_right, softcap, num_splits, packed_q)
     key = _plan_key(q, k_cache, v_cache, block_table, *options)
     plan = _PLANS.get(key)
     # A plan exists only for layouts the kernels read as they are; the base addresses change per call.
@@ -376,7 +405,7 @@ def decode_attention(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, 
     # tensor and a block table are int32; a cache length fits int32) and every constexpr.
     _decode_launch.launch_keyed(
         ("decode", key), plan.grid, q, k_cache, v_cache, out, lse, out_part, lse_part,
-        seqlens_k if per_sequence else None, block_table, *plan.ints, 0 if per_sequence else seqlens_k,
+        seqlens_k if per_sequence else None, block_table, cu_seqlens_q, *plan.ints, 0 if per_sequence else seqlens_k,
         *plan.scalars, **plan.meta)
     if plan.partial_shapes:
         _combine_launch.launch_keyed(("combine", key), plan.combine_grid, out_part, lse_part, out, lse,

@@ -12,12 +12,13 @@ from .checks import (autocast_inputs, check_attention_args, check_cu_seqlens, ch
                      check_dropout_and_alibi, draw_dropout_seed, kernel_inputs, max_seqlen_arg, reads_offsets)
 from .interface import attention_probs_dmask, attention_with_lse, kernel_impl, triton_attention, varlen_tiled
 from .masking import normalize_window
+from .varlen_kv import paged_varlen_attention, without_unused_keys
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=True, return_attn_probs=False, block_table=None, *, return_lse=False,
-                           check_lengths=None):
+                           deterministic=True, return_attn_probs=False, block_table=None, *, seqused_k=None,
+                           return_lse=False, check_lengths=None):
     """Exact attention over sequences packed along the token dim, flash-attn's varlen API.
 
     No attention crosses a sequence boundary; every option of flash_attn_func applies per sequence
@@ -39,15 +40,29 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
             the PyTorch path); with both max_seqlen given the Triton path reads no device value (no
             host sync) and trusts the offsets, as flash-attn does. True: always (one device read per
             offsets tensor and version). False: never; needs both max_seqlen and the Triton path.
-        block_table: flash-attn's paged K/V for varlen; not supported (an error): use
-            flash_attn_with_kvcache, whose caches may be paged.
+        block_table: int32 (batch, max_blocks_per_seq): k and v are then paged pools (num_blocks,
+            page_block_size, heads_kv, head_dim / head_dim_v), page_block_size a multiple of 16
+            (flash-attn's: of 256), and sequence b's keys are pages block_table[b, :ceil(len_b /
+            page_block_size)], len_b from cu_seqlens_k (whose last entry is then no token count).
+            Forward only (an error if an input requires grad under grad mode), as in flash-attn; no
+            dropout_p, alibi_slopes or return_attn_probs. Entries past a sequence's pages are never read.
+            max_seqlen_k None is bounded by block_table's shape (no host read); check_lengths also
+            checks the pages in use (inside the pool and the row).
+        seqused_k: int32 (batch,): only the first seqused_k[b] <= len_b keys of sequence b are used
+            (causal aligns to seqused_k[b]), packed or paged; check_lengths (or reading the offsets)
+            checks it. Packed keys take every other option and the backward (the unused keys' gradient
+            is 0); no return_attn_probs.
     Returns:
         out (total_q, heads_q, head_dim_v), or (out, lse) with lse (heads_q, total_q) fp32, or with
         return_attn_probs (out, lse, S_dmask), S_dmask (batch, heads_q, max_seqlen_q, max_seqlen_k).
     """
     if block_table is not None:
-        raise ValueError("block_table (paged K/V) is not supported by flash_attn_varlen_func; "
-                         "flash_attn_with_kvcache takes paged caches")
+        out, lse = paged_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                          softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                          return_attn_probs, block_table, seqused_k, check_lengths,
+                                          kernel_impl(q.device) != "torch")
+        out = out[..., :v.shape[-1]]
+        return (out, lse) if return_lse else out
     softmax_scale, window_size = check_attention_args(q, k, v, 0, softmax_scale, window_size, softcap)
     deterministic = check_deterministic(deterministic)
     if check_lengths is not None and not isinstance(check_lengths, bool):
@@ -58,8 +73,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
                          "the offsets are read on the host)")
     longest_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device,
                                  reads_offsets(check_lengths, max_seqlen_q, triton_path))
-    longest_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device,
-                                 reads_offsets(check_lengths, max_seqlen_k, triton_path))
+    reads_k = reads_offsets(check_lengths, max_seqlen_k, triton_path)
+    longest_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device, reads_k)
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k describe {cu_seqlens_q.numel() - 1} and "
                          f"{cu_seqlens_k.numel() - 1} sequences")
@@ -67,6 +82,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     max_seqlen_k = max_seqlen_arg("max_seqlen_k", max_seqlen_k, longest_k)
     dropout_p, alibi_slopes = check_dropout_and_alibi(q, cu_seqlens_q.numel() - 1, dropout_p, alibi_slopes, softcap,
                                                       return_attn_probs)
+    if seqused_k is not None:
+        cu_seqlens_q, cu_seqlens_k, alibi_slopes = without_unused_keys(k, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                                                       alibi_slopes, return_attn_probs, reads_k)
     head_dim_v = v.shape[-1]
     q, k, v = kernel_inputs(*autocast_inputs(q, k, v))
     window_left, window_right = normalize_window(causal, window_size)

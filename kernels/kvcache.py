@@ -138,7 +138,7 @@ def _check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k, capacity):
         if (not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.dtype.is_floating_point
                 or t.device != q.device):
             raise ValueError(f"{name} must be a 2-D float tensor (seqlen_ro, rotary_dim / 2) on {q.device}, got "
-                             f"{_describe(t)}")
+                             f"{describe(t)}")
     if rotary_cos.shape != rotary_sin.shape:
         raise ValueError(f"rotary_cos and rotary_sin must have the same shape, got {tuple(rotary_cos.shape)} and "
                          f"{tuple(rotary_sin.shape)}")
@@ -184,7 +184,7 @@ def _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_id
         if (not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.shape != (batch,)
                 or t.device != q.device):
             raise ValueError(f"{name} must be an int32 tensor of shape (batch={batch},) on {q.device}, got "
-                             f"{_describe(t)}")
+                             f"{describe(t)}")
     entries = k_cache.shape[0] * k_cache.shape[1]
     if (cache_batch_idx is not None or cache_leftpad is not None) and entries < PAGE_MULTIPLE:
         raise ValueError(f"cache_batch_idx / cache_leftpad need a cache of at least {PAGE_MULTIPLE} entries in all "
@@ -196,10 +196,10 @@ def _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_id
                              "rows cache_batch_idx")
     else:
         if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
-            raise ValueError(f"block_table must be an int32 tensor (batch, max_blocks), got {_describe(block_table)}")
+            raise ValueError(f"block_table must be an int32 tensor (batch, max_blocks), got {describe(block_table)}")
         if block_table.shape[0] != batch or block_table.device != q.device:
             raise ValueError(f"block_table must be (batch={batch}, max_blocks) on {q.device}, got "
-                             f"{_describe(block_table)}")
+                             f"{describe(block_table)}")
         if k_cache.shape[1] % PAGE_MULTIPLE:
             raise ValueError(f"k_cache block_size={k_cache.shape[1]} (dim 1 of a paged cache) must be a multiple "
                              f"of {PAGE_MULTIPLE}")
@@ -218,7 +218,7 @@ def _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_id
     if (not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype != torch.int32
             or cache_seqlens.shape != (batch,) or cache_seqlens.device != q.device):
         raise ValueError(f"cache_seqlens must be an int or an int32 tensor of shape (batch={batch},) on {q.device}, "
-                         f"got {_describe(cache_seqlens)}")
+                         f"got {describe(cache_seqlens)}")
     return cache_seqlens, None
 
 
@@ -245,7 +245,7 @@ def _check_lengths(k_cache, cache_seqlens, shared_length, seqlen_new, block_tabl
     no_tensor = ends_t.new_empty(0)
     counts = torch.zeros(3, dtype=torch.int32, device=ends_t.device)
     if block_table is not None:
-        counts[0] = _bad_pages(k_cache, block_table, ends_t)
+        counts[0] = count_bad_pages(k_cache, block_table, ends_t)
     if cache_batch_idx is not None:
         counts[1] = ((cache_batch_idx < 0) | (cache_batch_idx >= k_cache.shape[0])).sum()
     if cache_leftpad is not None:
@@ -260,7 +260,7 @@ def _check_lengths(k_cache, cache_seqlens, shared_length, seqlen_new, block_tabl
     if cache_leftpad is not None:
         starts = values
     _check_length_values(k_cache, ends, seqlen_new, block_table)
-    _raise_for_bad_pages(bad_pages, k_cache)
+    raise_for_bad_pages(bad_pages, k_cache)
     if bad_rows:
         raise ValueError(f"cache_batch_idx has {bad_rows} entries outside [0, k_cache rows={k_cache.shape[0]})")
     if bad_starts:
@@ -269,7 +269,7 @@ def _check_lengths(k_cache, cache_seqlens, shared_length, seqlen_new, block_tabl
     return ends, list(zip(rows, starts, ends))
 
 
-def _bad_pages(k_cache, block_table, lengths_t):
+def count_bad_pages(k_cache, block_table, lengths_t):
     """How many block_table entries among the pages in use lie outside the pool (a 0-d device tensor).
     Only the pages in use must be valid: the rest of a row may hold anything (as in flash-attn)."""
     pages_used = (lengths_t.clamp(min=0)[:, None] + k_cache.shape[1] - 1) // k_cache.shape[1]
@@ -277,7 +277,7 @@ def _bad_pages(k_cache, block_table, lengths_t):
     return (((block_table < 0) | (block_table >= k_cache.shape[0])) & in_use).sum()
 
 
-def _raise_for_bad_pages(bad, k_cache):
+def raise_for_bad_pages(bad, k_cache):
     if bad:
         raise ValueError(f"block_table has {bad} entries outside [0, num_blocks={k_cache.shape[0]}) among the pages "
                          "in use")
@@ -298,7 +298,7 @@ def _capacity(k_cache, block_table):
     return k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
 
 
-def _describe(x):
+def describe(x):
     if isinstance(x, torch.Tensor):
         return f"{x.dtype} tensor of shape {tuple(x.shape)} on {x.device}"
     return repr(x)
@@ -314,7 +314,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Inference only: raises if an input requires grad while grad mode is on.
 
     Args:
-        q: (batch, seqlen_q, heads_q, head_dim); fp16, bf16 or fp32, the caches' dtype.
+        q: (batch, seqlen_q, heads_q, head_dim); fp16, bf16 or fp32, the caches' dtype. seqlen_q may
+            exceed 1 (speculative tokens, a prefill chunk), usually with k/v of as many tokens.
         k_cache, v_cache: (batch_cache, max_cache, heads_kv, head_dim), or paged (num_blocks,
             block_size, heads_kv, head_dim) with block_size a multiple of 16, addressed through
             block_table. The caches are read in place, so head_dim must be one the kernels take (a
@@ -370,7 +371,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                          "call it under torch.no_grad() or torch.inference_mode()")
     for name, t in tensors.items():
         if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != 4):
-            raise ValueError(f"{name} must be a 4-D tensor, got {_describe(t)}")
+            raise ValueError(f"{name} must be a 4-D tensor, got {describe(t)}")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
                          f"{tuple(v_cache.shape)}")

@@ -187,8 +187,14 @@ CASES = {
     "decode-d128-gqa4-paged": (decode._decode_kernel,
                                dict(GROUP=4, GROUP_PAD=4, BLOCK_T=16, BLOCK_N=64, PAGE_SIZE=256, HEAD_DIM=128,
                                     HEAD_DIM_PAD=128, LEFT_BOUNDED=False, RIGHT_BOUNDED=True, HAS_SOFTCAP=False,
-                                    SPLIT=True, PER_SEQUENCE_LENGTHS=True, DOT_PRECISION="tf32",
+                                    SPLIT=True, PER_SEQUENCE_LENGTHS=True, VARLEN_Q=False, DOT_PRECISION="tf32",
                                     UPCAST_DOT=False), 4, 3),
+    # flash_attn_varlen_func's paged form: packed queries
+    "decode-d128-gqa4-paged-varlen": (decode._decode_kernel,
+                                      dict(GROUP=4, GROUP_PAD=4, BLOCK_T=16, BLOCK_N=64, PAGE_SIZE=256, HEAD_DIM=128,
+                                           HEAD_DIM_PAD=128, LEFT_BOUNDED=False, RIGHT_BOUNDED=True,
+                                           HAS_SOFTCAP=False, SPLIT=True, PER_SEQUENCE_LENGTHS=True, VARLEN_Q=True,
+                                           DOT_PRECISION="tf32", UPCAST_DOT=False), 4, 3),
     "cross_entropy_fwd": (cross_entropy._ce_forward_kernel, dict(BLOCK_V=4096, HAS_BIAS=True, HAS_SOFTCAP=True), 8, 3),
     "cross_entropy_bwd": (cross_entropy._ce_backward_kernel, dict(BLOCK_V=4096, HAS_BIAS=True, HAS_SOFTCAP=True), 8, 3),
 }

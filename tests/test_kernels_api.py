@@ -106,8 +106,9 @@ def test_torch_path_memory_is_linear():
 def _entry_point_calls(device):
     """One call of every public entry point, with its inputs made up front (making them may copy from
     the host): dense and varlen forward + backward in both deterministic modes, their packed forms, a
-    head_dim the kernels pad, decoding against contiguous and paged caches with tensor and int lengths,
-    appending new tokens, with rotary embeddings, chosen cache rows and left padding."""
+    head_dim the kernels pad, varlen over paged keys (max_seqlen_k left None) and with seqused_k, decoding
+    against contiguous and paged caches with tensor and int lengths, appending new tokens (several per
+    sequence too), with rotary embeddings, chosen cache rows and left padding."""
     from flashformer.kernels import (cu_seqlens_from_lengths, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                                      flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
                                      flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
@@ -148,10 +149,19 @@ def _entry_point_calls(device):
                                    cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
                                    max_seqlen_k=max(lengths)))
     calls.append(functools.partial(grads, flash_attn_func, q[..., :59], k[..., :59], v[..., :40], causal=True))
+    chunk_cu = cu_seqlens_from_lengths([3, 9]).to(device)
+    calls.append(functools.partial(flash_attn_varlen_func, packed_q[:12], pool_k, pool_v, chunk_cu,
+                                   cu_seqlens_from_lengths([40, 64]).to(device), 9, block_table=table, causal=True))
+    calls.append(functools.partial(grads, flash_attn_varlen_func, packed_q, packed_k, packed_v, cu_seqlens_q=cu,
+                                   cu_seqlens_k=cu, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths),
+                                   seqused_k=torch.tensor([30, 0, 90, 1], dtype=torch.int32, device=device)))
+    chunk_q, chunk_k, chunk_v = (torch.randn(2, 5, heads, 64, device=device, dtype=dtype) for heads in (4, 2, 2))
     for caches, block_table in (((cache_k, cache_v), None), ((pool_k, pool_v), table)):
         for lengths_given in (cache_seqlens, 20):
             calls.append(functools.partial(flash_attn_with_kvcache, step_q, *caches, k=step_k, v=step_v,
                                            cache_seqlens=lengths_given, block_table=block_table))
+        calls.append(functools.partial(flash_attn_with_kvcache, chunk_q, *caches, k=chunk_k, v=chunk_v,
+                                       cache_seqlens=cache_seqlens, block_table=block_table))
     angles = torch.rand(128, 16, device=device)
     rows = torch.tensor([1, 0], dtype=torch.int32, device=device)
     leftpad = torch.tensor([2, 30], dtype=torch.int32, device=device)

@@ -164,6 +164,35 @@ def test_kvcache_matches_reference(cache_lens, seqlen_q, new, heads, head_dim, m
     case.assert_cache_appended()
 
 
+# Several new query tokens per sequence (speculative decoding, chunked prefill): chunks longer than one
+# program's token block (16 rows of a GQA group of 3 padded to 4: 4 tokens), odd cache lengths, fewer
+# appended tokens than queries, a page size no power of two (48), every mask.
+CHUNKS = [
+    # cache_lens,  seqlen_q, new, heads, mask, dtype, page_size, num_splits
+    ((0, 13, 45), 7, 7, (6, 2), 0, 0, 48, 0),
+    ((29, 3), 19, 19, (6, 2), 2, 1, None, 3),
+    ((61, 17, 1), 9, 5, (8, 1), 3, 0, 16, 2),
+    ((40, 90), 11, 11, (6, 3), 5, 1, 48, 0),
+    ((5, 33), 6, 0, (4, 4), 1, 0, None, 0),
+]
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("cache_lens,seqlen_q,new,heads,mask,dtype,page_size,num_splits", CHUNKS,
+                         ids=[_case_id(*c[:4], 64, *c[4:]) for c in CHUNKS])
+def test_query_chunks_match_reference(cache_lens, seqlen_q, new, heads, mask, dtype, page_size, num_splits, impl,
+                                      device, monkeypatch):
+    """seqlen_q > 1 with the new keys appended first: causal and windows align bottom-right to each
+    sequence's cache length after the append (rows that see no entry output 0)."""
+    monkeypatch.setenv("FLASHFORMER_KERNEL", impl)
+    monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
+    causal, window_size, softcap = MASKS[mask]
+    case = Case(cache_lens, seqlen_q, new, heads, 64, DTYPES[dtype], page_size, device)
+    out, lse = case.run(causal=causal, window_size=window_size, softcap=softcap, num_splits=num_splits)
+    _check_against_reference(case, out, lse, causal, window_size, softcap)
+    case.assert_cache_appended()
+
+
 @pytest.mark.parametrize("case_index", [0, 1, 3, 5])
 def test_torch_path_matches_reference(case_index, device, monkeypatch):
     monkeypatch.setenv("FLASHFORMER_KERNEL", "torch")

@@ -1,0 +1,247 @@
+"""flash_attn_varlen_func with paged keys (block_table) and seqused_k, against dense fp64 math per sequence.
+
+Keys a call must not read are NaN: a pool's pages past each sequence's keys and its spare pages, and the
+packed keys past seqused_k; block_table entries past a sequence's pages are out of range.
+"""
+
+import pytest
+import torch
+from attention_checks import assert_within_2x
+
+from flashformer.kernels import attention_materialized, cu_seqlens_from_lengths, flash_attn_varlen_func, launch
+
+UNUSED_PAGE = 1 << 20  # block_table entries past a sequence's pages: must never be read
+
+
+class Batch:
+    """Packed queries over per-sequence keys ``lengths_k`` (of which ``used`` are used, None = all), laid
+    out packed (page_size None) or in a shuffled paged pool."""
+
+    def __init__(self, lengths_q, lengths_k, heads, head_dim, dtype, page_size, used, device, head_dim_v=None):
+        (heads_q, heads_kv), head_dim_v = heads, head_dim_v or head_dim
+        self.lengths_q, self.used = lengths_q, used if used is not None else lengths_k
+        self.cu_q, self.cu_k = (cu_seqlens_from_lengths(n).to(device) for n in (lengths_q, lengths_k))
+        self.q = torch.randn(sum(lengths_q), heads_q, head_dim, device=device, dtype=dtype)
+        self.keys = [torch.randn(n, heads_kv, head_dim, device=device, dtype=dtype) for n in lengths_k]
+        self.values = [torch.randn(n, heads_kv, head_dim_v, device=device, dtype=dtype) for n in lengths_k]
+        self.seqused_k = None if used is None else torch.tensor(used, dtype=torch.int32, device=device)
+        self.block_table = None
+        if page_size is None:
+            self.k, self.v = torch.cat(self.keys), torch.cat(self.values)
+            for b, (first, n) in enumerate(zip(self.cu_k.tolist(), self.used)):  # unused keys: NaN
+                self.k[first + n:first + lengths_k[b]] = float("nan")
+                self.v[first + n:first + lengths_k[b]] = float("nan")
+            return
+        pages = [-(-n // page_size) for n in lengths_k]
+        num_blocks = sum(pages) + 3  # spare pages, never referenced
+        order = torch.randperm(num_blocks).tolist()
+        self.block_table = torch.full((len(lengths_k), max(pages) + 1), UNUSED_PAGE, dtype=torch.int32)
+        self.k = torch.full((num_blocks, page_size, heads_kv, head_dim), float("nan"), device=device, dtype=dtype)
+        self.v = torch.full((num_blocks, page_size, heads_kv, head_dim_v), float("nan"), device=device, dtype=dtype)
+        for b, n in enumerate(self.used):  # the pages' entries past the used keys stay NaN
+            for j in range(pages[b]):
+                page = self.block_table[b, j] = order.pop()
+                rows = range(j * page_size, max(j * page_size, min(n, (j + 1) * page_size)))
+                self.k[page, :len(rows)] = self.keys[b][rows.start:rows.stop]
+                self.v[page, :len(rows)] = self.values[b][rows.start:rows.stop]
+        self.block_table = self.block_table.to(device)
+
+    def run(self, **opts):
+        return flash_attn_varlen_func(self.q, self.k, self.v, self.cu_q, self.cu_k, max(self.lengths_q),
+                                      max(len(t) for t in self.keys), block_table=self.block_table,
+                                      seqused_k=self.seqused_k, return_lse=True, **opts)
+
+    def reference(self, upcast, **opts):
+        """(out, lse (heads_q, total_q)) of dense attention per sequence over its first used keys."""
+        outs, lses = [], []
+        for b, n in enumerate(self.used):
+            q0, q1 = self.cu_q[b].item(), self.cu_q[b + 1].item()
+            tensors = [self.q[None, q0:q1], self.keys[b][None, :n], self.values[b][None, :n]]
+            out, lse = attention_materialized(*[t.double() if upcast else t for t in tensors], upcast=upcast, **opts)
+            outs.append(out[0])
+            lses.append(lse[0])
+        return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def assert_matches_reference(batch, **opts):
+    out, lse = batch.run(**opts)
+    ref_out, ref_lse = batch.reference(True, **opts)
+    assert_within_2x("out", out, ref_out, batch.reference(False, **opts)[0])
+    seen = torch.isfinite(ref_lse)
+    assert lse.shape == ref_lse.shape
+    assert torch.equal(torch.isneginf(lse), ~seen), "lse must be -inf exactly for rows that see no key"
+    torch.testing.assert_close(lse[seen], ref_lse[seen].float(), atol=2e-3, rtol=0)
+    assert (out.transpose(0, 1)[~seen] == 0).all(), "rows that see no key must output 0"
+
+
+CASES = [  # lengths_q, lengths_k, used (None: seqused_k not given), heads, head_dim, page_size, mask, dtype
+    ([3, 0, 5, 1], [20, 7, 33, 0], None, (4, 2), 32, 16, (True, (-1, -1), 0.0), torch.float16),
+    ([9, 2], [70, 2], None, (6, 2), 64, 48, (False, (-1, -1), 0.0), torch.bfloat16),
+    ([4, 17, 1], [40, 10, 96], [40, 3, 50], (4, 1), 64, 32, (True, (9, -1), 0.0), torch.float16),
+    ([6, 6], [37, 5], [30, 0], (2, 2), 40, None, (True, (-1, -1), 8.0), torch.bfloat16),
+    ([1, 12, 3], [64, 19, 20], [64, 19, 11], (6, 3), 64, None, (False, (5, 3), 0.0), torch.float16),
+]
+
+
+def _case_id(lengths_q, lengths_k, used, heads, head_dim, page_size, mask, dtype):
+    causal, window, softcap = mask
+    return (f"q{'-'.join(map(str, lengths_q))}-k{'-'.join(map(str, lengths_k))}-used{used is not None}-"
+            f"h{heads[0]}:{heads[1]}-d{head_dim}-{f'page{page_size}' if page_size else 'packed'}-"
+            f"{'causal' if causal else 'full'}-w{window[0]},{window[1]}-cap{softcap:g}-{str(dtype)[6:]}")
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("lengths_q,lengths_k,used,heads,head_dim,page_size,mask,dtype",
+                         [pytest.param(*c, id=_case_id(*c)) for c in CASES])
+def test_varlen_kv_matches_reference(lengths_q, lengths_k, used, heads, head_dim, page_size, mask, dtype, impl,
+                                     device, monkeypatch):
+    monkeypatch.setenv("FLASHFORMER_KERNEL", impl)
+    monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
+    causal, window_size, softcap = mask
+    batch = Batch(lengths_q, lengths_k, heads, head_dim, dtype, page_size, used, device)
+    assert_matches_reference(batch, causal=causal, window_size=window_size, softcap=softcap)
+
+
+def test_paged_with_seqused_k_and_head_dim_v(device, triton_path):
+    """seqused_k below the pages' keys (the pages past it hold NaN), and a narrower head_dim_v."""
+    batch = Batch([5, 2], [50, 30], (4, 2), 48, torch.float16, 16, [41, 30], device, head_dim_v=24)
+    out, _ = batch.run(causal=True)
+    assert out.shape == (7, 4, 24)
+    assert_matches_reference(batch, causal=True)
+
+
+def test_split_keys_are_merged(device, triton_path):
+    """A sequence long enough for the split-KV heuristic to cut it (the combine kernel over packed rows)."""
+    batch = Batch([3, 2], [1100, 40], (2, 1), 16, torch.float16, 64, None, device)
+    assert_matches_reference(batch, causal=True)
+
+
+def _reference_grads(batch, grad_out, upcast, alibi_slopes=None, **opts):
+    """(out, dq, dk, dv) of dense attention per sequence over its first used packed keys; alibi_slopes
+    (batch, heads_q) or None."""
+    leaves = [(t.double() if upcast else t).detach().requires_grad_() for t in (batch.q, batch.k, batch.v)]
+    outs = []
+    for b, n in enumerate(batch.used):
+        q0, q1, k0 = batch.cu_q[b].item(), batch.cu_q[b + 1].item(), batch.cu_k[b].item()
+        out, _ = attention_materialized(leaves[0][None, q0:q1], leaves[1][None, k0:k0 + n],
+                                        leaves[2][None, k0:k0 + n], upcast=upcast,
+                                        alibi_slopes=None if alibi_slopes is None else alibi_slopes[b], **opts)
+        outs.append(out[0])
+    out = torch.cat(outs)
+    return (out, *torch.autograd.grad(out, leaves, grad_out.to(out.dtype)))
+
+
+@pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
+@pytest.mark.parametrize("impl,deterministic", [("triton", True), ("triton", False), ("torch", True)])
+def test_seqused_k_backward(impl, deterministic, alibi, device, monkeypatch):
+    """Packed keys with seqused_k train: gradients match the per-sequence math (with per-sequence ALiBi
+    slopes too), and the unused keys (NaN here) get a gradient of exactly 0."""
+    monkeypatch.setenv("FLASHFORMER_KERNEL", impl)
+    monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
+    batch = Batch([5, 0, 9, 3], [30, 4, 21, 40], (4, 2), 32, torch.bfloat16, None, [17, 4, 0, 33], device)
+    grad_out = torch.randn_like(batch.q)
+    leaves = [t.detach().clone().requires_grad_() for t in (batch.q, batch.k, batch.v)]
+    opts = dict(causal=True, window_size=(12, -1), alibi_slopes=torch.rand(4, 4, device=device) if alibi else None)
+    out = flash_attn_varlen_func(*leaves, batch.cu_q, batch.cu_k, 9, 40, seqused_k=batch.seqused_k,
+                                 deterministic=deterministic, **opts)
+    ours = (out, *torch.autograd.grad(out, leaves, grad_out))
+    ref, lowp = _reference_grads(batch, grad_out, True, **opts), _reference_grads(batch, grad_out, False, **opts)
+    for name, a, r, l in zip(("out", "dq", "dk", "dv"), ours, ref, lowp):
+        assert_within_2x(name, a, r, l)
+    unused = batch.k.isnan()
+    assert (ours[2][unused] == 0).all() and (ours[3][batch.v.isnan()] == 0).all()
+
+
+def test_seqused_k_equals_truncated_offsets(device, triton_path):
+    """seqused_k on packed keys gives what the same keys cut to those lengths give through the dense
+    varlen kernel (whose offsets then name only the used keys)."""
+    batch = Batch([4, 9, 2], [30, 12, 25], (4, 2), 32, torch.float16, None, [17, 12, 0], device)
+    out, lse = batch.run(causal=True)
+    keys = torch.cat([t[:n] for t, n in zip(batch.keys, batch.used)])
+    values = torch.cat([t[:n] for t, n in zip(batch.values, batch.used)])
+    cu_used = cu_seqlens_from_lengths(batch.used).to(device)
+    dense_out, dense_lse = flash_attn_varlen_func(batch.q, keys, values, batch.cu_q, cu_used, 9, 17, causal=True,
+                                                  return_lse=True)
+    ref_out, _ = batch.reference(True, causal=True)
+    assert_within_2x("out", out, ref_out, dense_out)
+    torch.testing.assert_close(lse, dense_lse, atol=2e-3, rtol=0)
+
+
+def _packed(batch):
+    """Packed keys in place of a batch's pages (the pages' order: not the sequences', which these checks
+    do not need)."""
+    return dict(k=batch.k[:2].flatten(0, 1), v=batch.v[:2].flatten(0, 1), block_table=None)
+
+
+def _i32(values, device):
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def _small(device, page_size=16):
+    return Batch([3, 2], [20, 9], (2, 1), 16, torch.float16, page_size, None, device)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda b: dict(block_table=b.block_table.long()), "block_table must be an int32 tensor \\(batch=2"),
+    (lambda b: dict(block_table=b.block_table[:1]), "block_table must be an int32 tensor \\(batch=2"),
+    (lambda b: dict(block_table=b.block_table[0]), "block_table must be an int32 tensor"),
+    (lambda b: dict(k=b.k.flatten(0, 1), v=b.v.flatten(0, 1)), "k must be a paged pool"),
+    (lambda b: dict(k=b.k[:, :8], v=b.v[:, :8]), "page_block_size=8 .* multiple of 16"),
+    (lambda b: dict(v=b.v[:-1]), "k and v pools must agree"),
+    (lambda b: dict(seqused_k=torch.tensor([3, 2], device=b.q.device)), "seqused_k must be an int32 tensor"),
+    (lambda b: dict(seqused_k=torch.tensor([3], dtype=torch.int32, device=b.q.device)),
+     "seqused_k must be an int32 tensor of shape \\(batch=2,\\)"),
+    (lambda b: dict(dropout_p=0.1), "no dropout_p"),
+    (lambda b: dict(alibi_slopes=torch.ones(2, device=b.q.device)), "no dropout_p, alibi_slopes"),
+    (lambda b: dict(q=b.q.clone().requires_grad_()), "forward-only"),
+    (lambda b: dict(cu_seqlens_q=b.cu_q.long()), "cu_seqlens_q must be a 1-d int32"),
+    (lambda b: dict(check_lengths=1), "check_lengths must be a bool"),
+    (lambda b: dict(_packed(b), seqused_k=torch.tensor([3, 2], device=b.q.device)), "seqused_k must be an int32"),
+    (lambda b: dict(_packed(b), return_attn_probs=True, seqused_k=_i32([3, 2], b.q.device)), "return_attn_probs"),
+])
+def test_bad_arguments_name_themselves(change, match, device, triton_path):
+    batch = _small(device)
+    args = dict(q=batch.q, k=batch.k, v=batch.v, cu_seqlens_q=batch.cu_q, cu_seqlens_k=batch.cu_k, max_seqlen_q=3,
+                max_seqlen_k=20, block_table=batch.block_table)
+    args.update(change(batch))
+    with pytest.raises(ValueError, match=match):
+        flash_attn_varlen_func(**args)
+
+
+BAD_VALUES = [  # (paged, changes, what check_lengths=True says)
+    (True, lambda b, d: dict(seqused_k=_i32([21, 9], d)), "seqused_k has 1 entries outside"),
+    (False, lambda b, d: dict(seqused_k=_i32([3, -1], d)), "seqused_k has 1 entries outside"),
+    (True, lambda b, d: dict(cu_seqlens_k=_i32([0, 20, 80], d), seqused_k=None), "1 sequences hold more keys"),
+    (True, lambda b, d: dict(block_table=torch.where(b.block_table == UNUSED_PAGE, b.block_table,
+                                                     b.k.shape[0])), "block_table has 3 entries outside"),
+]
+
+
+@pytest.mark.parametrize("paged,change,match", BAD_VALUES)
+def test_bad_values_are_caught_when_checked(paged, change, match, device, monkeypatch):
+    """check_lengths=True checks them on the Triton path; the PyTorch path, which reads them anyway, always."""
+    batch = _small(device, 16 if paged else None)
+    args = dict(q=batch.q, k=batch.k, v=batch.v, cu_seqlens_q=batch.cu_q, cu_seqlens_k=batch.cu_k, max_seqlen_q=3,
+                block_table=batch.block_table, seqused_k=_i32([20, 9], device))
+    args.update(change(batch, device))
+    for impl, check in (("triton", True), ("torch", None)):
+        monkeypatch.setenv("FLASHFORMER_KERNEL", impl)
+        with pytest.raises(ValueError, match=match):
+            flash_attn_varlen_func(**args, check_lengths=check)
+
+
+def test_device_values_are_unread_by_default(device, triton_path):
+    """The Triton path's default reads no device value (no host sync, as CUDA-graph capture needs), with
+    max_seqlen_k left None too (the block_table's shape bounds it): a seqused_k beyond a sequence's
+    length (offsets claiming 9 keys where the pages hold 12), which check_lengths=True rejects, passes
+    unseen and uses the keys the pages hold."""
+    batch = Batch([3, 2], [20, 12], (2, 1), 16, torch.float16, 16, None, device)
+    batch.cu_k, batch.seqused_k = _i32([0, 20, 29], device), _i32([20, 12], device)
+    args = dict(q=batch.q, k=batch.k, v=batch.v, cu_seqlens_q=batch.cu_q, cu_seqlens_k=batch.cu_k,
+                max_seqlen_q=3, block_table=batch.block_table, seqused_k=batch.seqused_k)
+    with pytest.raises(ValueError, match="seqused_k has 1 entries outside"):
+        flash_attn_varlen_func(**args, check_lengths=True)
+    ref_out, _ = batch.reference(True, causal=True)
+    for check in (None, False):
+        out = flash_attn_varlen_func(**args, causal=True, check_lengths=check)
+        assert_within_2x("out", out, ref_out, batch.reference(False, causal=True)[0])
