@@ -2,7 +2,8 @@
 
 Without a GPU the Triton kernels run in Triton's interpreter, which must be switched on before
 triton is first imported. The interpreter is slow, so the default path for the whole session is the
-PyTorch one; tests of the Triton path ask for it with the ``triton_path`` fixture.
+PyTorch one; tests of the Triton path ask for it with the ``triton_path`` fixture. Without a GPU the
+session also runs on one CPU thread.
 """
 
 import os
@@ -14,6 +15,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("FLASHFORMER_KERNEL", "torch")
+    # The tests' tensors are tiny: a second OpenMP thread buys nothing, and where another process holds
+    # the other core its spin-waits made a test up to eight times slower (CI has 2 cores). The variable
+    # carries the same choice into the subprocesses the tests start.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 from flashformer.kernels import interface, launch  # noqa: E402  (after TRITON_INTERPRET is set)
 
