@@ -263,17 +263,18 @@ def _attn_fwd_hopper_kernel(
 # tiles within Hopper's 227 KB of shared memory (scripts/bench_gluon_forward.py measured the alternatives).
 # At head_dim 64 three consumers (192 rows per K/V tile) beat two by 1.05-1.10x at 4k-16k tokens.
 CONFIGS = {64: (128, 2, 3), 128: (128, 2, 2), 256: (64, 2, 2)}
-# Where this kernel is the faster forward on the H200 (BENCHMARKS.md): 1.03-1.17x the tl kernel at head_dim
-# 128, 1.14-1.38x at 256 over 1k-16k tokens, 1.01-1.11x at 64 over 4k-16k with three consumers.
-FASTER_HEAD_DIMS = (64, 128, 256)
+# Where this kernel is the faster forward on the H200 (BENCHMARKS.md), as the shortest query length per
+# padded head_dim: 1.03-1.17x the tl kernel at head_dim 128 and 1.14-1.38x at 256 over 1k-16k tokens; at 64,
+# 1.01-1.11x over 4k-16k with three consumers but 0.69-0.88x at 1k (the 192-row programs are too few).
+FASTER_FROM_SEQLEN = {64: 4096, 128: 1, 256: 1}
 
 
 def supports(q, cu_seqlens_q, head_dim_pad, has_alibi, has_dropout):
     """Whether this kernel takes these inputs (the caller has chosen the Gluon path for the device):
-    dense, 16-bit, a padded head_dim where it is the faster forward, no ALiBi and no dropout (the tl
-    kernel has them)."""
-    return (cu_seqlens_q is None and q.dtype in (torch.float16, torch.bfloat16) and head_dim_pad in FASTER_HEAD_DIMS
-            and not has_alibi and not has_dropout)
+    dense, 16-bit, a padded head_dim and query length where it is the faster forward, no ALiBi and no
+    dropout (the tl kernel has them)."""
+    return (cu_seqlens_q is None and q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[1] >= FASTER_FROM_SEQLEN.get(head_dim_pad, float("inf")) and not has_alibi and not has_dropout)
 
 
 def shared_layouts(block_n, head_dim_pad, dtype):
