@@ -20,12 +20,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import save_on_cpu
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
@@ -209,21 +203,28 @@ def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Ten
     return norm
 
 
-_FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+# torch.distributed.checkpoint is imported where it is used: importing it costs about a second, which every
+# `flashformer` command and every torchrun worker would otherwise pay at start-up.
 
 
 def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """Unsharded (model, optimizer) state dicts on CPU, keyed by parameter name; a collective under FSDP
     (every rank must call it); under FSDP only rank 0's dicts are filled."""
-    model_state = get_model_state_dict(model, options=_FULL_STATE)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    model_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return model_state, full_optimizer_state_dict(model, optimizer)
 
 
 def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """The optimizer's part of ``full_state_dicts`` alone (a LoRA run saves no model weights)."""
-    return get_optimizer_state_dict(model, optimizer, options=_FULL_STATE)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, optimizer_state: dict) -> None:
     """Load an optimizer dict from ``full_state_dicts`` into the optimizer of a (possibly wrapped or sharded) model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
     set_optimizer_state_dict(model, optimizer, optimizer_state, options=StateDictOptions(full_state_dict=True))
