@@ -77,13 +77,18 @@ def lm_loss(model: nn.Module, batch: Batch, bf16: bool = False, loss_chunk_size:
         bf16: run under bf16 autocast.
         loss_chunk_size: LM head + cross-entropy in chunks of this many tokens (never the full
             (tokens x vocab) logits); None materializes the logits.
+    Returns:
+        the mean loss, or with ``batch.loss_divisor`` the summed loss divided by it.
     """
+    reduction = "mean" if batch.loss_divisor is None else "sum"
     with torch.autocast(batch.input_ids.device.type, dtype=torch.bfloat16, enabled=bf16):
         if loss_chunk_size:
-            return model(batch.input_ids, targets=batch.targets, loss_chunk_size=loss_chunk_size,
-                         **batch.model_kwargs())
-        logits = model(batch.input_ids, **batch.model_kwargs())
-    return F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten())
+            loss = model(batch.input_ids, targets=batch.targets, loss_chunk_size=loss_chunk_size,
+                         loss_reduction=reduction, **batch.model_kwargs())
+        else:
+            logits = model(batch.input_ids, **batch.model_kwargs())
+            loss = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(), reduction=reduction)
+    return loss if batch.loss_divisor is None else loss / batch.loss_divisor
 
 
 def nonfinite(loss: torch.Tensor, grad_norm: torch.Tensor | None) -> torch.Tensor:
