@@ -55,13 +55,14 @@ def test_two_context_parallel_ranks_match_one_process_and_resume_as_data_paralle
 
 
 def test_two_data_by_two_context_parallel_ranks_under_fsdp_match_one_process(tmp_path, data_cache):
-    # chunked_loss: the slices' summed loss comes out of the sharded root module's forward.
+    # chunked_loss: the slices' summed loss comes out of the sharded root module's forward. Activation
+    # checkpointing recomputes the ring's forward in backward.
     fields = {**FIELDS, "micro_batch_size": 2, "chunked_loss": True}
     one = tmp_path / "one"
     train(load_train_config(tiny_recipe(one, data_cache, **fields)))
     mesh = tmp_path / "mesh"
-    torchrun(tiny_recipe(mesh, data_cache, parallel={"mode": "fsdp", "context_parallel": 2}, **fields), tmp_path,
-             processes=4)
+    torchrun(tiny_recipe(mesh, data_cache, parallel={"mode": "fsdp", "context_parallel": 2},
+                         activation_checkpointing=True, **fields), tmp_path, processes=4)
     assert_same_run(mesh, one)
 
 
