@@ -11,7 +11,7 @@ from flashformer.checkpoint import from_pretrained
 from flashformer.config import ConfigError
 from flashformer.train import Trainer, load_train_config, read_metrics, train
 from flashformer.train.model_setup import build_model
-from test_distributed import CPU, TOLERANCE, assert_same_losses, torchrun
+from test_distributed import CPU, assert_same_losses, torchrun
 from test_train import data_cache, one_thread, tiny_recipe  # noqa: F401 (fixtures)
 
 # fp32 on both sides, but not bitwise: the ring merges each query's attention over K/V blocks through
@@ -23,7 +23,8 @@ WEIGHT_TOLERANCE = 1e-5
 def assert_same_run(run_dir, reference_dir):
     """The same losses, evaluations, gradient norms and token counts, and the same final weights."""
     assert_same_losses(run_dir, reference_dir)
-    tokens = [[(r["step"], r["tokens"]) for r in read_metrics(run) if "tokens" in r] for run in (run_dir, reference_dir)]
+    tokens = [[(r["step"], r["tokens"]) for r in read_metrics(run) if "tokens" in r]
+              for run in (run_dir, reference_dir)]
     assert tokens[0] == tokens[1]  # each token counted once, not once per rank that holds a slice of it
     ours, reference = (from_pretrained(run / "ckpt-6").state_dict() for run in (run_dir, reference_dir))
     for name, value in reference.items():
@@ -82,7 +83,7 @@ def test_context_parallel_needs_torchrun_with_a_multiple_of_its_ranks(tmp_path, 
     cfg = load_train_config(tiny_recipe(tmp_path / "alone", data_cache, parallel={"context_parallel": 2}))
     with pytest.raises(ConfigError, match=r"parallel.context_parallel=2 needs torchrun .* got 1"):
         Trainer(cfg)
-    result = torchrun(tiny_recipe(tmp_path / "three", data_cache, parallel={"context_parallel": 4},
+    result = torchrun(tiny_recipe(tmp_path / "cp4", data_cache, parallel={"context_parallel": 4},
                                   data__seq_len=32), tmp_path, succeed=False)
     assert "parallel.context_parallel=4 needs torchrun with a multiple of 4 processes, got 2" in result.stderr
 

@@ -206,8 +206,11 @@ class Trainer:
         print(yaml.safe_dump(abridged(config_to_dict(cfg)), sort_keys=False).rstrip())
         tokens_per_step = cfg.batch_size * cfg.data.seq_len
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        env = self.env
+        layout = f" ({env.dp_size} data- x {env.context_parallel} context-parallel)" if env.context_parallel > 1 else ""
         print(f"model: {self.model.num_params() / 1e6:.2f}M parameters ({trainable / 1e6:.2f}M trainable) | "
-              f"device: {self.device} x {self.env.world_size}{self._layout()} | precision: {'bf16 autocast' if self.bf16 else 'fp32'}")
+              f"device: {self.device} x {env.world_size}{layout} | "
+              f"precision: {'bf16 autocast' if self.bf16 else 'fp32'}")
         print(f"data: {train_corpus.num_tokens:,} train tokens ({train_corpus.num_docs} docs), "
               f"{eval_corpus.num_tokens:,} eval tokens | {tokens_per_step:,} tokens/step, "
               f"grad accumulation {self.batches.grad_accum_steps}")
@@ -259,10 +262,6 @@ class Trainer:
         self.wrapped.train()
         totals = all_reduce(totals, self.env)
         return (totals[0] / totals[1]).item()
-
-    def _layout(self) -> str:
-        cp = self.env.context_parallel
-        return f" ({self.env.dp_size} data- x {cp} context-parallel)" if cp > 1 else ""
 
     # ----- checkpoints -----
 
