@@ -22,9 +22,9 @@ gradients, which equals the full sequence's gradient (every rank holds as many t
         loss = model(ids, position_ids=positions, targets=targets)
         loss.backward()
 
-The trainer (``parallel.context_parallel``) shards whole ``Batch``es with ``shard_micro_batch``, whose loss
-is exact also where the slices hold different numbers of targets, and averages gradients over data- and
-context-parallel ranks at once.
+The trainer (``parallel.context_parallel``) shards whole batches with train.step's ``shard_micro_batch``,
+whose loss is exact also where the slices hold different numbers of targets, and averages gradients over
+data- and context-parallel ranks at once.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 
 from flashformer.attention import route_attention
-from flashformer.batches import IGNORE_INDEX, Batch
 from flashformer.config import ConfigError
 from flashformer.kernels import flash_attn_func
 from flashformer.kernels.checks import autocast_inputs
@@ -282,25 +281,6 @@ def shard_batch(input_ids, targets, group=None):
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
     return tuple(zigzag_shard(t, rank, world_size) for t in (input_ids, targets, positions))
-
-
-def shard_micro_batch(batch: Batch, group) -> Batch:
-    """This rank's zigzag slice of a micro batch that every rank of ``group`` holds whole.
-
-    Its loss is the slice's summed token loss over (the rows' count of targets / group size): the
-    ranks' losses average to the rows' mean loss, and so do their gradients, since the rows' loss is
-    the sum of the slices' over the full count. Averaged over data-parallel ranks too (DDP / FSDP over
-    the whole world), the gradient is the one process's of the same rows.
-
-    Args:
-        batch: rows of seq_len tokens, seq_len divisible by 2 * the group's size; no packed documents.
-    """
-    if batch.cu_seqlens is not None:
-        raise ValueError("packed documents (cu_seqlens) cannot be sharded for context parallelism: the ring "
-                         "attends over whole rows")
-    input_ids, targets, position_ids = shard_batch(batch.input_ids, batch.targets, group)
-    targets_per_rank = (batch.targets != IGNORE_INDEX).sum() / dist.get_world_size(group)
-    return Batch(input_ids, targets, position_ids=position_ids, loss_divisor=targets_per_rank)
 
 
 def check_ring_supports(config) -> None:

@@ -16,7 +16,7 @@ from flashformer.context_parallel import (ring_flash_attn, shard_batch, zigzag_m
                                           zigzag_unshard)
 from flashformer.kernels import flash_attn_func
 from flashformer.model import ModelConfig, Transformer
-from flashformer.train.step import lm_loss
+from flashformer.train.step import lm_loss, shard_micro_batch
 
 ATOL = 2e-5
 
@@ -115,7 +115,7 @@ def check_sharded_batch_loss_counts_the_whole_rows_targets(group):
     full_loss = model(input_ids, targets=targets)
     full_grads = torch.autograd.grad(full_loss, params)
 
-    local = context_parallel.shard_micro_batch(Batch(input_ids, targets), group)
+    local = shard_micro_batch(Batch(input_ids, targets), group)
     with context_parallel.context_parallel(group):
         loss = lm_loss(model, local)
     grads = torch.autograd.grad(loss, params)
@@ -126,7 +126,7 @@ def check_sharded_batch_loss_counts_the_whole_rows_targets(group):
     for ours, ref in zip(grads, full_grads):
         torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="packed documents"):
-        context_parallel.shard_micro_batch(Batch(input_ids, targets, cu_seqlens=torch.tensor([0, 16])), group)
+        shard_micro_batch(Batch(input_ids, targets, cu_seqlens=torch.tensor([0, 16])), group)
 
 
 def check_context_parallel_rejects_what_the_ring_cannot_do(group):

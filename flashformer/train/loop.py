@@ -28,7 +28,7 @@ from ..checkpoint import from_pretrained, resolve_checkpoint_dir
 from ..config import ConfigError, config_to_dict, save_config
 from ..batches import Batch, TrainBatches, eval_batches
 from ..chat import ChatTemplate, load_chat_corpus
-from ..context_parallel import context_parallel, shard_micro_batch
+from ..context_parallel import context_parallel
 from ..data import corpus_cache_dir, load_corpus
 from ..fileio import WriteError
 from ..losses import default_chunk_size
@@ -42,7 +42,8 @@ from .model_setup import build_model
 from .metrics import METRICS_FILE, MetricsLog, abridged, plot_losses
 from .state import (LOCK_FILE, RunDirLocked, RunLock, capture_rng, clean_stale_writes, prune_checkpoints,
                     read_trainer_state, restore_rng, seed_everything, write_checkpoint)
-from .step import build_optimizer, lm_loss, lr_factor, nonfinite, set_hyperparameters, train_step
+from .step import (build_optimizer, lm_loss, lr_factor, nonfinite, set_hyperparameters, shard_micro_batch,
+                   train_step)
 from .stops import SkippedSteps, StepFlags, StopRequests, TrainResult
 
 CHUNKED_LOSS_MIN_SEQ_LEN = 8192  # chunked_loss=None chunks from here: the logits outgrow the activations
