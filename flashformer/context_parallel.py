@@ -21,6 +21,10 @@ gradients, which equals the full sequence's gradient (every rank holds as many t
     with context_parallel(group):
         loss = model(ids, position_ids=positions, targets=targets)
         loss.backward()
+
+The trainer (``parallel.context_parallel``) shards whole batches with train.step's ``shard_micro_batch``,
+whose loss is exact also where the slices hold different numbers of targets, and averages gradients over
+data- and context-parallel ranks at once.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from flashformer.attention import route_attention
+from flashformer.config import ConfigError
 from flashformer.kernels import flash_attn_func
 from flashformer.kernels.checks import autocast_inputs
 
@@ -276,6 +281,23 @@ def shard_batch(input_ids, targets, group=None):
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
     return tuple(zigzag_shard(t, rank, world_size) for t in (input_ids, targets, positions))
+
+
+def check_ring_supports(config) -> None:
+    """Refuse a model whose attention the ring cannot compute (sliding windows, score softcaps).
+
+    Args:
+        config: the model's ModelConfig.
+    Raises:
+        ConfigError: naming the model key.
+    """
+    if "sliding" in config.layer_kinds():
+        raise ConfigError(f"parallel.context_parallel > 1 rings plain causal attention: this model has sliding-"
+                          f"window layers (model.sliding_window={config.sliding_window}, model.layer_types); "
+                          f"train it with parallel.context_parallel=1")
+    if config.attn_softcap:
+        raise ConfigError(f"parallel.context_parallel > 1 rings plain causal attention: model.attn_softcap="
+                          f"{config.attn_softcap} is not supported; train it with parallel.context_parallel=1")
 
 
 @contextlib.contextmanager

@@ -144,8 +144,8 @@ def chunked_cross_entropy(hidden, weight, targets, bias=None, ignore_index=-100,
 
 
 def lm_head_loss(hidden, weight, targets, chunk_size=None, *, bias=None, ignore_index=-100,
-                 softcap=0.0):
-    """Mean next-token loss of the LM head; chunks it when the logits would be large.
+                 softcap=0.0, reduction="mean"):
+    """Mean (or summed) next-token loss of the LM head; chunks it when the logits would be large.
 
     Args:
         hidden: (..., d_model) final hidden states, e.g. (batch, seqlen, d_model).
@@ -154,13 +154,14 @@ def lm_head_loss(hidden, weight, targets, chunk_size=None, *, bias=None, ignore_
         chunk_size: tokens per chunk; None chunks (with the default size) only when
             tokens x vocab exceeds MATERIALIZED_LOGITS_MAX_ELEMENTS, else materializes the logits.
         softcap: final logit softcap, 0 disables it.
+        reduction: "mean" over the non-ignored tokens, or "sum".
     Returns:
-        the fp32 scalar mean loss over non-ignored tokens.
+        the fp32 scalar loss.
     """
     hidden = hidden.reshape(-1, hidden.shape[-1])
     targets = targets.reshape(-1)
     if chunk_size is None and hidden.shape[0] * weight.shape[0] <= MATERIALIZED_LOGITS_MAX_ELEMENTS:
         logits = capped_logits(hidden @ weight.t(), bias, softcap)
-        return F.cross_entropy(logits, targets, ignore_index=ignore_index)
+        return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction=reduction)
     return chunked_cross_entropy(hidden, weight, targets, bias=bias, ignore_index=ignore_index,
-                                 chunk_size=chunk_size, softcap=softcap)
+                                 chunk_size=chunk_size, reduction=reduction, softcap=softcap)

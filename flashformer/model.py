@@ -188,20 +188,21 @@ class Transformer(nn.Module):
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, kv_cache=None, *,
-                targets=None, loss_chunk_size=None):
+                targets=None, loss_chunk_size=None, loss_reduction="mean"):
         """Next-token logits, or with ``targets`` the loss (``self.loss``): the form a DDP / FSDP
         wrapper, which only hooks ``forward``, can compute without full logits.
 
         Args:
             input_ids, position_ids, cu_seqlens, max_seqlen, kv_cache: as in ``hidden_states``.
-            targets, loss_chunk_size: as ``targets`` and ``chunk_size`` of ``loss``.
+            targets, loss_chunk_size, loss_reduction: as ``targets``, ``chunk_size`` and ``reduction`` of ``loss``.
         Returns:
             logits (batch, seqlen, vocab_size) in the model's dtype, or the fp32 scalar loss.
         """
         if targets is not None:
             if kv_cache is not None:
                 raise ValueError("targets (a training loss) and kv_cache (decoding) cannot be combined")
-            return self.loss(input_ids, targets, position_ids, cu_seqlens, max_seqlen, chunk_size=loss_chunk_size)
+            return self.loss(input_ids, targets, position_ids, cu_seqlens, max_seqlen, chunk_size=loss_chunk_size,
+                             reduction=loss_reduction)
         hidden = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen, kv_cache)
         logits = F.linear(hidden, self.output_weight)
         if self.config.logit_softcap:
@@ -255,8 +256,8 @@ class Transformer(nn.Module):
         return torch.arange(start, start + seqlen, device=device).expand(batch, seqlen)
 
     def loss(self, input_ids, targets, position_ids=None, cu_seqlens=None, max_seqlen=None, ignore_index=-100,
-             chunk_size=None):
-        """Mean next-token cross-entropy over targets != ignore_index, in fp32.
+             chunk_size=None, reduction="mean"):
+        """Mean next-token cross-entropy over targets != ignore_index, in fp32 (or their sum).
 
         At long context the (tokens x vocab) logits outweigh the rest of the step, so the LM head and
         the cross-entropy run through ``losses.lm_head_loss``, chunked over the tokens when asked or
@@ -267,10 +268,11 @@ class Transformer(nn.Module):
             chunk_size: tokens per LM-head chunk; setting it forces chunking (e.g.
                 ``losses.default_chunk_size(vocab_size)``). None chunks only when tokens x vocab exceeds
                 ``losses.MATERIALIZED_LOGITS_MAX_ELEMENTS``.
+            reduction: "mean" or "sum" (context parallelism divides a slice's sum by the whole sequence's count).
         """
         hidden = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen)
         return lm_head_loss(hidden, self.output_weight, targets, chunk_size, ignore_index=ignore_index,
-                            softcap=self.config.logit_softcap)
+                            softcap=self.config.logit_softcap, reduction=reduction)
 
     def new_kv_cache(self, batch_size: int, max_len: int) -> KVCache:
         """An empty KVCache on this model's device and dtype."""

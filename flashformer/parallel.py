@@ -31,25 +31,35 @@ from .config import ConfigError
 class ParallelConfig:
     """``mode``: ``ddp`` replicates the model (a single process simply runs it unwrapped), ``fsdp``
     shards parameters, gradients and optimizer state per block (FSDP2), ``none`` refuses to run
-    under more than one process. ``backend``: ``auto`` is nccl on CUDA, gloo on CPU."""
+    under more than one process. ``backend``: ``auto`` is nccl on CUDA, gloo on CPU.
+    ``context_parallel``: ranks per sequence; each holds a zigzag slice of every row and attention rings
+    over them (flashformer.context_parallel); the world is (world / context_parallel) data-parallel x
+    context_parallel, DDP or FSDP over all of it."""
 
     mode: Literal["none", "ddp", "fsdp"] = "ddp"
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     timeout_minutes: int = 30
+    context_parallel: int = 1
 
     def validate(self) -> None:
         if self.timeout_minutes < 1:
             raise ConfigError(f"parallel.timeout_minutes must be >= 1, got {self.timeout_minutes}")
+        if self.context_parallel < 1:
+            raise ConfigError(f"parallel.context_parallel must be >= 1, got {self.context_parallel}")
 
 
 @dataclass
 class DistributedEnv:
-    """This process's place in the job; world_size 1 without torchrun."""
+    """This process's place in the job; world_size 1 without torchrun. Under context parallelism the
+    ``context_parallel`` consecutive ranks of ``cp_group`` share each sequence, and data parallelism
+    (the batch's rows) runs over ``dp_size`` such groups."""
 
     rank: int
     local_rank: int
     world_size: int
     device: torch.device
+    context_parallel: int = 1
+    cp_group: dist.ProcessGroup | None = None
 
     @property
     def is_main(self) -> bool:
@@ -59,6 +69,14 @@ class DistributedEnv:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.context_parallel
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.context_parallel
+
 
 def init_distributed(cfg: ParallelConfig, device: torch.device) -> DistributedEnv:
     """Join the process group torchrun describes in the environment (nothing to do without it).
@@ -67,14 +85,19 @@ def init_distributed(cfg: ParallelConfig, device: torch.device) -> DistributedEn
         cfg: the parallel section of the training config.
         device: the device type to train on; on CUDA each process takes GPU ``LOCAL_RANK``.
     Raises:
-        ConfigError: several processes with ``mode: none``.
+        ConfigError: several processes with ``mode: none``; ``context_parallel`` > 1 without torchrun or
+            not dividing its number of processes.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if cfg.context_parallel > 1 and (world_size == 1 or world_size % cfg.context_parallel):
+        raise ConfigError(f"parallel.context_parallel={cfg.context_parallel} needs torchrun with a multiple of "
+                          f"{cfg.context_parallel} processes, got {world_size} (e.g. torchrun --nproc_per_node "
+                          f"{cfg.context_parallel} -m flashformer.cli train ...)")
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    env = DistributedEnv(rank, local_rank, world_size, device)
+    env = DistributedEnv(rank, local_rank, world_size, device, cfg.context_parallel)
     if not env.distributed:
         return env
     if cfg.mode == "none":
@@ -82,6 +105,12 @@ def init_distributed(cfg: ParallelConfig, device: torch.device) -> DistributedEn
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=cfg.timeout_minutes))
+    if cfg.context_parallel > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        # cp innermost: a sequence's ranks are neighbours (one node, the fastest links for the ring's P2P).
+        mesh = init_device_mesh(device.type, (env.dp_size, cfg.context_parallel), mesh_dim_names=("dp", "cp"))
+        env.cp_group = mesh.get_group("cp")
     return env
 
 

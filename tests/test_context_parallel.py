@@ -11,10 +11,12 @@ import torch.multiprocessing as mp
 
 from flashformer import context_parallel
 from flashformer.attention import attention
+from flashformer.batches import IGNORE_INDEX, Batch
 from flashformer.context_parallel import (ring_flash_attn, shard_batch, zigzag_merge, zigzag_shard,
                                           zigzag_unshard)
 from flashformer.kernels import flash_attn_func
 from flashformer.model import ModelConfig, Transformer
+from flashformer.train.step import lm_loss, shard_micro_batch
 
 ATOL = 2e-5
 
@@ -98,6 +100,35 @@ def check_model_step_matches_full(group, pos):
         torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-4, msg=lambda m: f"{pos} {param_name}: {m}")
 
 
+def check_sharded_batch_loss_counts_the_whole_rows_targets(group):
+    """shard_micro_batch where the slices hold different numbers of targets (rank 0's first chunk ignored
+    whole): the ranks' losses and gradients average to the whole rows' mean over their targets."""
+    world_size = dist.get_world_size(group)
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(family="custom", vocab_size=64, d_model=32, n_layer=1, n_head=2, d_ff=64,
+                                    max_seq_len=64))
+    input_ids = torch.randint(0, 64, (2, 8 * world_size))
+    targets = torch.randint(0, 64, (2, 8 * world_size))
+    targets[:, :4] = IGNORE_INDEX
+    targets[1, 5] = IGNORE_INDEX
+    params = list(model.parameters())
+    full_loss = model(input_ids, targets=targets)
+    full_grads = torch.autograd.grad(full_loss, params)
+
+    local = shard_micro_batch(Batch(input_ids, targets), group)
+    with context_parallel.context_parallel(group):
+        loss = lm_loss(model, local)
+    grads = torch.autograd.grad(loss, params)
+    for value in (loss.detach(), *grads):
+        dist.all_reduce(value, group=group)
+        value /= world_size
+    torch.testing.assert_close(loss, full_loss.detach(), atol=1e-5, rtol=0)
+    for ours, ref in zip(grads, full_grads):
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="packed documents"):
+        shard_micro_batch(Batch(input_ids, targets, cu_seqlens=torch.tensor([0, 16])), group)
+
+
 def check_context_parallel_rejects_what_the_ring_cannot_do(group):
     q = torch.randn(1, 8, 2, 16)
     with context_parallel.context_parallel(group):
@@ -119,6 +150,7 @@ def run_rank(rank, world_size, store_path):
         check_causal_blocks_balanced_and_skipped(world, seqlen)
         check_model_step_matches_full(world, "rope")
         check_model_step_matches_full(world, "learned")
+        check_sharded_batch_loss_counts_the_whole_rows_targets(world)
         check_context_parallel_rejects_what_the_ring_cannot_do(world)
         if world_size == 4:
             # Two independent rings of two ranks each: peers are named through the group.

@@ -22,10 +22,10 @@ TOLERANCE = 1e-5  # fp32: the two runs sum the same numbers in a different order
 CPU = dict(device="cpu")
 
 
-def torchrun(recipe: dict, tmp_path, *args, succeed: bool = True) -> subprocess.CompletedProcess:
+def torchrun(recipe: dict, tmp_path, *args, succeed: bool = True, processes: int = 2) -> subprocess.CompletedProcess:
     config = tmp_path / f"{len(list(tmp_path.glob('*.yaml')))}.yaml"
     config.write_text(yaml.safe_dump(recipe))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--standalone",
                "-m", "flashformer.cli", "train", *args]
     result = subprocess.run(command + ([] if "--resume" in args else [str(config)]), capture_output=True, text=True,
                             env=SUBPROCESS_ENV, timeout=300)

@@ -266,6 +266,10 @@ def test_bad_input_fails_before_anything_is_written(base_run, tmp_path, capsys):
     assert "choose from linear, dynamic, yarn, llama3, ntk" in capsys.readouterr().err.replace("'", "")
     assert cli_main(["finetune-long", str(base_run / "base"), "--target-len", "256", "--scaling", "dynamic",
                      *common]) == 2
+    # Its fine-tuning takes the trainer's keys, but context parallelism's ring cannot attend packed documents.
+    assert cli_main(["finetune-long", str(base_run / "base"), "--target-len", "256", *common,
+                     "parallel.context_parallel=2"]) == 2
+    assert "parallel.context_parallel=2 cannot train on packed documents" in capsys.readouterr().err
     assert not out_dir.exists()
 
 

@@ -130,6 +130,8 @@ class TrainConfig:
             resolve_backend(self.attn_backend)
         except ValueError as err:
             raise ConfigError(str(err)) from None
+        if self.parallel.context_parallel > 1:
+            self._validate_context_parallel()
         if self.lora.enabled:
             if self.init_from is None:
                 raise ConfigError("lora.rank > 0 adapts a trained model: set init_from to a checkpoint, a run "
@@ -143,6 +145,20 @@ class TrainConfig:
                                   "are all that is reduced)")
             if self.lora.base_dtype == "bf16" and self.precision == "fp32":
                 raise ConfigError("lora.base_dtype=bf16 needs bf16 autocast: set precision=bf16 (or auto on CUDA)")
+
+    def _validate_context_parallel(self) -> None:
+        """What the ring attention of parallel.context_parallel > 1 cannot do (the model's own attention,
+        windows and softcaps, is checked once the model is built: init_from may bring it)."""
+        ranks = self.parallel.context_parallel
+        if self.data.seq_len % (2 * ranks):
+            raise ConfigError(f"parallel.context_parallel={ranks} cuts every row into 2 x {ranks} chunks (zigzag): "
+                              f"data.seq_len={self.data.seq_len} must be divisible by {2 * ranks}")
+        if self.data.packing == "packed":
+            raise ConfigError(f"parallel.context_parallel={ranks} cannot train on packed documents: its ring attends "
+                              f"over whole rows; set data.packing=blocks (or parallel.context_parallel=1)")
+        if resolve_backend(self.attn_backend) != "flash":
+            raise ConfigError(f"parallel.context_parallel={ranks} runs attention through the ring's flash kernels: "
+                              f"attn_backend={self.attn_backend!r} is not used by it; set attn_backend=flash (or auto)")
 
     @property
     def run_dir(self) -> str:

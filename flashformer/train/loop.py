@@ -10,6 +10,7 @@ it at a time (its ``.lock``). Resuming reproduces the uninterrupted run exactly 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -25,8 +26,9 @@ from tqdm.auto import tqdm
 
 from ..checkpoint import from_pretrained, resolve_checkpoint_dir
 from ..config import ConfigError, config_to_dict, save_config
-from ..batches import TrainBatches, eval_batches
+from ..batches import Batch, TrainBatches, eval_batches
 from ..chat import ChatTemplate, load_chat_corpus
+from ..context_parallel import context_parallel
 from ..data import corpus_cache_dir, load_corpus
 from ..fileio import WriteError
 from ..losses import default_chunk_size
@@ -40,7 +42,8 @@ from .model_setup import build_model
 from .metrics import METRICS_FILE, MetricsLog, abridged, plot_losses
 from .state import (LOCK_FILE, RunDirLocked, RunLock, capture_rng, clean_stale_writes, prune_checkpoints,
                     read_trainer_state, restore_rng, seed_everything, write_checkpoint)
-from .step import build_optimizer, lm_loss, lr_factor, nonfinite, set_hyperparameters, train_step
+from .step import (build_optimizer, lm_loss, lr_factor, nonfinite, set_hyperparameters, shard_micro_batch,
+                   train_step)
 from .stops import SkippedSteps, StepFlags, StopRequests, TrainResult
 
 CHUNKED_LOSS_MIN_SEQ_LEN = 8192  # chunked_loss=None chunks from here: the logits outgrow the activations
@@ -95,10 +98,11 @@ class Trainer:
         seed_everything(cfg.seed)
         self.model = self._build_model()
         train_corpus, eval_corpus = self._load_data()
+        # Data parallelism splits the rows; the ranks of a context-parallel group read the same rows.
         self.batches = TrainBatches(train_corpus, cfg.data, cfg.batch_size, cfg.micro_batch_size, cfg.seed,
-                                    self.env.rank, self.env.world_size)
+                                    self.env.dp_rank, self.env.dp_size)
         self.eval_set = eval_batches(eval_corpus, cfg.data, cfg.eval_batches * cfg.batch_size, cfg.micro_batch_size,
-                                     self.env.rank, self.env.world_size)
+                                     self.env.dp_rank, self.env.dp_size)
         self.wrapped = parallelize(self.model, cfg.parallel, self.env, cfg.activation_checkpointing, cfg.compile)
         self.optimizer = build_optimizer(self.wrapped, cfg.optim)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -203,8 +207,11 @@ class Trainer:
         print(yaml.safe_dump(abridged(config_to_dict(cfg)), sort_keys=False).rstrip())
         tokens_per_step = cfg.batch_size * cfg.data.seq_len
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        env = self.env
+        layout = f" ({env.dp_size} data- x {env.context_parallel} context-parallel)" if env.context_parallel > 1 else ""
         print(f"model: {self.model.num_params() / 1e6:.2f}M parameters ({trainable / 1e6:.2f}M trainable) | "
-              f"device: {self.device} x {self.env.world_size} | precision: {'bf16 autocast' if self.bf16 else 'fp32'}")
+              f"device: {self.device} x {env.world_size}{layout} | "
+              f"precision: {'bf16 autocast' if self.bf16 else 'fp32'}")
         print(f"data: {train_corpus.num_tokens:,} train tokens ({train_corpus.num_docs} docs), "
               f"{eval_corpus.num_tokens:,} eval tokens | {tokens_per_step:,} tokens/step, "
               f"grad accumulation {self.batches.grad_accum_steps}")
@@ -221,16 +228,26 @@ class Trainer:
 
     # ----- steps -----
 
+    def _local(self, batch: Batch) -> Batch:
+        """``batch`` on the device; under context parallelism this rank's slice of it."""
+        batch = batch.to(self.device)
+        return batch if self.env.cp_group is None else shard_micro_batch(batch, self.env.cp_group)
+
+    def _attention(self):
+        """Context around the model's forward and backward: under context parallelism attention rings over
+        the group (recomputed activations need it in backward too)."""
+        return contextlib.nullcontext() if self.env.cp_group is None else context_parallel(self.env.cp_group)
+
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """Queue one optimizer step; returns (mean loss over this rank's micro batches, grad norm, lr used),
         the first two as device tensors: nothing here waits for the GPU."""
         lr = self.optimizer.param_groups[0]["lr"]
-        micro_batches = [batch.to(self.device) for batch in self.batches.next_step()]
+        micro_batches = [self._local(batch) for batch in self.batches.next_step()]
         agree = (lambda flag: all_reduce(flag, self.env, op=dist.ReduceOp.MAX)) if self.env.distributed else None
         loss, grad_norm = train_step(self.wrapped, self.optimizer, micro_batches, bf16=self.bf16,
                                      loss_chunk_size=self.loss_chunk_size, scheduler=self.scheduler,
                                      max_grad_norm=self.cfg.optim.grad_clip or math.inf, skip_nonfinite=True,
-                                     agree=agree)
+                                     agree=agree, context=self._attention)
         return loss, grad_norm, lr
 
     @torch.no_grad()
@@ -239,8 +256,9 @@ class Trainer:
         self.wrapped.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for batch in self.eval_set:
-            totals[0] += lm_loss(self.wrapped, batch.to(self.device), self.bf16, self.loss_chunk_size).double() \
-                * len(batch.input_ids)
+            with self._attention():
+                totals[0] += lm_loss(self.wrapped, self._local(batch), self.bf16, self.loss_chunk_size).double() \
+                    * len(batch.input_ids)
             totals[1] += len(batch.input_ids)
         self.wrapped.train()
         totals = all_reduce(totals, self.env)

@@ -9,6 +9,7 @@ import torch
 
 from ..checkpoint import from_pretrained
 from ..config import ConfigError
+from ..context_parallel import check_ring_supports
 from ..lora import apply_lora, load_adapter_weights, read_adapter
 from ..model import Transformer
 from .config import TrainConfig
@@ -39,6 +40,8 @@ def build_model(cfg: TrainConfig, device: torch.device, bf16: bool, init_dir: st
         if cfg.data.seq_len > cfg.model.max_seq_len:
             raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) exceeds the model's "
                               f"max_seq_len ({cfg.model.max_seq_len})")
+    if cfg.parallel.context_parallel > 1:
+        check_ring_supports(model.config)
     if cfg.lora.enabled:
         apply_lora(model, cfg.lora)
         if resume_from is not None:

@@ -1,4 +1,5 @@
-"""One optimizer step, shared by the Trainer, context parallelism's script and the memory sweep.
+"""One optimizer step (and a context-parallel rank's slice of its micro batches), shared by the Trainer,
+context parallelism's script and the memory sweep.
 
     loss, grad_norm = train_step(model, optimizer, micro_batches, bf16=True, max_grad_norm=1.0)
 
@@ -12,10 +13,12 @@ import contextlib
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..batches import Batch
+from ..batches import IGNORE_INDEX, Batch
+from ..context_parallel import shard_batch
 from ..parallel import clip_grad_norm, gradient_sync
 
 
@@ -77,13 +80,37 @@ def lm_loss(model: nn.Module, batch: Batch, bf16: bool = False, loss_chunk_size:
         bf16: run under bf16 autocast.
         loss_chunk_size: LM head + cross-entropy in chunks of this many tokens (never the full
             (tokens x vocab) logits); None materializes the logits.
+    Returns:
+        the mean loss, or with ``batch.loss_divisor`` the summed loss divided by it.
     """
+    reduction = "mean" if batch.loss_divisor is None else "sum"
     with torch.autocast(batch.input_ids.device.type, dtype=torch.bfloat16, enabled=bf16):
         if loss_chunk_size:
-            return model(batch.input_ids, targets=batch.targets, loss_chunk_size=loss_chunk_size,
-                         **batch.model_kwargs())
-        logits = model(batch.input_ids, **batch.model_kwargs())
-    return F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten())
+            loss = model(batch.input_ids, targets=batch.targets, loss_chunk_size=loss_chunk_size,
+                         loss_reduction=reduction, **batch.model_kwargs())
+        else:
+            logits = model(batch.input_ids, **batch.model_kwargs())
+            loss = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(), reduction=reduction)
+    return loss if batch.loss_divisor is None else loss / batch.loss_divisor
+
+
+def shard_micro_batch(batch: Batch, group) -> Batch:
+    """This rank's zigzag slice of a micro batch that every rank of ``group`` holds whole.
+
+    Its loss is the slice's summed token loss over (the rows' count of targets / group size): the
+    ranks' losses average to the rows' mean loss, and so do their gradients, since the rows' loss is
+    the sum of the slices' over the full count. Averaged over data-parallel ranks too (DDP / FSDP over
+    the whole world), the gradient is the one process's of the same rows.
+
+    Args:
+        batch: rows of seq_len tokens, seq_len divisible by 2 * the group's size; no packed documents.
+    """
+    if batch.cu_seqlens is not None:
+        raise ValueError("packed documents (cu_seqlens) cannot be sharded for context parallelism: the ring "
+                         "attends over whole rows")
+    input_ids, targets, position_ids = shard_batch(batch.input_ids, batch.targets, group)
+    targets_per_rank = (batch.targets != IGNORE_INDEX).sum() / dist.get_world_size(group)
+    return Batch(input_ids, targets, position_ids=position_ids, loss_divisor=targets_per_rank)
 
 
 def nonfinite(loss: torch.Tensor, grad_norm: torch.Tensor | None) -> torch.Tensor:

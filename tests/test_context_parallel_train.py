@@ -1,0 +1,100 @@
+"""``parallel.context_parallel``: real torchrun processes (gloo, CPU) whose ranks share each sequence
+(ring attention) reproduce one process's run: losses, evaluations, tokens counted and final weights."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from flashformer.checkpoint import from_pretrained
+from flashformer.config import ConfigError
+from flashformer.train import Trainer, load_train_config, read_metrics, train
+from flashformer.train.model_setup import build_model
+from test_distributed import CPU, assert_same_losses, torchrun
+from test_train import data_cache, one_thread, tiny_recipe  # noqa: F401 (fixtures)
+
+# fp32 on both sides, but not bitwise: the ring merges each query's attention over K/V blocks through
+# their log-sum-exp, the loss is summed per slice, and DDP averages the ranks' partial gradients, all in
+# another order than one process's single softmax, mean and backward.
+WEIGHT_TOLERANCE = 1e-5
+
+
+def assert_same_run(run_dir, reference_dir):
+    """The same losses, evaluations, gradient norms and token counts, and the same final weights."""
+    assert_same_losses(run_dir, reference_dir)
+    tokens = [[(r["step"], r["tokens"]) for r in read_metrics(run) if "tokens" in r]
+              for run in (run_dir, reference_dir)]
+    assert tokens[0] == tokens[1]  # each token counted once, not once per rank that holds a slice of it
+    ours, reference = (from_pretrained(run / "ckpt-6").state_dict() for run in (run_dir, reference_dir))
+    for name, value in reference.items():
+        torch.testing.assert_close(ours[name], value, atol=WEIGHT_TOLERANCE, rtol=WEIGHT_TOLERANCE, msg=name)
+
+
+def rewind_to_step_3(run_dir):
+    """As if the run had died after ckpt-3."""
+    shutil.rmtree(run_dir / "ckpt-6")
+    metrics = run_dir / "metrics.jsonl"
+    metrics.write_text("".join(line for line in metrics.read_text().splitlines(True) if json.loads(line)["step"] <= 3))
+
+
+FIELDS = dict(steps=6, eval_every=3, ckpt_every=3, batch_size=8, micro_batch_size=4, **CPU)
+
+
+def test_two_context_parallel_ranks_match_one_process_and_resume_as_data_parallel(tmp_path, data_cache):
+    one = tmp_path / "one"
+    train(load_train_config(tiny_recipe(one, data_cache, **FIELDS)))
+    cp = tmp_path / "cp"
+    result = torchrun(tiny_recipe(cp, data_cache, parallel={"context_parallel": 2}, **FIELDS), tmp_path)
+    assert "(1 data- x 2 context-parallel)" in result.stdout
+    assert_same_run(cp, one)
+    # The checkpoint holds the whole model: the same run continues with another layout (here 2 data-parallel
+    # ranks, each on whole rows).
+    rewind_to_step_3(cp)
+    torchrun({}, tmp_path, "--resume", str(cp), "parallel.context_parallel=1")
+    assert_same_run(cp, one)
+
+
+def test_two_data_by_two_context_parallel_ranks_under_fsdp_match_one_process(tmp_path, data_cache):
+    # chunked_loss: the slices' summed loss comes out of the sharded root module's forward. Activation
+    # checkpointing recomputes the ring's forward in backward.
+    fields = {**FIELDS, "micro_batch_size": 2, "chunked_loss": True}
+    one = tmp_path / "one"
+    train(load_train_config(tiny_recipe(one, data_cache, **fields)))
+    mesh = tmp_path / "mesh"
+    torchrun(tiny_recipe(mesh, data_cache, parallel={"mode": "fsdp", "context_parallel": 2},
+                         activation_checkpointing=True, **fields), tmp_path, processes=4)
+    assert_same_run(mesh, one)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(data__seq_len=30), r"data.seq_len=30 must be divisible by 4"),
+    (dict(data__packing="packed"), r"packed documents.*data.packing=blocks"),
+    (dict(attn_backend="sdpa"), r"attn_backend='sdpa'"),
+    (dict(parallel={"context_parallel": 0}), r"parallel.context_parallel must be >= 1"),
+])
+def test_context_parallel_refuses_what_the_ring_cannot_do(tmp_path, data_cache, fields, message):
+    recipe = tiny_recipe(tmp_path, data_cache, **{"parallel": {"context_parallel": 2}, **fields})
+    with pytest.raises(ConfigError, match=message):
+        load_train_config(recipe)
+
+
+def test_context_parallel_needs_torchrun_with_a_multiple_of_its_ranks(tmp_path, data_cache):
+    cfg = load_train_config(tiny_recipe(tmp_path / "alone", data_cache, parallel={"context_parallel": 2}))
+    with pytest.raises(ConfigError, match=r"parallel.context_parallel=2 needs torchrun .* got 1"):
+        Trainer(cfg)
+    result = torchrun(tiny_recipe(tmp_path / "cp4", data_cache, parallel={"context_parallel": 4},
+                                  data__seq_len=32), tmp_path, succeed=False)
+    assert "parallel.context_parallel=4 needs torchrun with a multiple of 4 processes, got 2" in result.stderr
+
+
+@pytest.mark.parametrize("model, message", [
+    (dict(family="custom", sliding_window=8), r"sliding-window layers \(model.sliding_window=8"),
+    (dict(family="custom", attn_softcap=30.0), r"model.attn_softcap=30.0"),
+])
+def test_context_parallel_refuses_windows_and_softcaps(tmp_path, data_cache, model, message):
+    recipe = tiny_recipe(tmp_path, data_cache, parallel={"context_parallel": 2})
+    recipe["model"].update(model)
+    cfg = load_train_config(recipe)
+    with pytest.raises(ConfigError, match=message):
+        build_model(cfg, torch.device("cpu"), bf16=False, init_dir=None, weights_from=None, resume_from=None)
