@@ -142,12 +142,12 @@ def measure(args, impl, pass_, seqlen, head_dim):
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
         return {**row, "error": f"ncu child ran past --timeout {args.timeout} s"}
-    output = done.stdout + done.stderr
+    output = done.stdout + "\n" + done.stderr  # the table, ncu's notes and the child's errors
     if "ERR_NVGPUCTRPERM" in output:
         sys.exit("ncu may not read the GPU's counters (ERR_NVGPUCTRPERM): run as root, or load the driver "
                  "with NVreg_RestrictProfilingToAdminUsers=0")
     try:
-        read, written, kernels = dram_bytes(parse_ncu_csv(done.stdout))
+        read, written, kernels = dram_bytes(parse_ncu_csv(output))
     except ValueError as error:
         tail = "\n".join(output.strip().splitlines()[-5:])
         return {**row, "error": f"{error} (exit {done.returncode}): {tail}"}
