@@ -2,6 +2,8 @@
 
 import importlib.util
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -244,3 +246,110 @@ def test_memory_plan_block_estimate_is_what_autograd_saves(lora_rank):
         saved.pop(shared.untyped_storage().data_ptr(), None)
     residual_bytes = x.element_size()
     assert sum(saved.values()) / tokens == block_activation_bytes_per_token(config, residual_bytes, 2, lora)
+
+
+# What `ncu --csv --print-units base --metrics dram__bytes_read.sum,dram__bytes_write.sum` prints for a
+# profiled backward of three kernels, with the program's own output interleaved; units and thousands
+# separators vary as ncu prints them without --print-units base.
+NCU_CSV = """\
+==PROF== Connected to process 4242 (/usr/bin/python3.12)
+==PROF== Profiling "_attn_bwd_preprocess" - 0: 0%....50%....100% - 1 pass
+==PROF== Profiling "_attn_bwd_dkdv" - 1: 0%....50%....100% - 1 pass
+warm-up done
+==PROF== Profiling "_attn_bwd_dq" - 2: 0%....50%....100% - 1 pass
+==PROF== Disconnected from process 4242
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","4242","python3.12","127.0.0.1","_attn_bwd_preprocess","1","7","(128, 1, 1)","(32, 64, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","33,554,432"
+"0","4242","python3.12","127.0.0.1","_attn_bwd_preprocess","1","7","(128, 1, 1)","(32, 64, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","Kbyte","262.14"
+"1","4242","python3.12","127.0.0.1","_attn_bwd_dkdv","1","7","(256, 1, 1)","(8, 64, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","Mbyte","92.5"
+"1","4242","python3.12","127.0.0.1","_attn_bwd_dkdv","1","7","(256, 1, 1)","(8, 64, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","33554432"
+"2","4242","python3.12","127.0.0.1","_attn_bwd_dq","1","7","(256, 1, 1)","(8, 64, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","Gbyte","0.1"
+"2","4242","python3.12","127.0.0.1","_attn_bwd_dq","1","7","(256, 1, 1)","(8, 64, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","16,777,216"
+"2","4242","python3.12","127.0.0.1","_attn_bwd_dq","1","7","(256, 1, 1)","(8, 64, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","1,024"
+"""
+
+
+@pytest.fixture(scope="module")
+def hbm():
+    return _load_script("hbm_traffic")
+
+
+@pytest.mark.parametrize("batch,heads,seqlen,head_dim", [(4, 16, 1024, 128), (1, 3, 77, 64)])
+def test_hbm_floor_is_the_bytes_of_the_tensors_an_exact_attention_must_move(hbm, batch, heads, seqlen, head_dim):
+    def nbytes(*tensors):
+        return sum(t.nbytes for t in tensors)
+
+    q, k, v, o, grad_out, dq, dk, dv = (torch.empty(batch, seqlen, heads, head_dim, dtype=torch.bfloat16,
+                                                    device="meta") for _ in range(8))
+    lse = torch.empty(batch, heads, seqlen, dtype=torch.float32, device="meta")
+    assert hbm.floor_bytes(batch, heads, seqlen, head_dim, "fwd") == (nbytes(q, k, v), nbytes(o, lse))
+    assert hbm.floor_bytes(batch, heads, seqlen, head_dim, "bwd") == (nbytes(q, k, v, o, grad_out, lse),
+                                                                      nbytes(dq, dk, dv))
+    with pytest.raises(ValueError, match="pass_"):
+        hbm.floor_bytes(batch, heads, seqlen, head_dim, "both")
+
+
+def test_hbm_ncu_csv_is_summed_over_kernels_in_bytes(hbm):
+    rows = hbm.parse_ncu_csv(NCU_CSV)
+    assert len(rows) == 7 and rows[0]["Kernel Name"] == "_attn_bwd_preprocess"
+    read, written, kernels = hbm.dram_bytes(rows)
+    assert kernels == 3
+    assert read == pytest.approx(33_554_432 + 92.5e6 + 0.1e9, rel=1e-12)
+    assert written == pytest.approx(262.14e3 + 33_554_432 + 16_777_216, rel=1e-12)
+
+
+def test_hbm_ncu_csv_errors_name_what_is_wrong(hbm):
+    assert hbm.parse_ncu_csv("==PROF== Disconnected from process 4242\n") == []
+    with pytest.raises(ValueError, match="no kernel was profiled"):
+        hbm.dram_bytes([])
+    with pytest.raises(ValueError, match="'byte/second'"):
+        hbm.dram_bytes(hbm.parse_ncu_csv(NCU_CSV.replace('"Kbyte"', '"byte/second"')))
+    with pytest.raises(ValueError, match="'n/a' for kernel '_attn_bwd_dq'"):
+        hbm.dram_bytes(hbm.parse_ncu_csv(NCU_CSV.replace('"16,777,216"', '"n/a"')))
+
+
+def test_hbm_child_command_profiles_one_range_of_this_script(hbm):
+    command = hbm.ncu_command("/opt/ncu", "sdpa-cudnn", "bwd", 4096, 128, 4, 16)
+    assert command[0] == "/opt/ncu"
+    flags = " ".join(command[1:command.index(sys.executable)])
+    assert flags == ("--metrics dram__bytes_read.sum,dram__bytes_write.sum --csv --print-units base "
+                     "--target-processes all --profile-from-start off")
+    child = command[command.index(sys.executable) + 1:]
+    assert child[0] == os.path.join(SCRIPTS, "hbm_traffic.py")
+    assert child[1:] == ["--child", "sdpa-cudnn", "bwd", "--seqlens", "4096", "--head-dims", "128",
+                         "--batch", "4", "--heads", "16"]
+
+
+def test_hbm_parent_and_child_refuse_what_they_cannot_run(tmp_path):
+    script = os.path.join(SCRIPTS, "hbm_traffic.py")
+    missing = subprocess.run([sys.executable, script, "--ncu", str(tmp_path / "ncu"), "--out", str(tmp_path / "x.json")],
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 1 and "Nsight Compute's CLI is not on PATH" in missing.stderr
+    assert not (tmp_path / "x.json").exists()
+    bad_child = subprocess.run([sys.executable, script, "--child", "flex", "fwd"], capture_output=True, text=True,
+                               timeout=120)
+    assert bad_child.returncode == 2 and "--child takes one of" in bad_child.stderr
+
+
+def test_hbm_table_and_plot_show_measured_cells_and_say_why_others_are_missing(hbm, tmp_path):
+    rows = []
+    for impl in ("ours", "materialized"):
+        for pass_ in hbm.PASSES:
+            for seqlen in (1024, 4096):
+                read, written = hbm.floor_bytes(4, 16, seqlen, 128, pass_)
+                row = {"impl": impl, "pass": pass_, "seqlen": seqlen, "head_dim": 128, "floor_read": read,
+                       "floor_written": written}
+                if impl == "materialized" and seqlen == 4096:
+                    row["error"] = "skipped: the score matrices do not fit above 1024"
+                else:
+                    row.update(read=2 * read, written=written, kernels=3)
+                rows.append(row)
+    lines = hbm.table(rows).splitlines()
+    assert len(lines) == 2 + len(rows)
+    ours_fwd = next(line for line in lines if line.startswith("| ours | fwd | 128 | 1024 |")).split(" | ")
+    read, written = hbm.floor_bytes(4, 16, 1024, 128, "fwd")
+    assert float(ours_fwd[-1].rstrip(" |")) == round((2 * read + written) / (read + written), 2)
+    assert sum("skipped: the score matrices" in line for line in lines) == 2
+    pytest.importorskip("matplotlib")
+    assert hbm.plot(rows, tmp_path / "hbm.png")
+    assert (tmp_path / "hbm.png").stat().st_size > 0

@@ -117,7 +117,8 @@ def test_the_report_has_every_model_length_and_metric_and_ends_with_the_verdict(
     assert (report["original_length"], report["target_length"], report["steps"]) == (64, 256, 4)
     assert report["claim"] == extension_claim(report["lengths"], 64, 256)
     assert (extended_run["out_dir"] / PLOT_FILE).exists()
-    assert re.search(r"expected time on this machine: ~\d+ min \(fine-tuning 4 steps x [\d.]+ s", extended_run["stdout"])
+    assert re.search(r"expected time on this machine: ~\d+ (s|min) \(fine-tuning 4 steps x [\d.]+ s, "
+                     r"evaluation ~\d+ (s|min):", extended_run["stdout"])
     printed = extended_run["stdout"].rstrip().splitlines()[-7:]
     assert printed[0] == ("| length | ppl original | ppl linear (no fine-tune) | ppl linear + fine-tune | passkey "
                           "original | passkey linear (no fine-tune) | passkey linear + fine-tune |")

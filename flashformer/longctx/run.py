@@ -90,8 +90,12 @@ def _expected_time(trainer: Trainer, cfg, lengths: list[int], windows: int, prom
     forward_seconds = timed(forward_one_row)
     evaluate_seconds = 3 * sum(forward_seconds * n / target * (windows + 2 * prompts[n]) for n in lengths)
     train_seconds = step_seconds * cfg.steps
-    return (f"expected time on this machine: ~{(train_seconds + evaluate_seconds) / 60:.0f} min "
-            f"(fine-tuning {cfg.steps} steps x {step_seconds:.1f} s, evaluation ~{evaluate_seconds / 60:.0f} min: "
+
+    def duration(seconds: float) -> str:  # a CPU example takes a minute or two: minutes alone round it to 0
+        return f"~{seconds:.0f} s" if seconds < 120 else f"~{seconds / 60:.0f} min"
+
+    return (f"expected time on this machine: {duration(train_seconds + evaluate_seconds)} "
+            f"(fine-tuning {cfg.steps} steps x {step_seconds:.1f} s, evaluation {duration(evaluate_seconds)}: "
             f"3 models x {windows} windows and {max(prompts.values())} passkey prompts per length)")
 
 
