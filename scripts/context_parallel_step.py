@@ -156,6 +156,9 @@ def main(argv=None):
             if args.out:
                 with open(args.out, "w") as f:
                     json.dump(result, f, indent=1)
+        # Leave together: a rank that tears its gloo pairs down while another still runs can abort that one
+        # at exit ("terminate called without an active exception", seen once on a loaded 2-core CI machine).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
