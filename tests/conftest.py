@@ -29,6 +29,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KERNEL_PATHS = ["triton"] + (["gluon"] if DEVICE == "cuda" and interface.hopper_gluon_available(0) else [])
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per core this process may use. On a GPU machine at most 8: each worker
+    holds a CUDA context, and there the tests wait on the GPU, not on a core."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(cores, 8) if torch.cuda.is_available() else cores
+
+
 @pytest.fixture
 def device():
     return DEVICE
