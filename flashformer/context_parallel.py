@@ -30,14 +30,16 @@ data- and context-parallel ranks at once.
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from flashformer.attention import route_attention
 from flashformer.config import ConfigError
-from flashformer.kernels import flash_attn_func
-from flashformer.kernels.checks import autocast_inputs
+from flashformer.kernels import (cu_seqlens_from_lengths, document_ids_from_cu_seqlens, flash_attn_varlen_backward,
+                                flash_attn_varlen_func)
+from flashformer.kernels.checks import autocast_inputs, check_cu_seqlens
 
 KV_TAG, GRAD_KV_TAG = 0, 1
 
@@ -114,12 +116,24 @@ def _finish(requests):
         request.wait()
 
 
-def _block_plan(step, ring, causal, local_seqlen):
-    """Which queries attend which keys of the K/V block held at ``step``, and whether causally.
+class _Block(NamedTuple):
+    """What one ring step computes: this rank's queries ``q_rows`` against ``k_rows`` of the K/V block it
+    holds, as one varlen call pairing the documents the two share (cu_seqlens_q / _k, their longest)."""
+
+    q_rows: slice
+    k_rows: slice
+    causal: bool
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+def _block_rows(source, ring, causal, local_seqlen):
+    """Which queries attend which keys of the K/V block from rank ``source``, and whether causally.
 
     Returns (query slice, key slice, block_causal); the fully masked quarters of a causal block
-    are sliced away, never computed. The K/V held at ``step`` came from rank
-    ``source = rank - step``. In the zigzag layout (chunks rank, 2W-1-rank against source,
+    are sliced away, never computed. In the zigzag layout (chunks rank, 2W-1-rank against source,
     2W-1-source): the own block is causal as a whole; from an earlier source, every query sees
     that source's first chunk and nothing of its second; from a later source, only this rank's
     second chunk sees anything, and sees all of it. Every non-diagonal step thus costs the same
@@ -128,7 +142,6 @@ def _block_plan(step, ring, causal, local_seqlen):
     everything = slice(0, local_seqlen)
     if not causal:
         return everything, everything, False
-    source = (ring.rank - step) % ring.world_size
     half = local_seqlen // 2
     if source == ring.rank:
         return everything, everything, True
@@ -137,13 +150,56 @@ def _block_plan(step, ring, causal, local_seqlen):
     return slice(half, local_seqlen), everything, False
 
 
+def _pair_documents(q_documents, k_documents):
+    """Varlen offsets that pair the query and key tokens of each document: (cu_seqlens_q, cu_seqlens_k,
+    max_seqlen_q, max_seqlen_k). A document on one side only gets an empty segment on the other (its
+    queries see no key: out 0, lse -inf).
+
+    Args:
+        q_documents, k_documents: (tokens,) int64 document ids, non-decreasing.
+    """
+    documents = torch.unique(torch.cat([q_documents, k_documents]))
+    lengths = [torch.searchsorted(ids, documents, right=True) - torch.searchsorted(ids, documents)
+               for ids in (q_documents, k_documents)]
+    longest = torch.stack([length.max() for length in lengths]).tolist()
+    return (*(cu_seqlens_from_lengths(length).to(q_documents.device) for length in lengths), *longest)
+
+
+def _ring_plan(ring, causal, document_ids):
+    """The _Block of every ring step on this rank.
+
+    Within a zigzag slice a document's tokens are contiguous and in sequence order (a document in
+    both chunks ends the first and starts the second), so causal attention within documents is, per
+    step, the block's causal flag applied inside each document's segment.
+
+    Args:
+        document_ids: (batch, seqlen) int64 document of every token of the whole rows, increasing
+            over the flattened rows (a row starts a document).
+    """
+    local_seqlen = document_ids.shape[1] // ring.world_size
+    own = zigzag_shard(document_ids, ring.rank, ring.world_size)
+    plan = []
+    for step in range(ring.world_size):
+        source = (ring.rank - step) % ring.world_size
+        q_rows, k_rows, block_causal = _block_rows(source, ring, causal, local_seqlen)
+        held = zigzag_shard(document_ids, source, ring.world_size)
+        plan.append(_Block(q_rows, k_rows, block_causal,
+                           *_pair_documents(own[:, q_rows].flatten(), held[:, k_rows].flatten())))
+    return plan
+
+
+def _tokens(x, rows):
+    """(batch, seqlen, heads, head_dim) -> the varlen (batch * rows, heads, head_dim) of ``rows``."""
+    return x[:, rows].flatten(0, 1)
+
+
 def _exp_shift(lse):
     """lse with -inf replaced by 0: rows that see no key keep weight exp(-inf - 0) = 0, not NaN."""
     return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
 
 
 def _merge_block(out, lse, block_out, block_lse):
-    """Fold one block's (out, lse) into the running (out, lse), in place, exactly.
+    """Fold one block's (out, lse) into the running (out, lse), in place, exactly, in fp32.
 
     Args:
         out: (batch, seqlen, heads, head_dim) fp32; lse: (batch, heads, seqlen) fp32, -inf where
@@ -157,72 +213,52 @@ def _merge_block(out, lse, block_out, block_lse):
     lse.copy_(merged_lse)
 
 
-def _ring_forward(q, k, v, ring, causal, softmax_scale):
+def _ring_forward(q, k, v, ring, plan, softmax_scale):
     batch, local_seqlen, heads_q, _ = q.shape
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full((batch, heads_q, local_seqlen), -torch.inf, dtype=torch.float32, device=q.device)
     kv = torch.stack([k, v])  # one message per step instead of two
-    for step in range(ring.world_size):
+    for step, block in enumerate(plan):
         last = step + 1 == ring.world_size
         if not last:
             next_kv, requests = ring.start_shift(kv, KV_TAG)
-        q_rows, k_rows, block_causal = _block_plan(step, ring, causal, local_seqlen)
-        block_out, block_lse = flash_attn_func(q[:, q_rows], kv[0][:, k_rows], kv[1][:, k_rows],
-                                               causal=block_causal, softmax_scale=softmax_scale,
-                                               return_lse=True)
-        _merge_block(out[:, q_rows], lse[:, :, q_rows], block_out, block_lse)
+        rows = block.q_rows
+        block_out, block_lse = flash_attn_varlen_func(
+            _tokens(q, rows), _tokens(kv[0], block.k_rows), _tokens(kv[1], block.k_rows), block.cu_seqlens_q,
+            block.cu_seqlens_k, block.max_seqlen_q, block.max_seqlen_k, causal=block.causal,
+            softmax_scale=softmax_scale, return_lse=True)
+        queries = out[:, rows].shape[1]
+        _merge_block(out[:, rows], lse[:, :, rows], block_out.view(batch, queries, *block_out.shape[1:]),
+                     block_lse.view(heads_q, batch, queries).transpose(0, 1))
         if not last:
             _finish(requests)
             kv = next_kv
     return out.to(q.dtype), lse
 
 
-def _block_grads(q, k, v, grad_out, lse, grad_dot_out, causal, softmax_scale):
-    """dq, dk, dv of one block, where the block's scores are normalized by the global softmax.
-
-    The kernels' backward only knows the block's own (out, lse), so recompute them and feed
-    the chain rule of the merge into flash_attn_func's autograd: with w = exp(lse_block - lse),
-    out = sum_blocks w * out_block, hence d/d out_block = w * grad_out and
-    d/d lse_block = w * (grad_out . out_block - grad_out . out). The kernel then forms exactly
-    p_global * (grad_out . v - grad_out . out), the global-softmax gradient of these scores.
-
-    Args:
-        q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim).
-        grad_out: (batch, seqlen_q, heads_q, head_dim); lse: (batch, heads_q, seqlen_q) global,
-            fp32; grad_dot_out: (batch, seqlen_q, heads_q) fp32, rowwise grad_out . out (global).
-    """
-    with torch.enable_grad():
-        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-        block_out, block_lse = flash_attn_func(*inputs, causal=causal, softmax_scale=softmax_scale,
-                                               return_lse=True)
-        share = torch.exp(block_lse.detach() - _exp_shift(lse))  # (batch, heads_q, seqlen_q)
-        grad_block_out = grad_out.float() * share.transpose(1, 2).unsqueeze(-1)
-        grad_dot_block_out = (grad_out.float() * block_out.detach().float()).sum(-1)
-        grad_block_lse = share * (grad_dot_block_out - grad_dot_out).transpose(1, 2)
-        return torch.autograd.grad((block_out, block_lse), inputs,
-                                   (grad_block_out.to(block_out.dtype), grad_block_lse))
-
-
-def _ring_backward(grad_out, q, k, v, out, lse, ring, causal, softmax_scale):
-    local_seqlen = q.shape[1]
-    grad_dot_out = (grad_out.float() * out.float()).sum(-1)
+def _ring_backward(grad_out, q, k, v, out, lse, ring, plan, softmax_scale):
+    """The kernels' backward per block, fed the merged (out, lse): each block's probabilities are then
+    the global softmax's and its delta (grad_out . out) the global one, so no block forward reruns."""
+    batch, _, heads_q, _ = q.shape
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = torch.stack([k, v])
     # dK/dV of the K/V block held now; it travels with the block and is home after a full turn.
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
     dkv_requests = []
-    for step in range(ring.world_size):
+    for step, block in enumerate(plan):
         last = step + 1 == ring.world_size
         if not last:
             next_kv, kv_requests = ring.start_shift(kv, KV_TAG)
-        q_rows, k_rows, block_causal = _block_plan(step, ring, causal, local_seqlen)
-        block_dq, block_dk, block_dv = _block_grads(
-            q[:, q_rows], kv[0][:, k_rows], kv[1][:, k_rows], grad_out[:, q_rows], lse[:, :, q_rows],
-            grad_dot_out[:, q_rows], block_causal, softmax_scale)
-        dq[:, q_rows] += block_dq
+        rows, k_rows = block.q_rows, block.k_rows
+        block_lse = lse[:, :, rows].transpose(0, 1).flatten(1)
+        block_dq, block_dk, block_dv = flash_attn_varlen_backward(
+            _tokens(grad_out, rows), _tokens(q, rows), _tokens(kv[0], k_rows), _tokens(kv[1], k_rows),
+            _tokens(out, rows), block_lse, block.cu_seqlens_q, block.cu_seqlens_k, block.max_seqlen_q,
+            block.max_seqlen_k, softmax_scale=softmax_scale, causal=block.causal)
+        dq[:, rows] += block_dq.view(batch, -1, *block_dq.shape[1:])
         _finish(dkv_requests)  # the dK/dV that belongs to this step's block has arrived
-        dkv[0][:, k_rows] += block_dk
-        dkv[1][:, k_rows] += block_dv
+        dkv[0][:, k_rows] += block_dk.view(batch, -1, *block_dk.shape[1:])
+        dkv[1][:, k_rows] += block_dv.view(batch, -1, *block_dv.shape[1:])
         if ring.world_size > 1:
             dkv, dkv_requests = ring.start_shift(dkv, GRAD_KV_TAG)
         if not last:
@@ -234,10 +270,10 @@ def _ring_backward(grad_out, q, k, v, out, lse, ring, causal, softmax_scale):
 
 class _RingFlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring, causal, softmax_scale):
-        out, lse = _ring_forward(q, k, v, ring, causal, softmax_scale)
+    def forward(ctx, q, k, v, ring, plan, softmax_scale):
+        out, lse = _ring_forward(q, k, v, ring, plan, softmax_scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.params = (ring, causal, softmax_scale)
+        ctx.params = (ring, plan, softmax_scale)
         return out
 
     @staticmethod
@@ -247,18 +283,48 @@ class _RingFlashAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def ring_flash_attn(q, k, v, group=None, causal=True, softmax_scale=None):
+def _document_ids(cu_seqlens, batch, seqlen, device):
+    """(batch, seqlen) int64 document of every token of the whole rows; every row one document without
+    cu_seqlens (int32 boundaries over the batch * seqlen flattened tokens)."""
+    if cu_seqlens is None:
+        return torch.arange(batch, device=device)[:, None].expand(batch, seqlen)
+    check_cu_seqlens("cu_seqlens", cu_seqlens, batch * seqlen, device)
+    return document_ids_from_cu_seqlens(cu_seqlens).view(batch, seqlen)
+
+
+# The last call's plan: every layer of a model rings over the same rows (activation checkpointing reruns
+# them), and a plan reads the offsets on the host. (group, cu_seqlens, key, plan) or None.
+_last_plan = None
+
+
+def _cached_plan(ring, causal, cu_seqlens, batch, local_seqlen, device):
+    global _last_plan
+    if cu_seqlens is not None and cu_seqlens.is_inference():  # no version counter: in-place edits go unseen
+        return _ring_plan(ring, causal, _document_ids(cu_seqlens, batch, local_seqlen * ring.world_size, device))
+    key = (ring.world_size, ring.rank, causal, batch, local_seqlen, device,
+           None if cu_seqlens is None else cu_seqlens._version)
+    if _last_plan is not None and _last_plan[0] is ring.group and _last_plan[1] is cu_seqlens and _last_plan[2] == key:
+        return _last_plan[3]
+    plan = _ring_plan(ring, causal, _document_ids(cu_seqlens, batch, local_seqlen * ring.world_size, device))
+    _last_plan = (ring.group, cu_seqlens, key, plan)
+    return plan
+
+
+def ring_flash_attn(q, k, v, group=None, causal=True, softmax_scale=None, cu_seqlens=None):
     """Exact attention over a sequence split across the ranks of ``group``; differentiable.
 
     Every rank of ``group`` must call it with the same shapes. Equals flash_attn_func on the full
-    sequence, restricted to this rank's queries.
+    sequence (flash_attn_varlen_func over its documents), restricted to this rank's queries.
 
     Args:
         q: (batch, local_seqlen, heads_q, head_dim); k, v: (batch, local_seqlen, heads_kv,
-            head_dim), heads_q a multiple of heads_kv (GQA). For causal=True the tokens must be in
-            the zigzag layout (``zigzag_shard``) and local_seqlen even; for causal=False any split.
+            head_dim), heads_q a multiple of heads_kv (GQA). For causal=True or packed documents the
+            tokens must be in the zigzag layout (``zigzag_shard``) and local_seqlen even; else any split.
         group: the context-parallel process group (default: the whole world).
         softmax_scale: defaults to head_dim ** -0.5.
+        cu_seqlens: int32 (num_docs + 1,) boundaries of the documents packed in the whole rows, over
+            their batch * world_size * local_seqlen flattened tokens (the same on every rank); no token
+            attends across one. None: every row is one sequence.
     Returns:
         out (batch, local_seqlen, heads_q, head_dim), like q.
     """
@@ -267,20 +333,25 @@ def ring_flash_attn(q, k, v, group=None, causal=True, softmax_scale=None):
     if q.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2]:
         raise ValueError(f"q, k, v must be (batch, local_seqlen, heads, head_dim) with one local_seqlen, "
                          f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if causal and q.shape[1] % 2:
-        raise ValueError(f"causal ring attention needs the zigzag layout: local_seqlen {q.shape[1]} must be even")
+    if (causal or cu_seqlens is not None) and q.shape[1] % 2:
+        raise ValueError(f"causal or packed ring attention needs the zigzag layout: local_seqlen {q.shape[1]} "
+                         f"must be even")
+    ring = _Ring(group)
+    plan = _cached_plan(ring, causal, cu_seqlens, q.shape[0], q.shape[1], q.device)
     # The backward runs outside autocast: fix the dtype here so both passes compute alike.
     q, k, v = autocast_inputs(q, k, v)
-    return _RingFlashAttention.apply(q, k, v, _Ring(group), causal, softmax_scale)
+    return _RingFlashAttention.apply(q, k, v, ring, plan, softmax_scale)
 
 
-def shard_batch(input_ids, targets, group=None):
+def shard_batch(input_ids, targets, group=None, position_ids=None):
     """This rank's (input_ids, targets, position_ids): the zigzag slice of every (batch, seqlen) row,
-    with each token's true position (RoPE and learned positions need it). seqlen must be divisible by
-    2 * the group's size."""
+    with each token's true position (RoPE and learned positions need it): ``position_ids`` where given
+    (packed documents restart them), else 0 .. seqlen - 1. seqlen must be divisible by 2 * the group's
+    size."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    return tuple(zigzag_shard(t, rank, world_size) for t in (input_ids, targets, positions))
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    return tuple(zigzag_shard(t, rank, world_size) for t in (input_ids, targets, position_ids))
 
 
 def check_ring_supports(config) -> None:
@@ -303,12 +374,14 @@ def check_ring_supports(config) -> None:
 @contextlib.contextmanager
 def context_parallel(group=None):
     """Inside, a model's full-sequence attention is ring attention over ``group``: feed it this rank's
-    ``shard_batch``. Plain causal or full attention only (no window, no softcap, no packed documents)."""
-    def ring(q, k, v, causal, window_size, softcap, softmax_scale):
+    ``shard_batch``, and as cu_seqlens the whole rows' document boundaries (the same on every rank).
+    Plain causal or full attention only (no window, no softcap)."""
+    def ring(q, k, v, causal, window_size, softcap, softmax_scale, cu_seqlens):
         if tuple(window_size) != (-1, -1) or softcap:
             raise ValueError(f"context parallelism supports plain causal or full attention, got "
                              f"window_size={tuple(window_size)}, softcap={softcap}")
-        return ring_flash_attn(q, k, v, group=group, causal=causal, softmax_scale=softmax_scale)
+        return ring_flash_attn(q, k, v, group=group, causal=causal, softmax_scale=softmax_scale,
+                               cu_seqlens=cu_seqlens)
 
     with route_attention(ring):
         yield
