@@ -30,46 +30,17 @@ data- and context-parallel ranks at once.
 from __future__ import annotations
 
 import contextlib
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from flashformer.attention import route_attention
 from flashformer.config import ConfigError
-from flashformer.kernels import (cu_seqlens_from_lengths, document_ids_from_cu_seqlens, flash_attn_varlen_backward,
-                                flash_attn_varlen_func)
+from flashformer.kernels import document_ids_from_cu_seqlens, flash_attn_varlen_backward, flash_attn_varlen_func
 from flashformer.kernels.checks import autocast_inputs, check_cu_seqlens
+from flashformer.zigzag import ring_plan, zigzag_merge, zigzag_shard
 
 KV_TAG, GRAD_KV_TAG = 0, 1
-
-
-def zigzag_shard(x, rank, world_size, dim=1):
-    """This rank's zigzag slice of a full-sequence tensor (chunks rank and 2*world_size-1-rank).
-
-    Args:
-        x: (batch, seqlen, ...) or any tensor whose ``dim`` is the sequence; seqlen divisible by
-            2 * world_size.
-    Returns:
-        (batch, seqlen // world_size, ...): the two chunks, in sequence order.
-    """
-    chunks = 2 * world_size
-    if x.shape[dim] % chunks:
-        raise ValueError(f"sequence length {x.shape[dim]} must be divisible by 2 * world_size = {chunks}")
-    pieces = x.chunk(chunks, dim)
-    return torch.cat([pieces[rank], pieces[chunks - 1 - rank]], dim)
-
-
-def zigzag_merge(shards, dim=1):
-    """Inverse of ``zigzag_shard``: the full sequence from every rank's slice, rank 0 first.
-
-    Args:
-        shards: world_size tensors (batch, local_seqlen, ...), local_seqlen even.
-    Returns:
-        (batch, world_size * local_seqlen, ...).
-    """
-    halves = [shard.chunk(2, dim) for shard in shards]
-    return torch.cat([first for first, _ in halves] + [second for _, second in reversed(halves)], dim)
 
 
 def zigzag_unshard(local, group=None, dim=1):
@@ -116,81 +87,9 @@ def _finish(requests):
         request.wait()
 
 
-class _Block(NamedTuple):
-    """What one ring step computes: this rank's queries ``q_rows`` against ``k_rows`` of the K/V block it
-    holds, as one varlen call pairing the documents the two share (cu_seqlens_q / _k, their longest)."""
-
-    q_rows: slice
-    k_rows: slice
-    causal: bool
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-    max_seqlen_q: int
-    max_seqlen_k: int
-
-
-def _block_rows(source, ring, causal, local_seqlen):
-    """Which queries attend which keys of the K/V block from rank ``source``, and whether causally.
-
-    Returns (query slice, key slice, block_causal); the fully masked quarters of a causal block
-    are sliced away, never computed. In the zigzag layout (chunks rank, 2W-1-rank against source,
-    2W-1-source): the own block is causal as a whole; from an earlier source, every query sees
-    that source's first chunk and nothing of its second; from a later source, only this rank's
-    second chunk sees anything, and sees all of it. Every non-diagonal step thus costs the same
-    (all queries x half the keys, or half the queries x all keys) on every rank.
-    """
-    everything = slice(0, local_seqlen)
-    if not causal:
-        return everything, everything, False
-    half = local_seqlen // 2
-    if source == ring.rank:
-        return everything, everything, True
-    if source < ring.rank:
-        return everything, slice(0, half), False
-    return slice(half, local_seqlen), everything, False
-
-
-def _pair_documents(q_documents, k_documents):
-    """Varlen offsets that pair the query and key tokens of each document: (cu_seqlens_q, cu_seqlens_k,
-    max_seqlen_q, max_seqlen_k). A document on one side only gets an empty segment on the other (its
-    queries see no key: out 0, lse -inf).
-
-    Args:
-        q_documents, k_documents: (tokens,) int64 document ids, non-decreasing.
-    """
-    documents = torch.unique(torch.cat([q_documents, k_documents]))
-    lengths = [torch.searchsorted(ids, documents, right=True) - torch.searchsorted(ids, documents)
-               for ids in (q_documents, k_documents)]
-    longest = torch.stack([length.max() for length in lengths]).tolist()
-    return (*(cu_seqlens_from_lengths(length).to(q_documents.device) for length in lengths), *longest)
-
-
-def _ring_plan(ring, causal, document_ids):
-    """The _Block of every ring step on this rank.
-
-    Within a zigzag slice a document's tokens are contiguous and in sequence order (a document in
-    both chunks ends the first and starts the second), so causal attention within documents is, per
-    step, the block's causal flag applied inside each document's segment.
-
-    Args:
-        document_ids: (batch, seqlen) int64 document of every token of the whole rows, increasing
-            over the flattened rows (a row starts a document).
-    """
-    local_seqlen = document_ids.shape[1] // ring.world_size
-    own = zigzag_shard(document_ids, ring.rank, ring.world_size)
-    plan = []
-    for step in range(ring.world_size):
-        source = (ring.rank - step) % ring.world_size
-        q_rows, k_rows, block_causal = _block_rows(source, ring, causal, local_seqlen)
-        held = zigzag_shard(document_ids, source, ring.world_size)
-        plan.append(_Block(q_rows, k_rows, block_causal,
-                           *_pair_documents(own[:, q_rows].flatten(), held[:, k_rows].flatten())))
-    return plan
-
-
-def _tokens(x, rows):
-    """(batch, seqlen, heads, head_dim) -> the varlen (batch * rows, heads, head_dim) of ``rows``."""
-    return x[:, rows].flatten(0, 1)
+def _tokens(x, block, rows):
+    """(batch, seqlen, heads, head_dim) -> the varlen (tokens, heads, head_dim) of ``block.batch_rows`` x ``rows``."""
+    return x[block.batch_rows, rows].flatten(0, 1)
 
 
 def _exp_shift(lse):
@@ -218,18 +117,20 @@ def _ring_forward(q, k, v, ring, plan, softmax_scale):
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full((batch, heads_q, local_seqlen), -torch.inf, dtype=torch.float32, device=q.device)
     kv = torch.stack([k, v])  # one message per step instead of two
-    for step, block in enumerate(plan):
+    for step, blocks in enumerate(plan):
         last = step + 1 == ring.world_size
         if not last:
             next_kv, requests = ring.start_shift(kv, KV_TAG)
-        rows = block.q_rows
-        block_out, block_lse = flash_attn_varlen_func(
-            _tokens(q, rows), _tokens(kv[0], block.k_rows), _tokens(kv[1], block.k_rows), block.cu_seqlens_q,
-            block.cu_seqlens_k, block.max_seqlen_q, block.max_seqlen_k, causal=block.causal,
-            softmax_scale=softmax_scale, return_lse=True)
-        queries = out[:, rows].shape[1]
-        _merge_block(out[:, rows], lse[:, :, rows], block_out.view(batch, queries, *block_out.shape[1:]),
-                     block_lse.view(heads_q, batch, queries).transpose(0, 1))
+        for block in blocks:
+            rows, batch_rows = block.q_rows, block.batch_rows
+            block_out, block_lse = flash_attn_varlen_func(
+                _tokens(q, block, rows), _tokens(kv[0], block, block.k_rows), _tokens(kv[1], block, block.k_rows),
+                block.cu_seqlens_q, block.cu_seqlens_k, block.max_seqlen_q, block.max_seqlen_k,
+                causal=block.causal, window_size=block.window_size, softmax_scale=softmax_scale, return_lse=True)
+            running_out = out[batch_rows, rows]
+            rows_in_block, queries = running_out.shape[:2]
+            _merge_block(running_out, lse[batch_rows, :, rows], block_out.view(running_out.shape),
+                         block_lse.view(heads_q, rows_in_block, queries).transpose(0, 1))
         if not last:
             _finish(requests)
             kv = next_kv
@@ -239,26 +140,30 @@ def _ring_forward(q, k, v, ring, plan, softmax_scale):
 def _ring_backward(grad_out, q, k, v, out, lse, ring, plan, softmax_scale):
     """The kernels' backward per block, fed the merged (out, lse): each block's probabilities are then
     the global softmax's and its delta (grad_out . out) the global one, so no block forward reruns."""
-    batch, _, heads_q, _ = q.shape
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = torch.stack([k, v])
     # dK/dV of the K/V block held now; it travels with the block and is home after a full turn.
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
     dkv_requests = []
-    for step, block in enumerate(plan):
+    for step, blocks in enumerate(plan):
         last = step + 1 == ring.world_size
         if not last:
             next_kv, kv_requests = ring.start_shift(kv, KV_TAG)
-        rows, k_rows = block.q_rows, block.k_rows
-        block_lse = lse[:, :, rows].transpose(0, 1).flatten(1)
-        block_dq, block_dk, block_dv = flash_attn_varlen_backward(
-            _tokens(grad_out, rows), _tokens(q, rows), _tokens(kv[0], k_rows), _tokens(kv[1], k_rows),
-            _tokens(out, rows), block_lse, block.cu_seqlens_q, block.cu_seqlens_k, block.max_seqlen_q,
-            block.max_seqlen_k, softmax_scale=softmax_scale, causal=block.causal)
-        dq[:, rows] += block_dq.view(batch, -1, *block_dq.shape[1:])
+        grads = []
+        for block in blocks:
+            rows, k_rows = block.q_rows, block.k_rows
+            block_lse = lse[block.batch_rows, :, rows].transpose(0, 1).flatten(1)
+            grads.append(flash_attn_varlen_backward(
+                _tokens(grad_out, block, rows), _tokens(q, block, rows), _tokens(kv[0], block, k_rows),
+                _tokens(kv[1], block, k_rows), _tokens(out, block, rows), block_lse, block.cu_seqlens_q,
+                block.cu_seqlens_k, block.max_seqlen_q, block.max_seqlen_k, softmax_scale=softmax_scale,
+                causal=block.causal, window_size=block.window_size))
         _finish(dkv_requests)  # the dK/dV that belongs to this step's block has arrived
-        dkv[0][:, k_rows] += block_dk.view(batch, -1, *block_dk.shape[1:])
-        dkv[1][:, k_rows] += block_dv.view(batch, -1, *block_dv.shape[1:])
+        for block, (block_dq, block_dk, block_dv) in zip(blocks, grads):
+            rows, k_rows, batch_rows = block.q_rows, block.k_rows, block.batch_rows
+            dq[batch_rows, rows] += block_dq.view(dq[batch_rows, rows].shape)
+            dkv[0][batch_rows, k_rows] += block_dk.view(dkv[0][batch_rows, k_rows].shape)
+            dkv[1][batch_rows, k_rows] += block_dv.view(dkv[1][batch_rows, k_rows].shape)
         if ring.world_size > 1:
             dkv, dkv_requests = ring.start_shift(dkv, GRAD_KV_TAG)
         if not last:
@@ -292,25 +197,31 @@ def _document_ids(cu_seqlens, batch, seqlen, device):
     return document_ids_from_cu_seqlens(cu_seqlens).view(batch, seqlen)
 
 
-# The last call's plan: every layer of a model rings over the same rows (activation checkpointing reruns
-# them), and a plan reads the offsets on the host. (group, cu_seqlens, key, plan) or None.
-_last_plan = None
+# The plans of the last rows rung over: every layer of a model rings over the same rows (activation
+# checkpointing reruns them), and a plan reads the offsets on the host. (group, cu_seqlens, rows key,
+# {(causal, window_left): plan}) or None.
+_plans = None
 
 
-def _cached_plan(ring, causal, cu_seqlens, batch, local_seqlen, device):
-    global _last_plan
+def _cached_plan(ring, causal, window_left, cu_seqlens, batch, local_seqlen, device):
+    global _plans
+
+    def plan():
+        document_ids = _document_ids(cu_seqlens, batch, local_seqlen * ring.world_size, device)
+        return ring_plan(ring.rank, ring.world_size, causal, window_left, document_ids)
+
     if cu_seqlens is not None and cu_seqlens.is_inference():  # no version counter: in-place edits go unseen
-        return _ring_plan(ring, causal, _document_ids(cu_seqlens, batch, local_seqlen * ring.world_size, device))
-    key = (ring.world_size, ring.rank, causal, batch, local_seqlen, device,
-           None if cu_seqlens is None else cu_seqlens._version)
-    if _last_plan is not None and _last_plan[0] is ring.group and _last_plan[1] is cu_seqlens and _last_plan[2] == key:
-        return _last_plan[3]
-    plan = _ring_plan(ring, causal, _document_ids(cu_seqlens, batch, local_seqlen * ring.world_size, device))
-    _last_plan = (ring.group, cu_seqlens, key, plan)
-    return plan
+        return plan()
+    rows = (ring.world_size, ring.rank, batch, local_seqlen, device, None if cu_seqlens is None else cu_seqlens._version)
+    if _plans is None or _plans[0] is not ring.group or _plans[1] is not cu_seqlens or _plans[2] != rows:
+        _plans = (ring.group, cu_seqlens, rows, {})
+    plans = _plans[3]
+    if (causal, window_left) not in plans:
+        plans[causal, window_left] = plan()
+    return plans[causal, window_left]
 
 
-def ring_flash_attn(q, k, v, group=None, causal=True, softmax_scale=None, cu_seqlens=None):
+def ring_flash_attn(q, k, v, group=None, causal=True, softmax_scale=None, cu_seqlens=None, window_size=(-1, -1)):
     """Exact attention over a sequence split across the ranks of ``group``; differentiable.
 
     Every rank of ``group`` must call it with the same shapes. Equals flash_attn_func on the full
@@ -325,6 +236,8 @@ def ring_flash_attn(q, k, v, group=None, causal=True, softmax_scale=None, cu_seq
         cu_seqlens: int32 (num_docs + 1,) boundaries of the documents packed in the whole rows, over
             their batch * world_size * local_seqlen flattened tokens (the same on every rank); no token
             attends across one. None: every row is one sequence.
+        window_size: (left, right) sliding window as flash_attn_func's; only causal ones (right is then
+            folded to 0): a query sees itself and ``left`` keys before it.
     Returns:
         out (batch, local_seqlen, heads_q, head_dim), like q.
     """
@@ -336,8 +249,12 @@ def ring_flash_attn(q, k, v, group=None, causal=True, softmax_scale=None, cu_seq
     if (causal or cu_seqlens is not None) and q.shape[1] % 2:
         raise ValueError(f"causal or packed ring attention needs the zigzag layout: local_seqlen {q.shape[1]} "
                          f"must be even")
+    window_left, window_right = (int(w) for w in window_size)
+    if (window_left, window_right) != (-1, -1) and (not causal or window_left < 0):
+        raise ValueError(f"ring attention takes causal sliding windows (causal=True, window_size=(left >= 0, any)), "
+                         f"got causal={causal}, window_size={tuple(window_size)}")
     ring = _Ring(group)
-    plan = _cached_plan(ring, causal, cu_seqlens, q.shape[0], q.shape[1], q.device)
+    plan = _cached_plan(ring, causal, window_left, cu_seqlens, q.shape[0], q.shape[1], q.device)
     # The backward runs outside autocast: fix the dtype here so both passes compute alike.
     q, k, v = autocast_inputs(q, k, v)
     return _RingFlashAttention.apply(q, k, v, ring, plan, softmax_scale)
@@ -355,19 +272,15 @@ def shard_batch(input_ids, targets, group=None, position_ids=None):
 
 
 def check_ring_supports(config) -> None:
-    """Refuse a model whose attention the ring cannot compute (sliding windows, score softcaps).
+    """Refuse a model whose attention the ring cannot compute (score softcaps).
 
     Args:
         config: the model's ModelConfig.
     Raises:
         ConfigError: naming the model key.
     """
-    if "sliding" in config.layer_kinds():
-        raise ConfigError(f"parallel.context_parallel > 1 rings plain causal attention: this model has sliding-"
-                          f"window layers (model.sliding_window={config.sliding_window}, model.layer_types); "
-                          f"train it with parallel.context_parallel=1")
     if config.attn_softcap:
-        raise ConfigError(f"parallel.context_parallel > 1 rings plain causal attention: model.attn_softcap="
+        raise ConfigError(f"parallel.context_parallel > 1 rings causal attention without softcap: model.attn_softcap="
                           f"{config.attn_softcap} is not supported; train it with parallel.context_parallel=1")
 
 
@@ -375,13 +288,12 @@ def check_ring_supports(config) -> None:
 def context_parallel(group=None):
     """Inside, a model's full-sequence attention is ring attention over ``group``: feed it this rank's
     ``shard_batch``, and as cu_seqlens the whole rows' document boundaries (the same on every rank).
-    Plain causal or full attention only (no window, no softcap)."""
+    Causal attention, sliding windows included, or full attention; no softcap."""
     def ring(q, k, v, causal, window_size, softcap, softmax_scale, cu_seqlens):
-        if tuple(window_size) != (-1, -1) or softcap:
-            raise ValueError(f"context parallelism supports plain causal or full attention, got "
-                             f"window_size={tuple(window_size)}, softcap={softcap}")
+        if softcap:
+            raise ValueError(f"context parallelism does not support softcap, got softcap={softcap}")
         return ring_flash_attn(q, k, v, group=group, causal=causal, softmax_scale=softmax_scale,
-                               cu_seqlens=cu_seqlens)
+                               cu_seqlens=cu_seqlens, window_size=window_size)
 
     with route_attention(ring):
         yield

@@ -59,20 +59,24 @@ def packed_rows(seqlen):
     return cu_seqlens_from_lengths([length for row in rows for length in row])
 
 
-def check_packed_ring_matches_varlen(group, causal, seqlen, heads_q, heads_kv, head_dim, tag):
-    """Ring attention over packed documents equals flash_attn_varlen_func over the whole rows: output and
-    every gradient, each rank's zigzag slice."""
+def check_packed_ring_matches_varlen(group, causal, seqlen, heads_q, heads_kv, head_dim, tag, packed=True,
+                                     window_left=-1):
+    """Ring attention over packed documents (or whole rows) equals flash_attn_varlen_func over the whole
+    rows, with the same window: output and every gradient, each rank's zigzag slice."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    batch, cu_seqlens = 2, packed_rows(seqlen)
-    generator = torch.Generator().manual_seed(seqlen + heads_q)
+    batch = 2
+    cu_seqlens = packed_rows(seqlen) if packed else cu_seqlens_from_lengths([seqlen] * batch)
+    generator = torch.Generator().manual_seed(seqlen + heads_q + window_left)
     q, k, v, grad_out = (torch.randn(batch, seqlen, heads, head_dim, generator=generator)
                          for heads in (heads_q, heads_kv, heads_kv, heads_q))
     full = [t.flatten(0, 1).clone().requires_grad_() for t in (q, k, v)]
-    out_full = flash_attn_varlen_func(*full, cu_seqlens, cu_seqlens, causal=causal)
+    window_size = (window_left, -1)
+    out_full = flash_attn_varlen_func(*full, cu_seqlens, cu_seqlens, causal=causal, window_size=window_size)
     out_full.backward(grad_out.flatten(0, 1))
 
     local = [zigzag_shard(t, rank, world_size).requires_grad_() for t in (q, k, v)]
-    out_local = ring_flash_attn(*local, group=group, causal=causal, cu_seqlens=cu_seqlens)
+    out_local = ring_flash_attn(*local, group=group, causal=causal, cu_seqlens=cu_seqlens if packed else None,
+                                window_size=window_size)
     out_local.backward(zigzag_shard(grad_out, rank, world_size))
     expected = [out_full, *(t.grad for t in full)]
     for name, ours, ref in zip(("out", "dq", "dk", "dv"), [out_local, *(t.grad for t in local)], expected):
@@ -106,13 +110,13 @@ def check_causal_blocks_balanced_and_skipped(group, seqlen):
     assert all(not causal and rows * cols == half_area for rows, cols, causal in blocks[1:]), blocks
 
 
-def check_model_step_matches_full(group, pos):
+def check_model_step_matches_full(group, pos, **model_fields):
     """A model's loss and gradients with each rank holding a zigzag slice of the sequence (ring
     attention, gradients averaged over the group) equal those of the whole sequence on one rank."""
     world_size = dist.get_world_size(group)
     torch.manual_seed(0)  # the same weights and tokens on every rank
     model = Transformer(ModelConfig(family="custom", vocab_size=64, d_model=64, n_layer=2, n_head=4, n_kv_head=2,
-                                    d_ff=96, max_seq_len=64, pos=pos))
+                                    d_ff=96, max_seq_len=64, pos=pos, **model_fields))
     input_ids = torch.randint(0, 64, (2, 8 * world_size))
     targets = torch.randint(0, 64, (2, 8 * world_size))
     params = list(model.parameters())
@@ -167,8 +171,10 @@ def check_sharded_batch_loss_counts_the_whole_rows_targets(group, packed):
 def check_context_parallel_rejects_what_the_ring_cannot_do(group):
     q = torch.randn(1, 8, 2, 16)
     with context_parallel.context_parallel(group):
-        with pytest.raises(ValueError, match="window_size"):
-            attention(q, q, q, backend="flash", window_size=(4, 0))
+        with pytest.raises(ValueError, match=r"causal sliding windows .* got causal=False, window_size=\(4, 4\)"):
+            attention(q, q, q, backend="flash", causal=False, window_size=(4, 4))
+        with pytest.raises(ValueError, match="softcap=30.0"):
+            attention(q, q, q, backend="flash", softcap=30.0)
         # cu_seqlens bounds the whole rows' tokens, world_size times this rank's.
         with pytest.raises(ValueError, match="cu_seqlens must start at 0 and end at the token count"):
             attention(q, q, q, backend="flash", cu_seqlens=torch.tensor([0, 8], dtype=torch.int32))
@@ -202,8 +208,15 @@ def run_rank(rank, world_size, store_path):
         check_causal_blocks_balanced_and_skipped(world, seqlen)
         check_model_step_matches_full(world, "rope")
         check_model_step_matches_full(world, "learned")
+        check_model_step_matches_full(world, "rope", sliding_window=6, layer_types=["sliding", "full"])
         check_packed_ring_matches_varlen(world, True, seqlen, 4, 2, 16, "packed causal GQA")
         check_packed_ring_matches_varlen(world, False, seqlen, 2, 2, 8, "packed non-causal, head_dim 8")
+        # Windows within a chunk, into the chunk before, and across a whole chunk into the next.
+        for window_left in (3, 11, 20):
+            check_packed_ring_matches_varlen(world, True, seqlen, 2, 1, 16, f"packed, window {window_left}",
+                                             window_left=window_left)
+            check_packed_ring_matches_varlen(world, True, seqlen, 2, 1, 16, f"rows, window {window_left}",
+                                             packed=False, window_left=window_left)
         check_sharded_batch_loss_counts_the_whole_rows_targets(world, packed=False)
         check_sharded_batch_loss_counts_the_whole_rows_targets(world, packed=True)
         check_context_parallel_rejects_what_the_ring_cannot_do(world)

@@ -104,13 +104,9 @@ def test_context_parallel_needs_torchrun_with_a_multiple_of_its_ranks(tmp_path, 
     assert "parallel.context_parallel=4 needs torchrun with a multiple of 4 processes, got 2" in result.stderr
 
 
-@pytest.mark.parametrize("model, message", [
-    (dict(family="custom", sliding_window=8), r"sliding-window layers \(model.sliding_window=8"),
-    (dict(family="custom", attn_softcap=30.0), r"model.attn_softcap=30.0"),
-])
-def test_context_parallel_refuses_windows_and_softcaps(tmp_path, data_cache, model, message):
+def test_context_parallel_refuses_softcaps(tmp_path, data_cache):
     recipe = tiny_recipe(tmp_path, data_cache, parallel={"context_parallel": 2})
-    recipe["model"].update(model)
+    recipe["model"].update(family="custom", attn_softcap=30.0)
     cfg = load_train_config(recipe)
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match=r"model.attn_softcap=30.0"):
         build_model(cfg, torch.device("cpu"), bf16=False, init_dir=None, weights_from=None, resume_from=None)
