@@ -2,13 +2,15 @@
 
 Each rank of a process group holds a slice of every sequence: queries, keys and values of its
 own tokens. ``ring_flash_attn`` passes the K/V slices around the ring with P2P sends; at each
-step a rank attends its queries to the K/V block it holds, and merges the partial (out, lse)
-pairs exactly through log-sum-exp. The backward walks the same ring, and the dK/dV of each block
-travel with it until they are home.
+step a rank attends its queries to the K/V block it holds (the varlen kernels, on the calls
+zigzag.ring_plan lists: packed documents and sliding windows included), and merges the partial
+(out, lse) pairs exactly, in fp32, through log-sum-exp. The backward walks the same ring: the
+kernels' backward takes the merged (out, lse), which makes each block's gradient its exact share
+of the whole softmax's, and the dK/dV of each block travel with it until they are home.
 
-Layout. Non-causal attention works with any split of the tokens. Causal attention needs the
-"zigzag" layout: the sequence is cut into 2 * world chunks and rank r holds chunks r and
-2 * world - 1 - r, so every rank does the same work (rank 0 holds the first and the last chunk).
+Layout. Non-causal attention of whole rows works with any split of the tokens. Causal attention
+and packed documents need the "zigzag" layout (zigzag.py): the sequence is cut into 2 * world
+chunks and rank r holds chunks r and 2 * world - 1 - r, so every rank does the same work.
 ``zigzag_shard`` / ``zigzag_unshard`` move tensors into and out of it; shard the position ids
 the same way so RoPE sees each token's true position.
 
@@ -212,7 +214,8 @@ def _cached_plan(ring, causal, window_left, cu_seqlens, batch, local_seqlen, dev
 
     if cu_seqlens is not None and cu_seqlens.is_inference():  # no version counter: in-place edits go unseen
         return plan()
-    rows = (ring.world_size, ring.rank, batch, local_seqlen, device, None if cu_seqlens is None else cu_seqlens._version)
+    version = None if cu_seqlens is None else cu_seqlens._version
+    rows = (ring.world_size, ring.rank, batch, local_seqlen, device, version)
     if _plans is None or _plans[0] is not ring.group or _plans[1] is not cu_seqlens or _plans[2] != rows:
         _plans = (ring.group, cu_seqlens, rows, {})
     plans = _plans[3]

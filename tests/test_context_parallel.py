@@ -135,14 +135,14 @@ def check_model_step_matches_full(group, pos, **model_fields):
         torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-4, msg=lambda m: f"{pos} {param_name}: {m}")
 
 
-def check_sharded_batch_loss_counts_the_whole_rows_targets(group, packed):
+def check_sharded_batch_loss_counts_the_whole_rows_targets(group, packed, **model_fields):
     """shard_micro_batch where the slices hold different numbers of targets (rank 0's first chunk ignored
     whole): the ranks' losses and gradients average to the whole rows' mean over their targets; with
     packed documents, to the one process's varlen model (positions restarting per document)."""
     world_size = dist.get_world_size(group)
     torch.manual_seed(0)
     model = Transformer(ModelConfig(family="custom", vocab_size=64, d_model=32, n_layer=2, n_head=2, d_ff=64,
-                                    max_seq_len=64))
+                                    max_seq_len=64, **model_fields))
     seqlen = 16 * world_size
     input_ids = torch.randint(0, 64, (2, seqlen))
     targets = torch.randint(0, 64, (2, seqlen))
@@ -219,6 +219,8 @@ def run_rank(rank, world_size, store_path):
                                              packed=False, window_left=window_left)
         check_sharded_batch_loss_counts_the_whole_rows_targets(world, packed=False)
         check_sharded_batch_loss_counts_the_whole_rows_targets(world, packed=True)
+        check_sharded_batch_loss_counts_the_whole_rows_targets(world, packed=True, sliding_window=10,
+                                                               layer_types=["sliding", "full"])
         check_context_parallel_rejects_what_the_ring_cannot_do(world)
         if world_size == 4:
             # Two independent rings of two ranks each: peers are named through the group.
