@@ -76,8 +76,9 @@ _ROUTED = None
 
 @contextlib.contextmanager
 def route_attention(fn):
-    """Inside, ``attention`` calls without cu_seqlens run ``fn(q, k, v, causal, window_size, softcap,
-    softmax_scale)`` whatever the backend (flashformer.context_parallel uses it for ring attention)."""
+    """Inside, full-sequence ``attention`` calls run ``fn(q, k, v, causal, window_size, softcap, softmax_scale,
+    cu_seqlens)`` whatever the backend (flashformer.context_parallel uses it for ring attention; there q, k, v
+    are this rank's slice of the rows, and cu_seqlens, if any, bounds the documents of the whole rows)."""
     global _ROUTED
     previous, _ROUTED = _ROUTED, fn
     try:
@@ -116,10 +117,7 @@ def attention(q, k, v, *, backend, causal=True, window_size=(-1, -1), softcap=0.
     """
     backend = resolve_backend(backend)
     if _ROUTED is not None:
-        if cu_seqlens is not None:
-            raise ValueError("cu_seqlens (packed documents) cannot be used under context parallelism: "
-                             "its ring attends over whole sequences")
-        return _ROUTED(q, k, v, causal, window_size, softcap, softmax_scale)
+        return _ROUTED(q, k, v, causal, window_size, softcap, softmax_scale, cu_seqlens)
     if cu_seqlens is None:
         if backend == "flash":
             return flash_attn_func(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,

@@ -2,13 +2,15 @@
 
 Each rank of a process group holds a slice of every sequence: queries, keys and values of its
 own tokens. ``ring_flash_attn`` passes the K/V slices around the ring with P2P sends; at each
-step a rank attends its queries to the K/V block it holds, and merges the partial (out, lse)
-pairs exactly through log-sum-exp. The backward walks the same ring, and the dK/dV of each block
-travel with it until they are home.
+step a rank attends its queries to the K/V block it holds (the varlen kernels, on the calls
+zigzag.ring_plan lists: packed documents and sliding windows included), and merges the partial
+(out, lse) pairs exactly, in fp32, through log-sum-exp. The backward walks the same ring: the
+kernels' backward takes the merged (out, lse), which makes each block's gradient its exact share
+of the whole softmax's, and the dK/dV of each block travel with it until they are home.
 
-Layout. Non-causal attention works with any split of the tokens. Causal attention needs the
-"zigzag" layout: the sequence is cut into 2 * world chunks and rank r holds chunks r and
-2 * world - 1 - r, so every rank does the same work (rank 0 holds the first and the last chunk).
+Layout. Non-causal attention of whole rows works with any split of the tokens. Causal attention
+and packed documents need the "zigzag" layout (zigzag.py): the sequence is cut into 2 * world
+chunks and rank r holds chunks r and 2 * world - 1 - r, so every rank does the same work.
 ``zigzag_shard`` / ``zigzag_unshard`` move tensors into and out of it; shard the position ids
 the same way so RoPE sees each token's true position.
 
@@ -36,38 +38,11 @@ import torch.distributed as dist
 
 from flashformer.attention import route_attention
 from flashformer.config import ConfigError
-from flashformer.kernels import flash_attn_func
-from flashformer.kernels.checks import autocast_inputs
+from flashformer.kernels import document_ids_from_cu_seqlens, flash_attn_varlen_backward, flash_attn_varlen_func
+from flashformer.kernels.checks import autocast_inputs, check_cu_seqlens
+from flashformer.zigzag import ring_plan, zigzag_merge, zigzag_shard
 
 KV_TAG, GRAD_KV_TAG = 0, 1
-
-
-def zigzag_shard(x, rank, world_size, dim=1):
-    """This rank's zigzag slice of a full-sequence tensor (chunks rank and 2*world_size-1-rank).
-
-    Args:
-        x: (batch, seqlen, ...) or any tensor whose ``dim`` is the sequence; seqlen divisible by
-            2 * world_size.
-    Returns:
-        (batch, seqlen // world_size, ...): the two chunks, in sequence order.
-    """
-    chunks = 2 * world_size
-    if x.shape[dim] % chunks:
-        raise ValueError(f"sequence length {x.shape[dim]} must be divisible by 2 * world_size = {chunks}")
-    pieces = x.chunk(chunks, dim)
-    return torch.cat([pieces[rank], pieces[chunks - 1 - rank]], dim)
-
-
-def zigzag_merge(shards, dim=1):
-    """Inverse of ``zigzag_shard``: the full sequence from every rank's slice, rank 0 first.
-
-    Args:
-        shards: world_size tensors (batch, local_seqlen, ...), local_seqlen even.
-    Returns:
-        (batch, world_size * local_seqlen, ...).
-    """
-    halves = [shard.chunk(2, dim) for shard in shards]
-    return torch.cat([first for first, _ in halves] + [second for _, second in reversed(halves)], dim)
 
 
 def zigzag_unshard(local, group=None, dim=1):
@@ -114,27 +89,9 @@ def _finish(requests):
         request.wait()
 
 
-def _block_plan(step, ring, causal, local_seqlen):
-    """Which queries attend which keys of the K/V block held at ``step``, and whether causally.
-
-    Returns (query slice, key slice, block_causal); the fully masked quarters of a causal block
-    are sliced away, never computed. The K/V held at ``step`` came from rank
-    ``source = rank - step``. In the zigzag layout (chunks rank, 2W-1-rank against source,
-    2W-1-source): the own block is causal as a whole; from an earlier source, every query sees
-    that source's first chunk and nothing of its second; from a later source, only this rank's
-    second chunk sees anything, and sees all of it. Every non-diagonal step thus costs the same
-    (all queries x half the keys, or half the queries x all keys) on every rank.
-    """
-    everything = slice(0, local_seqlen)
-    if not causal:
-        return everything, everything, False
-    source = (ring.rank - step) % ring.world_size
-    half = local_seqlen // 2
-    if source == ring.rank:
-        return everything, everything, True
-    if source < ring.rank:
-        return everything, slice(0, half), False
-    return slice(half, local_seqlen), everything, False
+def _tokens(x, block, rows):
+    """(batch, seqlen, heads, head_dim) -> the varlen (tokens, heads, head_dim) of ``block.batch_rows`` x ``rows``."""
+    return x[block.batch_rows, rows].flatten(0, 1)
 
 
 def _exp_shift(lse):
@@ -143,7 +100,7 @@ def _exp_shift(lse):
 
 
 def _merge_block(out, lse, block_out, block_lse):
-    """Fold one block's (out, lse) into the running (out, lse), in place, exactly.
+    """Fold one block's (out, lse) into the running (out, lse), in place, exactly, in fp32.
 
     Args:
         out: (batch, seqlen, heads, head_dim) fp32; lse: (batch, heads, seqlen) fp32, -inf where
@@ -157,72 +114,58 @@ def _merge_block(out, lse, block_out, block_lse):
     lse.copy_(merged_lse)
 
 
-def _ring_forward(q, k, v, ring, causal, softmax_scale):
+def _ring_forward(q, k, v, ring, plan, softmax_scale):
     batch, local_seqlen, heads_q, _ = q.shape
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full((batch, heads_q, local_seqlen), -torch.inf, dtype=torch.float32, device=q.device)
     kv = torch.stack([k, v])  # one message per step instead of two
-    for step in range(ring.world_size):
+    for step, blocks in enumerate(plan):
         last = step + 1 == ring.world_size
         if not last:
             next_kv, requests = ring.start_shift(kv, KV_TAG)
-        q_rows, k_rows, block_causal = _block_plan(step, ring, causal, local_seqlen)
-        block_out, block_lse = flash_attn_func(q[:, q_rows], kv[0][:, k_rows], kv[1][:, k_rows],
-                                               causal=block_causal, softmax_scale=softmax_scale,
-                                               return_lse=True)
-        _merge_block(out[:, q_rows], lse[:, :, q_rows], block_out, block_lse)
+        for block in blocks:
+            rows, batch_rows = block.q_rows, block.batch_rows
+            block_out, block_lse = flash_attn_varlen_func(
+                _tokens(q, block, rows), _tokens(kv[0], block, block.k_rows), _tokens(kv[1], block, block.k_rows),
+                block.cu_seqlens_q, block.cu_seqlens_k, block.max_seqlen_q, block.max_seqlen_k,
+                causal=block.causal, window_size=block.window_size, softmax_scale=softmax_scale, return_lse=True)
+            running_out = out[batch_rows, rows]
+            rows_in_block, queries = running_out.shape[:2]
+            _merge_block(running_out, lse[batch_rows, :, rows], block_out.view(running_out.shape),
+                         block_lse.view(heads_q, rows_in_block, queries).transpose(0, 1))
         if not last:
             _finish(requests)
             kv = next_kv
     return out.to(q.dtype), lse
 
 
-def _block_grads(q, k, v, grad_out, lse, grad_dot_out, causal, softmax_scale):
-    """dq, dk, dv of one block, where the block's scores are normalized by the global softmax.
-
-    The kernels' backward only knows the block's own (out, lse), so recompute them and feed
-    the chain rule of the merge into flash_attn_func's autograd: with w = exp(lse_block - lse),
-    out = sum_blocks w * out_block, hence d/d out_block = w * grad_out and
-    d/d lse_block = w * (grad_out . out_block - grad_out . out). The kernel then forms exactly
-    p_global * (grad_out . v - grad_out . out), the global-softmax gradient of these scores.
-
-    Args:
-        q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim).
-        grad_out: (batch, seqlen_q, heads_q, head_dim); lse: (batch, heads_q, seqlen_q) global,
-            fp32; grad_dot_out: (batch, seqlen_q, heads_q) fp32, rowwise grad_out . out (global).
-    """
-    with torch.enable_grad():
-        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-        block_out, block_lse = flash_attn_func(*inputs, causal=causal, softmax_scale=softmax_scale,
-                                               return_lse=True)
-        share = torch.exp(block_lse.detach() - _exp_shift(lse))  # (batch, heads_q, seqlen_q)
-        grad_block_out = grad_out.float() * share.transpose(1, 2).unsqueeze(-1)
-        grad_dot_block_out = (grad_out.float() * block_out.detach().float()).sum(-1)
-        grad_block_lse = share * (grad_dot_block_out - grad_dot_out).transpose(1, 2)
-        return torch.autograd.grad((block_out, block_lse), inputs,
-                                   (grad_block_out.to(block_out.dtype), grad_block_lse))
-
-
-def _ring_backward(grad_out, q, k, v, out, lse, ring, causal, softmax_scale):
-    local_seqlen = q.shape[1]
-    grad_dot_out = (grad_out.float() * out.float()).sum(-1)
+def _ring_backward(grad_out, q, k, v, out, lse, ring, plan, softmax_scale):
+    """The kernels' backward per block, fed the merged (out, lse): each block's probabilities are then
+    the global softmax's and its delta (grad_out . out) the global one, so no block forward reruns."""
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = torch.stack([k, v])
     # dK/dV of the K/V block held now; it travels with the block and is home after a full turn.
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
     dkv_requests = []
-    for step in range(ring.world_size):
+    for step, blocks in enumerate(plan):
         last = step + 1 == ring.world_size
         if not last:
             next_kv, kv_requests = ring.start_shift(kv, KV_TAG)
-        q_rows, k_rows, block_causal = _block_plan(step, ring, causal, local_seqlen)
-        block_dq, block_dk, block_dv = _block_grads(
-            q[:, q_rows], kv[0][:, k_rows], kv[1][:, k_rows], grad_out[:, q_rows], lse[:, :, q_rows],
-            grad_dot_out[:, q_rows], block_causal, softmax_scale)
-        dq[:, q_rows] += block_dq
+        grads = []
+        for block in blocks:
+            rows, k_rows = block.q_rows, block.k_rows
+            block_lse = lse[block.batch_rows, :, rows].transpose(0, 1).flatten(1)
+            grads.append(flash_attn_varlen_backward(
+                _tokens(grad_out, block, rows), _tokens(q, block, rows), _tokens(kv[0], block, k_rows),
+                _tokens(kv[1], block, k_rows), _tokens(out, block, rows), block_lse, block.cu_seqlens_q,
+                block.cu_seqlens_k, block.max_seqlen_q, block.max_seqlen_k, softmax_scale=softmax_scale,
+                causal=block.causal, window_size=block.window_size))
         _finish(dkv_requests)  # the dK/dV that belongs to this step's block has arrived
-        dkv[0][:, k_rows] += block_dk
-        dkv[1][:, k_rows] += block_dv
+        for block, (block_dq, block_dk, block_dv) in zip(blocks, grads):
+            rows, k_rows, batch_rows = block.q_rows, block.k_rows, block.batch_rows
+            dq[batch_rows, rows] += block_dq.view(dq[batch_rows, rows].shape)
+            dkv[0][batch_rows, k_rows] += block_dk.view(dkv[0][batch_rows, k_rows].shape)
+            dkv[1][batch_rows, k_rows] += block_dv.view(dkv[1][batch_rows, k_rows].shape)
         if ring.world_size > 1:
             dkv, dkv_requests = ring.start_shift(dkv, GRAD_KV_TAG)
         if not last:
@@ -234,10 +177,10 @@ def _ring_backward(grad_out, q, k, v, out, lse, ring, causal, softmax_scale):
 
 class _RingFlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring, causal, softmax_scale):
-        out, lse = _ring_forward(q, k, v, ring, causal, softmax_scale)
+    def forward(ctx, q, k, v, ring, plan, softmax_scale):
+        out, lse = _ring_forward(q, k, v, ring, plan, softmax_scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.params = (ring, causal, softmax_scale)
+        ctx.params = (ring, plan, softmax_scale)
         return out
 
     @staticmethod
@@ -247,18 +190,57 @@ class _RingFlashAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def ring_flash_attn(q, k, v, group=None, causal=True, softmax_scale=None):
+def _document_ids(cu_seqlens, batch, seqlen, device):
+    """(batch, seqlen) int64 document of every token of the whole rows; every row one document without
+    cu_seqlens (int32 boundaries over the batch * seqlen flattened tokens)."""
+    if cu_seqlens is None:
+        return torch.arange(batch, device=device)[:, None].expand(batch, seqlen)
+    check_cu_seqlens("cu_seqlens", cu_seqlens, batch * seqlen, device)
+    return document_ids_from_cu_seqlens(cu_seqlens).view(batch, seqlen)
+
+
+# The plans of the last rows rung over: every layer of a model rings over the same rows (activation
+# checkpointing reruns them), and a plan reads the offsets on the host. (group, cu_seqlens, rows key,
+# {(causal, window_left): plan}) or None.
+_plans = None
+
+
+def _cached_plan(ring, causal, window_left, cu_seqlens, batch, local_seqlen, device):
+    global _plans
+
+    def plan():
+        document_ids = _document_ids(cu_seqlens, batch, local_seqlen * ring.world_size, device)
+        return ring_plan(ring.rank, ring.world_size, causal, window_left, document_ids)
+
+    if cu_seqlens is not None and cu_seqlens.is_inference():  # no version counter: in-place edits go unseen
+        return plan()
+    version = None if cu_seqlens is None else cu_seqlens._version
+    rows = (ring.world_size, ring.rank, batch, local_seqlen, device, version)
+    if _plans is None or _plans[0] is not ring.group or _plans[1] is not cu_seqlens or _plans[2] != rows:
+        _plans = (ring.group, cu_seqlens, rows, {})
+    plans = _plans[3]
+    if (causal, window_left) not in plans:
+        plans[causal, window_left] = plan()
+    return plans[causal, window_left]
+
+
+def ring_flash_attn(q, k, v, group=None, causal=True, softmax_scale=None, cu_seqlens=None, window_size=(-1, -1)):
     """Exact attention over a sequence split across the ranks of ``group``; differentiable.
 
     Every rank of ``group`` must call it with the same shapes. Equals flash_attn_func on the full
-    sequence, restricted to this rank's queries.
+    sequence (flash_attn_varlen_func over its documents), restricted to this rank's queries.
 
     Args:
         q: (batch, local_seqlen, heads_q, head_dim); k, v: (batch, local_seqlen, heads_kv,
-            head_dim), heads_q a multiple of heads_kv (GQA). For causal=True the tokens must be in
-            the zigzag layout (``zigzag_shard``) and local_seqlen even; for causal=False any split.
+            head_dim), heads_q a multiple of heads_kv (GQA). For causal=True or packed documents the
+            tokens must be in the zigzag layout (``zigzag_shard``) and local_seqlen even; else any split.
         group: the context-parallel process group (default: the whole world).
         softmax_scale: defaults to head_dim ** -0.5.
+        cu_seqlens: int32 (num_docs + 1,) boundaries of the documents packed in the whole rows, over
+            their batch * world_size * local_seqlen flattened tokens (the same on every rank); no token
+            attends across one. None: every row is one sequence.
+        window_size: (left, right) sliding window as flash_attn_func's; only causal ones (right is then
+            folded to 0): a query sees itself and ``left`` keys before it.
     Returns:
         out (batch, local_seqlen, heads_q, head_dim), like q.
     """
@@ -267,48 +249,54 @@ def ring_flash_attn(q, k, v, group=None, causal=True, softmax_scale=None):
     if q.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2]:
         raise ValueError(f"q, k, v must be (batch, local_seqlen, heads, head_dim) with one local_seqlen, "
                          f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if causal and q.shape[1] % 2:
-        raise ValueError(f"causal ring attention needs the zigzag layout: local_seqlen {q.shape[1]} must be even")
+    if (causal or cu_seqlens is not None) and q.shape[1] % 2:
+        raise ValueError(f"causal or packed ring attention needs the zigzag layout: local_seqlen {q.shape[1]} "
+                         f"must be even")
+    window_left, window_right = (int(w) for w in window_size)
+    if (window_left, window_right) != (-1, -1) and (not causal or window_left < 0):
+        raise ValueError(f"ring attention takes causal sliding windows (causal=True, window_size=(left >= 0, any)), "
+                         f"got causal={causal}, window_size={tuple(window_size)}")
+    ring = _Ring(group)
+    plan = _cached_plan(ring, causal, window_left, cu_seqlens, q.shape[0], q.shape[1], q.device)
     # The backward runs outside autocast: fix the dtype here so both passes compute alike.
     q, k, v = autocast_inputs(q, k, v)
-    return _RingFlashAttention.apply(q, k, v, _Ring(group), causal, softmax_scale)
+    return _RingFlashAttention.apply(q, k, v, ring, plan, softmax_scale)
 
 
-def shard_batch(input_ids, targets, group=None):
+def shard_batch(input_ids, targets, group=None, position_ids=None):
     """This rank's (input_ids, targets, position_ids): the zigzag slice of every (batch, seqlen) row,
-    with each token's true position (RoPE and learned positions need it). seqlen must be divisible by
-    2 * the group's size."""
+    with each token's true position (RoPE and learned positions need it): ``position_ids`` where given
+    (packed documents restart them), else 0 .. seqlen - 1. seqlen must be divisible by 2 * the group's
+    size."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    return tuple(zigzag_shard(t, rank, world_size) for t in (input_ids, targets, positions))
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    return tuple(zigzag_shard(t, rank, world_size) for t in (input_ids, targets, position_ids))
 
 
 def check_ring_supports(config) -> None:
-    """Refuse a model whose attention the ring cannot compute (sliding windows, score softcaps).
+    """Refuse a model whose attention the ring cannot compute (score softcaps).
 
     Args:
         config: the model's ModelConfig.
     Raises:
         ConfigError: naming the model key.
     """
-    if "sliding" in config.layer_kinds():
-        raise ConfigError(f"parallel.context_parallel > 1 rings plain causal attention: this model has sliding-"
-                          f"window layers (model.sliding_window={config.sliding_window}, model.layer_types); "
-                          f"train it with parallel.context_parallel=1")
     if config.attn_softcap:
-        raise ConfigError(f"parallel.context_parallel > 1 rings plain causal attention: model.attn_softcap="
+        raise ConfigError(f"parallel.context_parallel > 1 rings causal attention without softcap: model.attn_softcap="
                           f"{config.attn_softcap} is not supported; train it with parallel.context_parallel=1")
 
 
 @contextlib.contextmanager
 def context_parallel(group=None):
     """Inside, a model's full-sequence attention is ring attention over ``group``: feed it this rank's
-    ``shard_batch``. Plain causal or full attention only (no window, no softcap, no packed documents)."""
-    def ring(q, k, v, causal, window_size, softcap, softmax_scale):
-        if tuple(window_size) != (-1, -1) or softcap:
-            raise ValueError(f"context parallelism supports plain causal or full attention, got "
-                             f"window_size={tuple(window_size)}, softcap={softcap}")
-        return ring_flash_attn(q, k, v, group=group, causal=causal, softmax_scale=softmax_scale)
+    ``shard_batch``, and as cu_seqlens the whole rows' document boundaries (the same on every rank).
+    Causal attention, sliding windows included, or full attention; no softcap."""
+    def ring(q, k, v, causal, window_size, softcap, softmax_scale, cu_seqlens):
+        if softcap:
+            raise ValueError(f"context parallelism does not support softcap, got softcap={softcap}")
+        return ring_flash_attn(q, k, v, group=group, causal=causal, softmax_scale=softmax_scale,
+                               cu_seqlens=cu_seqlens, window_size=window_size)
 
     with route_attention(ring):
         yield

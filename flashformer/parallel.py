@@ -134,6 +134,15 @@ def all_reduce(values: torch.Tensor, env: DistributedEnv, op=dist.ReduceOp.SUM) 
     return values
 
 
+def broadcast_from_main(value, env: DistributedEnv):
+    """Rank 0's ``value`` (any picklable object) on every rank (all ranks call this; ``value`` itself alone)."""
+    if not env.distributed:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def raise_on_every_rank(error: Exception | None, elsewhere: Exception, env: DistributedEnv) -> None:
     """Raise ``error`` on the rank where it happened and ``elsewhere`` on every other one (all ranks call
     this): one rank's failure must end them all, the others would wait for it in the next collective."""

@@ -9,8 +9,10 @@ from __future__ import annotations
 import torch
 
 from .checks import (autocast_inputs, check_attention_args, check_cu_seqlens, check_deterministic,
-                     check_dropout_and_alibi, draw_dropout_seed, kernel_inputs, max_seqlen_arg, reads_offsets)
-from .interface import attention_probs_dmask, attention_with_lse, kernel_impl, triton_attention, varlen_tiled
+                     check_dropout_and_alibi, draw_dropout_seed, kernel_head_dim, kernel_inputs, max_seqlen_arg,
+                     reads_offsets)
+from .interface import (attention_probs_dmask, attention_with_lse, kernel_impl, triton_attention, varlen_backward,
+                        varlen_tiled)
 from .masking import normalize_window
 from .varlen_kv import paged_varlen_attention, without_unused_keys
 
@@ -102,6 +104,44 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
                                                alibi_slopes, dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k,
                                                max_seqlen_q, max_seqlen_k)
     return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, deterministic=True):
+    """The gradients of flash_attn_varlen_func for a given (out, lse), without autograd (flash-attn's
+    _flash_attn_varlen_backward).
+
+    Each score's probability is exp(score - lse), so (out, lse) of a softmax over more keys than k
+    holds (the merged partial attentions of a ring) give k's exact share of that softmax's gradient.
+
+    Args:
+        grad_out, out: (total_q, heads_q, head_dim_v); lse: (heads_q, total_q) fp32.
+        q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size, softcap,
+            deterministic: as flash_attn_varlen_func (no dropout or ALiBi).
+        max_seqlen_q, max_seqlen_k: ints at least the longest sequences (trusted, not read back).
+    Returns:
+        (dq, dk, dv) shaped like q, k, v.
+    """
+    softmax_scale, window_size = check_attention_args(q, k, v, 0, softmax_scale, window_size, softcap)
+    expected = (*q.shape[:2], v.shape[-1])
+    for name, t in (("grad_out", grad_out), ("out", out)):
+        if tuple(t.shape) != expected:
+            raise ValueError(f"{name} must be (total_q, heads_q, head_dim_v) = {expected}, got {tuple(t.shape)}")
+    if lse.dtype != torch.float32 or tuple(lse.shape) != (q.shape[1], q.shape[0]):
+        raise ValueError(f"lse must be fp32 (heads_q, total_q) = {(q.shape[1], q.shape[0])}, got {lse.dtype} "
+                         f"{tuple(lse.shape)}")
+    for name, cu_seqlens, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k,
+                                                                                 k.shape[0])):
+        check_cu_seqlens(name, cu_seqlens, total, q.device, read_values=False)
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    q, k, v = kernel_inputs(q, k, v)
+    width = kernel_head_dim(max(head_dim, head_dim_v))
+    grad_out, out = (torch.nn.functional.pad(t.to(q.dtype), (0, width - head_dim_v)) for t in (grad_out, out))
+    window_left, window_right = normalize_window(causal, window_size)
+    dq, dk, dv = varlen_backward(grad_out, q, k, v, out, lse.contiguous(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                 max_seqlen_k, softmax_scale, window_left, window_right, float(softcap),
+                                 check_deterministic(deterministic))
+    return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim_v]
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,

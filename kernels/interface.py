@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from .reference import attention_probabilities, attention_tiled, dropout_keep_mask
+from .reference import attention_probabilities, attention_tiled, dropout_keep_mask, tiled_backward
 from . import settings
 
 KERNEL_IMPLS = ("gluon", "triton", "torch")
@@ -220,6 +220,25 @@ def varlen_tiled(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left
         outs.append(out[0])
         lses.append(lse[0])
     return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    softmax_scale, window_left, window_right, softcap, deterministic):
+    """(dq, dk, dv) of validated varlen inputs for a given (out, lse), on the chosen path; not autograd.
+    Where (out, lse) are those of a softmax over more keys than k holds, the gradients are k's share of
+    that softmax's (what ring attention needs)."""
+    if kernel_impl(q.device) != "torch":
+        return _backward_impl(grad_out, None, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, None, None, max_seqlen_q,
+                              max_seqlen_k, softmax_scale, window_left, window_right, softcap, 0.0, deterministic)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    bounds = zip(cu_seqlens_q.tolist(), cu_seqlens_q[1:].tolist(), cu_seqlens_k.tolist(), cu_seqlens_k[1:].tolist())
+    for q0, q1, k0, k1 in bounds:
+        dq, dk, dv = tiled_backward(grad_out[None, q0:q1], None, q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
+                                    out[None, q0:q1], lse[None, :, q0:q1].contiguous(), softmax_scale, window_left,
+                                    window_right, softcap)
+        for grad, block, start, end in zip(grads, (dq, dk, dv), (q0, k0, k0), (q1, k1, k1)):
+            grad[start:end] = block[0]
+    return grads
 
 
 @torch.no_grad()

@@ -105,7 +105,7 @@ class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
-        dq, dk, dv = _tiled_backward(grad_out, grad_lse, q, k, v, out, lse, *ctx.params, alibi_slopes, ctx.dropout)
+        dq, dk, dv = tiled_backward(grad_out, grad_lse, q, k, v, out, lse, *ctx.params, alibi_slopes, ctx.dropout)
         return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -187,8 +187,14 @@ def _tiled_forward(q, k, v, scale, window_left, window_right, softcap, alibi_slo
     return out, lse.reshape(batch, heads_q, seqlen_q)
 
 
-def _tiled_backward(grad_out, grad_lse, q, k, v, out, lse, scale, window_left, window_right, softcap, alibi_slopes,
-                    dropout):
+def tiled_backward(grad_out, grad_lse, q, k, v, out, lse, scale, window_left, window_right, softcap, alibi_slopes=None,
+                   dropout=None):
+    """(dq, dk, dv) of attention_tiled for its (out, lse), tile by tile; lse may normalize over more keys than k.
+
+    Args:
+        grad_out: like out; grad_lse: like lse, or None. q, k, v, scale, window_left, window_right,
+            softcap, alibi_slopes: as attention_tiled. dropout: (dropout_p, seed, batch_start), or None.
+    """
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     group = heads_q // heads_kv

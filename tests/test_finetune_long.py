@@ -267,11 +267,40 @@ def test_bad_input_fails_before_anything_is_written(base_run, tmp_path, capsys):
     assert "choose from linear, dynamic, yarn, llama3, ntk" in capsys.readouterr().err.replace("'", "")
     assert cli_main(["finetune-long", str(base_run / "base"), "--target-len", "256", "--scaling", "dynamic",
                      *common]) == 2
-    # Its fine-tuning takes the trainer's keys, but context parallelism's ring cannot attend packed documents.
+    # Its fine-tuning takes the trainer's keys; context parallelism needs torchrun.
     assert cli_main(["finetune-long", str(base_run / "base"), "--target-len", "256", *common,
                      "parallel.context_parallel=2"]) == 2
-    assert "parallel.context_parallel=2 cannot train on packed documents" in capsys.readouterr().err
+    assert "parallel.context_parallel=2 needs torchrun with a multiple of 2 processes, got 1" in capsys.readouterr().err
     assert not out_dir.exists()
+
+
+def test_context_parallel_fine_tuning_under_torchrun_matches_one_process(base_run, tmp_path):
+    """Two torchrun ranks share every packed 128-token row (ring attention); rank 0 evaluates and reports.
+    Losses, gradient norms and the fine-tuned model's perplexities equal one process's run."""
+    from test_distributed import assert_same_losses
+    from test_train import SUBPROCESS_ENV
+
+    def args(out_dir, *overrides):
+        return ["finetune-long", str(base_run / "base"), "--target-len", "128", "--steps", "2", "--eval-windows", "1",
+                "--passkey-trials", "1", "--eval-lengths", "128", "--out-dir", str(out_dir), "batch_size=4",
+                "micro_batch_size=2", "eval_every=2", "ckpt_every=2", *overrides]
+
+    one = tmp_path / "one"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli_main(args(one)) == 0
+    cp = tmp_path / "cp"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+               "-m", "flashformer.cli", *args(cp, "parallel.context_parallel=2")]
+    result = subprocess.run(command, capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "(1 data- x 2 context-parallel)" in result.stdout
+    assert result.stdout.count("report: ") == 1  # rank 0's
+    assert_same_losses(cp, one)
+    reports = [json.loads((run / REPORT_FILE).read_text()) for run in (cp, one)]
+    assert reports[0]["steps"] == 2
+    for model in MODELS:
+        assert reports[0]["lengths"][0][f"ppl_{model}"] == pytest.approx(reports[1]["lengths"][0][f"ppl_{model}"],
+                                                                         rel=1e-5), model
 
 
 def test_passkey_examples_join_training_only_and_fit_the_original_context(tmp_path):

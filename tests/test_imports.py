@@ -32,6 +32,7 @@ LAYERS = [
     ("training batches", ["flashformer.batches"]),
     ("around the model: parallelism, generation, memory plans",
      ["flashformer.parallel", "flashformer.context_parallel", "flashformer.generate", "flashformer.memory"]),
+    ("context parallelism: the zigzag layout, the ring's attention calls", ["flashformer.zigzag"]),
     ("public loading API, tokenizers", ["flashformer", "flashformer.tokenizer"]),
     ("loading checkpoints into models", ["flashformer.checkpoint"]),
     ("LoRA adapters", ["flashformer.lora"]),

@@ -8,7 +8,7 @@ import torch
 from attention_checks import assert_within_2x, attention_grads
 
 from flashformer.kernels import (attention_materialized, cu_seqlens_from_document_ids, cu_seqlens_from_lengths,
-                                 document_ids_from_cu_seqlens, flash_attn_varlen_func,
+                                 document_ids_from_cu_seqlens, flash_attn_varlen_backward, flash_attn_varlen_func,
                                  launch, position_ids_from_cu_seqlens)
 
 
@@ -195,3 +195,29 @@ def test_packing_helpers_round_trip():
     assert cu_seqlens_from_lengths([3, 0, 2]).tolist() == [0, 3, 3, 5]
     with pytest.raises(ValueError, match="lengths"):
         cu_seqlens_from_lengths([2, -1])
+
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_varlen_backward_for_a_given_out_and_lse(impl, device, monkeypatch):
+    """flash_attn_varlen_backward on the forward's own (out, lse) is that forward's autograd backward, bit for
+    bit (head_dim 12 padded to the kernels' 16, GQA, an empty sequence, a causal window). Ring attention
+    feeds it (out, lse) merged over more keys (tests/test_context_parallel.py)."""
+    monkeypatch.setenv("FLASHFORMER_KERNEL", impl)
+    monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
+    lengths_q, lengths_k = [9, 0, 20], [12, 6, 20]
+    cu_q, cu_k = (cu_seqlens_from_lengths(n).to(device) for n in (lengths_q, lengths_k))
+    q = torch.randn(sum(lengths_q), 4, 12, device=device)
+    k, v = (torch.randn(sum(lengths_k), 2, 12, device=device) for _ in range(2))
+    grad_out = torch.randn_like(q)
+    opts = dict(causal=True, window_size=(7, -1))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = flash_attn_varlen_func(*leaves, cu_q, cu_k, 20, 20, return_lse=True, **opts)
+    expected = torch.autograd.grad(out, leaves, grad_out)
+    grads = flash_attn_varlen_backward(grad_out, q, k, v, out.detach(), lse.detach(), cu_q, cu_k, 20, 20, **opts)
+    for name, ours, ref in zip(("dq", "dk", "dv"), grads, expected):
+        torch.testing.assert_close(ours, ref, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+    with pytest.raises(ValueError, match=r"lse must be fp32 \(heads_q, total_q\) = \(4, 29\)"):
+        flash_attn_varlen_backward(grad_out, q, k, v, out, lse.T, cu_q, cu_k, 20, 20, **opts)
+    with pytest.raises(ValueError, match=r"grad_out must be \(total_q, heads_q, head_dim_v\)"):
+        flash_attn_varlen_backward(grad_out[:-1], q, k, v, out, lse, cu_q, cu_k, 20, 20, **opts)

@@ -20,7 +20,9 @@ From a checkpoint (ours, a run directory, or a Hugging Face directory) trained a
    ``long_context_report.md`` (table + verdict, also printed last) and ``perplexity_vs_length.png``
    land in the run directory.
 
-Single process only: evaluation runs where the command runs, not under torchrun.
+Under torchrun (``parallel.context_parallel=N``, or data parallelism) every rank fine-tunes; rank 0 alone
+writes the run's files and evaluates, as a single-device model (inference at the target must fit one
+device), while the others wait for the training to start.
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ from ..config import ConfigError
 from ..data import load_corpus
 from ..fileio import atomic_write_file
 from ..model import Transformer
+from ..parallel import broadcast_from_main, init_distributed, raise_on_every_rank, shutdown_distributed
 from ..tokenizer import TOKENIZER_FILE, load_tokenizer
 from ..train import LOCK_FILE, RunLock, Trainer, latest_checkpoint
+from ..train.loop import _resolve_device
 from .evaluate import evaluate_long_context, held_out_windows
 from .extend import extended_model_config, long_context_train_config, resolve_checkpoint, save_extended_checkpoint
 from .passkey import PASSKEY_TRAIN_DIR, mix_in_passkey_documents, passkey_prompts
@@ -107,7 +111,7 @@ def finetune_long(args: argparse.Namespace) -> tuple[int, dict | None]:
         args: the parsed ``flashformer finetune-long`` arguments (cli.py).
     Returns:
         (exit code, the report, also written as JSON and markdown); the report is None when a signal
-        stopped training (exit code 128 + its number).
+        stopped training (exit code 128 + its number), and on every rank but 0 under torchrun.
     """
     checkpoint = resolve_checkpoint(args.checkpoint)
     original = from_pretrained(checkpoint)
@@ -121,20 +125,36 @@ def finetune_long(args: argparse.Namespace) -> tuple[int, dict | None]:
     lengths = _eval_lengths(args.eval_lengths, original_len, args.target_len)
     cfg = long_context_train_config(args.checkpoint, extended_config, args.scaling, args.out_dir, args.steps,
                                     args.lr, args.warmup_steps, args.overrides)
-    created = not os.path.exists(cfg.run_dir)
+    env = init_distributed(cfg.parallel, _resolve_device(cfg.device))  # torchrun's group; nothing alone
     try:
-        os.makedirs(cfg.run_dir, exist_ok=True)
-    except OSError as error:
-        raise ConfigError(f"--out-dir {cfg.run_dir!r} cannot be created: {error.strerror or error}") from None
-    try:
-        with RunLock(cfg.run_dir):
-            return _extend_train_and_report(args, cfg, checkpoint, original, extended_config, lengths)
+        return _in_run_dir(args, cfg, env, checkpoint, original, extended_config, lengths)
     finally:
-        if created and set(os.listdir(cfg.run_dir)) <= {LOCK_FILE}:  # nothing was written: leave no directory
+        shutdown_distributed()
+
+
+def _in_run_dir(args, cfg, env, checkpoint: str, original: Transformer, extended_config, lengths):
+    """The run under the lock of its directory, which rank 0 creates and holds."""
+    created = not os.path.exists(cfg.run_dir)
+    error = lock = None
+    if env.is_main:
+        try:
+            os.makedirs(cfg.run_dir, exist_ok=True)
+            lock = RunLock(cfg.run_dir).acquire()
+        except OSError as failure:
+            error = ConfigError(f"--out-dir {cfg.run_dir!r} cannot be created: {failure.strerror or failure}")
+        except ConfigError as failure:
+            error = failure
+    raise_on_every_rank(error, ConfigError(f"rank 0 could not take --out-dir {cfg.run_dir!r} (it says why)"), env)
+    try:
+        return _extend_train_and_report(args, cfg, env, checkpoint, original, extended_config, lengths)
+    finally:
+        if lock is not None:
+            lock.release()
+        if env.is_main and created and set(os.listdir(cfg.run_dir)) <= {LOCK_FILE}:  # nothing written: no directory
             shutil.rmtree(cfg.run_dir, ignore_errors=True)
 
 
-def _extend_train_and_report(args, cfg, checkpoint: str, original: Transformer, extended_config, lengths):
+def _extend_train_and_report(args, cfg, env, checkpoint: str, original: Transformer, extended_config, lengths):
     original_len = original.config.max_seq_len
     original.attn_backend = cfg.attn_backend
     # Named explicitly (not left to the Trainer) so that the held-out corpus below is cached under
@@ -143,10 +163,18 @@ def _extend_train_and_report(args, cfg, checkpoint: str, original: Transformer, 
         cfg.data.tokenizer = os.path.join(checkpoint, TOKENIZER_FILE)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     held_out_data = cfg.data
-    if args.passkey_train_fraction:
-        cfg.data = mix_in_passkey_documents(cfg.data, tokenizer, args.passkey_train_fraction, original_len,
-                                            os.path.join(cfg.run_dir, PASSKEY_TRAIN_DIR), cfg.seed)
-    save_extended_checkpoint(original, extended_config, cfg.init_from, tokenizer)
+    error = None
+    if env.is_main:  # the files every rank trains from
+        try:
+            if args.passkey_train_fraction:
+                cfg.data = mix_in_passkey_documents(cfg.data, tokenizer, args.passkey_train_fraction, original_len,
+                                                    os.path.join(cfg.run_dir, PASSKEY_TRAIN_DIR), cfg.seed)
+            save_extended_checkpoint(original, extended_config, cfg.init_from, tokenizer)
+        except Exception as failure:  # raised below, on every rank
+            error = failure
+    raise_on_every_rank(error, ConfigError("rank 0 could not prepare the fine-tuning data or extended-init "
+                                           "(it says why)"), env)
+    cfg.data = broadcast_from_main(cfg.data, env)
     trainer = Trainer(cfg)
 
     def evaluate(model: Transformer, label: str) -> dict[int, dict]:
@@ -157,17 +185,20 @@ def _extend_train_and_report(args, cfg, checkpoint: str, original: Transformer, 
         return from_pretrained(path, device=trainer.device, attn_backend=cfg.attn_backend)
 
     try:
-        windows = held_out_windows(load_corpus(held_out_data, tokenizer)[1], lengths, args.eval_windows)
-        prompts = {n: passkey_prompts(tokenizer, n, args.passkey_depths, args.passkey_trials, cfg.seed)
-                   for n in lengths}
-        print(_expected_time(trainer, cfg, lengths, args.eval_windows, {n: len(p) for n, p in prompts.items()}))
-        results = {"original": evaluate(original, "original")}
-        del original  # its memory is the fine-tuning's
-        results["scaled"] = evaluate(load(cfg.init_from), "scaled")
+        if env.is_main:
+            windows = held_out_windows(load_corpus(held_out_data, tokenizer)[1], lengths, args.eval_windows)
+            prompts = {n: passkey_prompts(tokenizer, n, args.passkey_depths, args.passkey_trials, cfg.seed)
+                       for n in lengths}
+            if not env.distributed:  # it times one process's training step
+                print(_expected_time(trainer, cfg, lengths, args.eval_windows,
+                                     {n: len(p) for n, p in prompts.items()}))
+            results = {"original": evaluate(original, "original")}
+            del original  # its memory is the fine-tuning's
+            results["scaled"] = evaluate(load(cfg.init_from), "scaled")
         result = trainer.fit()
     finally:
         trainer.close()
-    if result.interrupted:
+    if result.interrupted or not env.is_main:
         return result.exit_code, None
     finetuned_dir = latest_checkpoint(trainer.run_dir)
     results["finetuned"] = evaluate(load(finetuned_dir), "finetuned")

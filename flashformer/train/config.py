@@ -153,9 +153,6 @@ class TrainConfig:
         if self.data.seq_len % (2 * ranks):
             raise ConfigError(f"parallel.context_parallel={ranks} cuts every row into 2 x {ranks} chunks (zigzag): "
                               f"data.seq_len={self.data.seq_len} must be divisible by {2 * ranks}")
-        if self.data.packing == "packed":
-            raise ConfigError(f"parallel.context_parallel={ranks} cannot train on packed documents: its ring attends "
-                              f"over whole rows; set data.packing=blocks (or parallel.context_parallel=1)")
         if resolve_backend(self.attn_backend) != "flash":
             raise ConfigError(f"parallel.context_parallel={ranks} runs attention through the ring's flash kernels: "
                               f"attn_backend={self.attn_backend!r} is not used by it; set attn_backend=flash (or auto)")

@@ -100,17 +100,16 @@ def shard_micro_batch(batch: Batch, group) -> Batch:
     Its loss is the slice's summed token loss over (the rows' count of targets / group size): the
     ranks' losses average to the rows' mean loss, and so do their gradients, since the rows' loss is
     the sum of the slices' over the full count. Averaged over data-parallel ranks too (DDP / FSDP over
-    the whole world), the gradient is the one process's of the same rows.
+    the whole world), the gradient is the one process's of the same rows. Packed documents keep the
+    whole rows' cu_seqlens (the ring pairs every rank's tokens by document) and their positions.
 
     Args:
-        batch: rows of seq_len tokens, seq_len divisible by 2 * the group's size; no packed documents.
+        batch: rows of seq_len tokens, seq_len divisible by 2 * the group's size.
     """
-    if batch.cu_seqlens is not None:
-        raise ValueError("packed documents (cu_seqlens) cannot be sharded for context parallelism: the ring "
-                         "attends over whole rows")
-    input_ids, targets, position_ids = shard_batch(batch.input_ids, batch.targets, group)
+    input_ids, targets, position_ids = shard_batch(batch.input_ids, batch.targets, group, batch.position_ids)
     targets_per_rank = (batch.targets != IGNORE_INDEX).sum() / dist.get_world_size(group)
-    return Batch(input_ids, targets, position_ids=position_ids, loss_divisor=targets_per_rank)
+    return Batch(input_ids, targets, position_ids=position_ids, cu_seqlens=batch.cu_seqlens,
+                 loss_divisor=targets_per_rank)
 
 
 def nonfinite(loss: torch.Tensor, grad_norm: torch.Tensor | None) -> torch.Tensor:
