@@ -148,7 +148,7 @@ def test_a_signal_saves_a_checkpoint_and_exits_with_the_shells_code(tmp_path, da
         assert process.poll() is None and time.time() < deadline
         time.sleep(0.01)
     process.send_signal(sig)
-    stdout, stderr = process.communicate(timeout=60)
+    stdout, stderr = process.communicate(timeout=300)
     assert process.returncode == exit_code, stderr
     assert "Traceback" not in stderr and sig.name in stderr
     checkpoint = latest_checkpoint(str(run))

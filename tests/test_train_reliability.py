@@ -42,7 +42,7 @@ def run_cli(*args, timeout=120):
     return subprocess.run(cli_command(*args), capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=timeout)
 
 
-def wait_for_first_record(process, run, timeout=90):
+def wait_for_first_record(process, run, timeout=300):
     deadline = time.time() + timeout
     metrics = run / "metrics.jsonl"
     while not metrics.exists() or os.path.getsize(metrics) == 0:
@@ -203,12 +203,12 @@ def test_a_second_run_beside_a_live_one_is_refused_and_the_lock_goes_with_the_pr
     try:
         wait_for_first_record(first, run)
         for args in (("train", config), ("train", "--resume", str(run))):
-            second = run_cli(*args, timeout=60)
+            second = run_cli(*args, timeout=300)
             assert second.returncode == 2, second.stderr
             assert f"in use by another run: pid {first.pid} on this host" in second.stderr
             assert "Traceback" not in second.stderr
         first.send_signal(signal.SIGTERM)
-        first.communicate(timeout=60)
+        first.communicate(timeout=300)
         assert first.returncode == 143
     finally:
         if first.poll() is None:
