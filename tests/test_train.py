@@ -118,18 +118,18 @@ def test_optimizer_decays_only_matrices(tmp_path, data_cache):
 
 
 def test_sigkill_then_resume_reproduces_the_uninterrupted_losses_exactly(tmp_path, data_cache):
-    recipe = tiny_recipe(tmp_path / "reference", data_cache, steps=60, ckpt_every=10, eval_every=10)
+    recipe = tiny_recipe(tmp_path / "reference", data_cache, steps=30, ckpt_every=10, eval_every=10)
     train(load_train_config(recipe))  # the uninterrupted run, and the shared data cache
     killed_dir = tmp_path / "killed"
     config = write_recipe(tmp_path / "recipe.yaml", {**recipe, "out_dir": str(killed_dir)})
     process = subprocess.Popen(cli_command("train", config), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                env=SUBPROCESS_ENV)
-    deadline = time.time() + 90
+    deadline = time.time() + 300
     while not (killed_dir / "ckpt-10").exists() and process.poll() is None and time.time() < deadline:
         time.sleep(0.005)
     process.send_signal(signal.SIGKILL)
     assert process.wait() == -signal.SIGKILL
-    assert latest_checkpoint(str(killed_dir)) != str(killed_dir / "ckpt-60"), "the run ended before the kill"
+    assert latest_checkpoint(str(killed_dir)) != str(killed_dir / "ckpt-30"), "the run ended before the kill"
     resumed = subprocess.run(cli_command("train", "--resume", str(killed_dir)), capture_output=True, text=True,
                              env=SUBPROCESS_ENV)
     assert resumed.returncode == 0, resumed.stderr
@@ -143,7 +143,7 @@ def test_a_signal_saves_a_checkpoint_and_exits_with_the_shells_code(tmp_path, da
     config = write_recipe(tmp_path / "recipe.yaml", tiny_recipe(run, data_cache, steps=100_000, ckpt_every=100_000))
     process = subprocess.Popen(cli_command("train", config), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env=SUBPROCESS_ENV)
-    deadline = time.time() + 90
+    deadline = time.time() + 300
     while not (run / "metrics.jsonl").exists() or os.path.getsize(run / "metrics.jsonl") == 0:
         assert process.poll() is None and time.time() < deadline
         time.sleep(0.01)
