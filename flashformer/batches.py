@@ -53,7 +53,9 @@ def _rows(corpus: TokenCorpus, starts: np.ndarray, seq_len: int, packed: bool) -
     """The batch of windows ``corpus.tokens[s : s + seq_len + 1]`` for s in ``starts``."""
     windows = np.stack([np.asarray(corpus.tokens[s : s + seq_len + 1], dtype=np.int64) for s in starts])
     windows = torch.from_numpy(windows)
-    batch = Batch(input_ids=windows[:, :-1].contiguous(), targets=windows[:, 1:].contiguous())
+    # clone, not contiguous(): a single row's slices are contiguous views sharing the window's memory, and
+    # masking the targets would then write IGNORE_INDEX into the input ids.
+    batch = Batch(input_ids=windows[:, :-1].clone(), targets=windows[:, 1:].clone())
     if corpus.loss_mask is not None:
         learned = np.stack([np.asarray(corpus.loss_mask[s + 1 : s + seq_len + 1], dtype=bool) for s in starts])
         batch.targets[~torch.from_numpy(learned)] = IGNORE_INDEX
