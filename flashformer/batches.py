@@ -22,16 +22,13 @@ IGNORE_INDEX = -100  # a target without a loss (chat data's non-assistant tokens
 class Batch:
     """One micro batch. input_ids, targets, position_ids: (batch, seq_len) int64 (targets IGNORE_INDEX where a
     token has no loss); cu_seqlens: int32 (n_segments + 1,) document boundaries over the flattened
-    batch*seq_len tokens (packed only). loss_divisor: what the summed token loss is divided by; None: the
-    batch's own count of targets (the mean), set by context parallelism, whose ranks hold slices of a
-    sequence, to make their losses average to the sequence's mean."""
+    batch*seq_len tokens (packed only)."""
 
     input_ids: torch.Tensor
     targets: torch.Tensor
     position_ids: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int | None = None
-    loss_divisor: torch.Tensor | None = None
 
     def to(self, device) -> Batch:
         """The batch with its tensors on ``device``."""

@@ -16,7 +16,7 @@ from flashformer.context_parallel import (ring_flash_attn, shard_batch, zigzag_m
                                           zigzag_unshard)
 from flashformer.kernels import flash_attn_func
 from flashformer.model import ModelConfig, Transformer
-from flashformer.train.step import lm_loss, shard_micro_batch
+from flashformer.train.step import lm_loss, shard_micro_batch, step_divisor
 
 ATOL = 2e-5
 
@@ -102,7 +102,8 @@ def check_model_step_matches_full(group, pos):
 
 def check_sharded_batch_loss_counts_the_whole_rows_targets(group):
     """shard_micro_batch where the slices hold different numbers of targets (rank 0's first chunk ignored
-    whole): the ranks' losses and gradients average to the whole rows' mean over their targets."""
+    whole): divided by step_divisor, the ranks' losses and gradients average to the whole rows' mean over
+    their targets."""
     world_size = dist.get_world_size(group)
     torch.manual_seed(0)
     model = Transformer(ModelConfig(family="custom", vocab_size=64, d_model=32, n_layer=1, n_head=2, d_ff=64,
@@ -116,8 +117,13 @@ def check_sharded_batch_loss_counts_the_whole_rows_targets(group):
     full_grads = torch.autograd.grad(full_loss, params)
 
     local = shard_micro_batch(Batch(input_ids, targets), group)
+
+    def mean_over_ranks(count):
+        dist.all_reduce(count, group=group)
+        return count / world_size
+
     with context_parallel.context_parallel(group):
-        loss = lm_loss(model, local)
+        loss = lm_loss(model, local, divisor=step_divisor([local], mean_over_ranks))
     grads = torch.autograd.grad(loss, params)
     for value in (loss.detach(), *grads):
         dist.all_reduce(value, group=group)
