@@ -33,7 +33,7 @@ from ..data import corpus_cache_dir, load_corpus
 from ..fileio import WriteError
 from ..losses import default_chunk_size
 from ..model import Transformer
-from ..parallel import all_reduce, barrier, full_optimizer_state_dict, full_state_dicts, init_distributed
+from ..parallel import all_reduce, barrier, full_state_dicts, init_distributed
 from ..parallel import load_optimizer_state_dict, parallelize, raise_on_every_rank, shutdown_distributed
 from ..tokenizer import TOKENIZER_FILE, load_tokenizer
 from ..weights import CheckpointError, latest_checkpoint
@@ -272,10 +272,8 @@ class Trainer:
     def save_checkpoint(self) -> str:
         """Write ``ckpt-<step>`` atomically (all ranks call it) and drop all but the newest keep_checkpoints."""
         lora = self.cfg.lora if self.cfg.lora.enabled else None
-        if lora is not None:  # adapters only: the frozen base is never copied out
-            model_state, optimizer_state = None, full_optimizer_state_dict(self.wrapped, self.optimizer)
-        else:
-            model_state, optimizer_state = full_state_dicts(self.wrapped, self.optimizer)
+        # Under LoRA the adapters only: the frozen base is never gathered nor copied out.
+        model_state, optimizer_state = full_state_dicts(self.wrapped, self.optimizer, trainable_only=lora is not None)
         path = os.path.join(self.run_dir, f"ckpt-{self.step}")
         failure = None
         if self.env.is_main:
@@ -290,7 +288,7 @@ class Trainer:
             }
             model = self.model if lora is not None else self._full_model(model_state)
             try:
-                write_checkpoint(path, model, self.tokenizer, state, lora, self.init_dir)
+                write_checkpoint(path, model, self.tokenizer, state, lora, self.init_dir, adapters=model_state)
             except WriteError as error:
                 failure = error
             else:
