@@ -162,9 +162,11 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
         context: entered around each micro batch's forward and backward (context parallelism routes
             attention around the ring inside it; recomputed activations need it in backward too).
         reduce_gradients: called with the loss after the last backward, before clipping, for
-            gradients averaged by hand (context parallelism without DDP); may average the loss in place.
-        skip_nonfinite: where the loss or the gradient norm is NaN / inf (a step without targets too), leave the parameters and the
-            optimizer state as they were (needs the fused AdamW of ``build_optimizer``); the schedule steps.
+            gradients averaged by hand (context parallelism without DDP; with ``mean_over_ranks`` over the
+            same ranks where their counts of targets differ); may average the loss in place.
+        skip_nonfinite: where the loss or the gradient norm is NaN / inf (a step without targets too), leave
+            the parameters and the optimizer state as they were (needs the fused AdamW of ``build_optimizer``);
+            the schedule steps.
         agree: under several processes, the max of a flag over the ranks (e.g. an all-reduce), so that every
             rank skips the same steps.
         mean_over_ranks: as in ``step_divisor``; under several processes every rank must pass it.
