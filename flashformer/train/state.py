@@ -152,12 +152,11 @@ def write_checkpoint(path: str, model, tokenizer, state: dict, lora: LoRAConfig 
 
     Args:
         path: ``<run_dir>/ckpt-<step>``; replaced if it exists.
-        model: the unsharded Transformer.
+        model: the unsharded Transformer (under ``lora`` the adapted one, possibly sharded: only its config is read).
         tokenizer: saved beside the weights (generation and fine-tuning reuse it).
         state: the trainer state (``trainer_state.pt``).
         lora, base_dir, adapters: for a model adapted with ``lora``: only its adapters are written (the
-            ``adapters`` tensors, whole: under FSDP ``model`` holds shards), with a record of the base
-            checkpoint ``base_dir``.
+            ``adapters`` tensors, whole), with a record of the base checkpoint ``base_dir``.
     Raises:
         fileio.WriteError: the disk refused the write (full, a file-size limit, read-only); nothing of the
             new checkpoint is left behind and an older one is untouched.
