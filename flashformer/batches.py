@@ -23,16 +23,13 @@ class Batch:
     """One micro batch. input_ids, targets, position_ids: (batch, seq_len) int64 (targets IGNORE_INDEX where a
     token has no loss); cu_seqlens: int32 (n_segments + 1,) document boundaries over the flattened
     batch*seq_len tokens (packed only; under context parallelism, where each rank holds a slice of the rows,
-    those of the whole rows). loss_divisor: what the summed token loss is divided by; None: the
-    batch's own count of targets (the mean), set by context parallelism, whose ranks hold slices of a
-    sequence, to make their losses average to the sequence's mean."""
+    those of the whole rows)."""
 
     input_ids: torch.Tensor
     targets: torch.Tensor
     position_ids: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int | None = None
-    loss_divisor: torch.Tensor | None = None
 
     def to(self, device) -> Batch:
         """The batch with its tensors on ``device``."""
@@ -54,7 +51,9 @@ def _rows(corpus: TokenCorpus, starts: np.ndarray, seq_len: int, packed: bool) -
     """The batch of windows ``corpus.tokens[s : s + seq_len + 1]`` for s in ``starts``."""
     windows = np.stack([np.asarray(corpus.tokens[s : s + seq_len + 1], dtype=np.int64) for s in starts])
     windows = torch.from_numpy(windows)
-    batch = Batch(input_ids=windows[:, :-1].contiguous(), targets=windows[:, 1:].contiguous())
+    # clone, not contiguous(): a single row's slices are contiguous views sharing the window's memory, and
+    # masking the targets would then write IGNORE_INDEX into the input ids.
+    batch = Batch(input_ids=windows[:, :-1].clone(), targets=windows[:, 1:].clone())
     if corpus.loss_mask is not None:
         learned = np.stack([np.asarray(corpus.loss_mask[s + 1 : s + seq_len + 1], dtype=bool) for s in starts])
         batch.targets[~torch.from_numpy(learned)] = IGNORE_INDEX

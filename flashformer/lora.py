@@ -1,7 +1,7 @@
 """LoRA: low-rank adapters on a frozen base, applied to a Transformer from outside (model.py stays plain).
 
     apply_lora(model, LoRAConfig(rank=16, targets=["q", "k", "v", "o"]))   # base frozen, only A / B train
-    write_adapter_files(model, directory, lora_config, base_dir)           # the adapters + a record of the base
+    write_adapter_files(adapters, model.config, directory, lora_config, base_dir)  # + a record of the base
     merged = merge_lora(model)                                             # plain nn.Linear, W + scale * B @ A
 
 A targeted ``nn.Linear`` becomes a ``LoRALinear`` that holds the very same weight and bias Parameters
@@ -140,11 +140,6 @@ def apply_lora(model: nn.Module, config: LoRAConfig) -> nn.Module:
     return model
 
 
-def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The trainable tensors of an adapted model by parameter name: what an adapter checkpoint holds."""
-    return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
-
-
 def load_adapter_weights(model: nn.Module, tensors: dict, source) -> None:
     """Copy ``tensors`` (from ``read_adapter``) into an adapted model's trainable parameters.
 
@@ -181,23 +176,25 @@ def merge_lora(model: nn.Module) -> nn.Module:
     return model.requires_grad_(True)
 
 
-def write_adapter_files(model: nn.Module, directory: str, config: LoRAConfig, base_dir: str) -> None:
+def write_adapter_files(adapters: dict, model_config, directory: str, config: LoRAConfig, base_dir: str) -> None:
     """Write an adapted model's adapters and ``adapter_config.json`` into an existing directory.
 
     Not atomic by itself (as weights.write_pretrained_files): a caller wraps it in fileio.atomic_directory.
 
     Args:
-        model: the adapted (unwrapped) model.
+        adapters: the model's trainable tensors by parameter name, whole (a sharded model's gathered, as
+            ``parallel.full_state_dicts(..., trainable_only=True)`` does).
+        model_config: the adapted model's ModelConfig.
         directory: destination.
         config: the LoRAConfig it was adapted with.
         base_dir: the base checkpoint directory the adapters belong to (recorded as an absolute path).
     """
     from safetensors.torch import save_file
 
-    tensors = {name: t.cpu().contiguous() for name, t in adapter_state_dict(model).items()}
+    tensors = {name: t.detach().cpu().contiguous() for name, t in adapters.items()}
     save_file(tensors, os.path.join(directory, ADAPTER_FILE), metadata={"format": "pt"})
     record = {"format": ADAPTER_FORMAT, "format_version": 1, "lora": config_to_dict(config),
-              "base": {"path": os.path.abspath(base_dir), "model": config_to_dict(model.config)}}
+              "base": {"path": os.path.abspath(base_dir), "model": config_to_dict(model_config)}}
     text = json.dumps(record, indent=2)
     atomic_write_file(os.path.join(directory, ADAPTER_CONFIG_FILE), lambda f: f.write(text.encode("utf-8")))
 

@@ -245,20 +245,20 @@ def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Ten
 # `flashformer` command and every torchrun worker would otherwise pay at start-up.
 
 
-def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer,
+                     trainable_only: bool = False) -> tuple[dict, dict]:
     """Unsharded (model, optimizer) state dicts on CPU, keyed by parameter name; a collective under FSDP
-    (every rank must call it); under FSDP only rank 0's dicts are filled."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    (every rank must call it); under FSDP only rank 0's dicts are filled.
 
-    model_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return model_state, full_optimizer_state_dict(model, optimizer)
+    Args:
+        trainable_only: the model's dict holds only the parameters that train (LoRA's adapters): a frozen
+            base is neither gathered nor copied.
+    """
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
 
-
-def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """The optimizer's part of ``full_state_dicts`` alone (a LoRA run saves no model weights)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
 
 
 def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, optimizer_state: dict) -> None:

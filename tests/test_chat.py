@@ -187,6 +187,10 @@ def test_conversations_packed_whole_with_assistant_targets_only(tmp_path, unmark
     assert sorted(seen) == sorted(CONVERSATIONS.index(c) for c in trained)
     assert torch.equal(rows.targets, targets)
     assert int(train.loss_mask.sum()) == int((targets != IGNORE_INDEX).sum())
+    # One row per micro batch gives the same rows (a row's masked targets never reach its input ids).
+    singles = eval_batches(train, cfg, num_rows=1000, micro_batch=1)
+    assert torch.equal(torch.cat([b.input_ids for b in singles]), rows.input_ids)
+    assert torch.equal(torch.cat([b.targets for b in singles]), rows.targets)
     # A second load maps the cache, with the same masks.
     again, _ = load_chat_corpus(cfg, tokenizer)
     assert np.array_equal(again.loss_mask, train.loss_mask) and again.dropped == 1

@@ -17,7 +17,7 @@ from flashformer.context_parallel import (ring_flash_attn, shard_batch, zigzag_m
 from flashformer.kernels import (cu_seqlens_from_lengths, flash_attn_func, flash_attn_varlen_func,
                                 force_kernel_impl, launch, position_ids_from_cu_seqlens)
 from flashformer.model import ModelConfig, Transformer
-from flashformer.train.step import lm_loss, shard_micro_batch
+from flashformer.train.step import lm_loss, shard_micro_batch, step_divisor
 
 ATOL = 2e-5
 
@@ -137,8 +137,9 @@ def check_model_step_matches_full(group, pos, **model_fields):
 
 def check_sharded_batch_loss_counts_the_whole_rows_targets(group, packed, **model_fields):
     """shard_micro_batch where the slices hold different numbers of targets (rank 0's first chunk ignored
-    whole): the ranks' losses and gradients average to the whole rows' mean over their targets; with
-    packed documents, to the one process's varlen model (positions restarting per document)."""
+    whole): divided by step_divisor, the ranks' losses and gradients average to the whole rows' mean over
+    their targets; with packed documents, to the one process's varlen model (positions restarting per
+    document)."""
     world_size = dist.get_world_size(group)
     torch.manual_seed(0)
     model = Transformer(ModelConfig(family="custom", vocab_size=64, d_model=32, n_layer=2, n_head=2, d_ff=64,
@@ -157,8 +158,13 @@ def check_sharded_batch_loss_counts_the_whole_rows_targets(group, packed, **mode
     full_grads = torch.autograd.grad(full_loss, params)
 
     local = shard_micro_batch(whole, group)
+
+    def mean_over_ranks(count):
+        dist.all_reduce(count, group=group)
+        return count / world_size
+
     with context_parallel.context_parallel(group):
-        loss = lm_loss(model, local)
+        loss = lm_loss(model, local, divisor=step_divisor([local], mean_over_ranks))
     grads = torch.autograd.grad(loss, params)
     for value in (loss.detach(), *grads):
         dist.all_reduce(value, group=group)

@@ -10,8 +10,12 @@ import sys
 import time
 
 import pytest
+import torch
 import yaml
 
+from flashformer.checkpoint import from_pretrained
+from flashformer.cli import main as cli_main
+from flashformer.lora import read_adapter
 from flashformer.train import NonFiniteLossError, latest_checkpoint, load_train_config, read_metrics, train
 from test_train import SUBPROCESS_ENV, data_cache, one_thread, tiny_recipe  # noqa: F401 (fixtures)
 
@@ -146,3 +150,45 @@ def test_fsdp_with_offloaded_checkpointing_matches_one_process(tmp_path, data_ca
     train(load_train_config(tiny_recipe(tmp_path / "one", data_cache, **{**fields, "activation_checkpointing": False})))
     torchrun(tiny_recipe(tmp_path / "fsdp", data_cache, parallel={"mode": "fsdp"}, **fields), tmp_path)
     assert_same_losses(tmp_path / "fsdp", tmp_path / "one")
+
+
+def test_fsdp_lora_matches_one_process_leaves_the_base_alone_and_resumes(tmp_path, data_cache):
+    base = tmp_path / "base"
+    train(load_train_config(tiny_recipe(base, data_cache, steps=2, ckpt_every=2, eval_every=2, **CPU)))
+    fields = dict(steps=4, eval_every=2, ckpt_every=2, batch_size=8, micro_batch_size=4, init_from=str(base),
+                  lora={"rank": 4, "targets": ["q", "v", "up"]}, **CPU)
+    one, sharded = tmp_path / "one", tmp_path / "fsdp"
+    train(load_train_config(tiny_recipe(one, data_cache, **fields)))
+    recipe, report = tmp_path / "fsdp.yaml", tmp_path / "report.json"
+    recipe.write_text(yaml.safe_dump(tiny_recipe(sharded, data_cache, parallel={"mode": "fsdp"}, **fields)))
+    worker = os.path.join(os.path.dirname(__file__), "lora_fsdp_worker.py")
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                             worker, str(recipe), str(report)], capture_output=True, text=True, env=SUBPROCESS_ENV,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    found = json.loads(report.read_text())
+    # The base is sharded, has no gradients and no AdamW state, and comes out of training bit for bit.
+    assert len(found["frozen"]) > 10 and not found["not_sharded"] and not found["with_grad"] and not found["changed"]
+    adapters = [name for name in found["optimized"] if name.endswith(("lora_a", "lora_b"))]
+    assert len(adapters) == len(found["optimized"]) == 2 * 3 * 2 and found["optimizer_state"] == found["optimized"]
+
+    def assert_same_adapters():
+        assert_same_losses(sharded, one)
+        ours, reference = (read_adapter(run / "ckpt-4")[1] for run in (sharded, one))
+        assert sorted(ours) == sorted(reference) == sorted(adapters)
+        for name, value in reference.items():
+            torch.testing.assert_close(ours[name], value, rtol=0, atol=TOLERANCE, msg=name)
+
+    assert_same_adapters()
+    # Merged into the base for transformers, as the one process's adapters are.
+    assert cli_main(["merge-lora", str(sharded / "ckpt-4"), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
+    ids = torch.randint(0, 257, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(from_pretrained(tmp_path / "hf")(ids), from_pretrained(one / "ckpt-4")(ids),
+                                   rtol=0, atol=TOLERANCE)
+    # As if the run had died after ckpt-2: the resumed processes redo steps 3-4 identically.
+    shutil.rmtree(sharded / "ckpt-4")
+    metrics = sharded / "metrics.jsonl"
+    metrics.write_text("".join(line for line in metrics.read_text().splitlines(True) if json.loads(line)["step"] <= 2))
+    torchrun({}, tmp_path, "--resume", str(sharded))
+    assert_same_adapters()

@@ -223,7 +223,6 @@ def test_merge_folds_the_adapters_into_the_weights():
     (["lora.rank=4", "lora.base_dtype=fp16"], "lora.base_dtype"),
     (["lora.rank=4"], "set init_from"),
     (["lora.rank=4", "init_from=x", "freeze=[embed.weight]"], "freeze cannot be combined with lora.rank"),
-    (["lora.rank=4", "init_from=x", "parallel.mode=fsdp"], "parallel.mode=fsdp cannot be combined with lora"),
     (["lora.rank=4", "init_from=x", "precision=fp32", "lora.base_dtype=bf16"], "lora.base_dtype=bf16 needs bf16"),
     (["activation_checkpointing=disk"], "activation_checkpointing"),
 ])

@@ -139,10 +139,6 @@ class TrainConfig:
             if self.freeze:
                 raise ConfigError("freeze cannot be combined with lora.rank > 0: LoRA freezes everything but the "
                                   "adapters (lora.train_norms trains the norms too)")
-            if self.parallel.mode == "fsdp":
-                raise ConfigError("parallel.mode=fsdp cannot be combined with lora.rank > 0: FSDP2 shards a frozen "
-                                  "bf16 base and fp32 adapters in one group; use parallel.mode=ddp (the adapters "
-                                  "are all that is reduced)")
             if self.lora.base_dtype == "bf16" and self.precision == "fp32":
                 raise ConfigError("lora.base_dtype=bf16 needs bf16 autocast: set precision=bf16 (or auto on CUDA)")
 

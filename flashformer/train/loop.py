@@ -33,7 +33,7 @@ from ..data import corpus_cache_dir, load_corpus
 from ..fileio import WriteError
 from ..losses import default_chunk_size
 from ..model import Transformer
-from ..parallel import all_reduce, barrier, full_optimizer_state_dict, full_state_dicts, init_distributed
+from ..parallel import all_reduce, barrier, full_state_dicts, init_distributed
 from ..parallel import load_optimizer_state_dict, parallelize, raise_on_every_rank, shutdown_distributed
 from ..tokenizer import TOKENIZER_FILE, load_tokenizer
 from ..weights import CheckpointError, latest_checkpoint
@@ -42,8 +42,8 @@ from .model_setup import build_model
 from .metrics import METRICS_FILE, MetricsLog, abridged, plot_losses
 from .state import (LOCK_FILE, RunDirLocked, RunLock, capture_rng, clean_stale_writes, prune_checkpoints,
                     read_trainer_state, restore_rng, seed_everything, write_checkpoint)
-from .step import (build_optimizer, lm_loss, lr_factor, nonfinite, set_hyperparameters, shard_micro_batch,
-                   train_step)
+from .step import (build_optimizer, count_targets, lm_loss, lr_factor, nonfinite, set_hyperparameters,
+                   shard_micro_batch, train_step)
 from .stops import SkippedSteps, StepFlags, StopRequests, TrainResult
 
 CHUNKED_LOSS_MIN_SEQ_LEN = 8192  # chunked_loss=None chunks from here: the logits outgrow the activations
@@ -239,27 +239,30 @@ class Trainer:
         return contextlib.nullcontext() if self.env.cp_group is None else context_parallel(self.env.cp_group)
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """Queue one optimizer step; returns (mean loss over this rank's micro batches, grad norm, lr used),
-        the first two as device tensors: nothing here waits for the GPU."""
+        """Queue one optimizer step; returns (this rank's share of the loss: the mean over the ranks is the
+        step's mean over all its targets, grad norm, lr used), the first two as device tensors: nothing here
+        waits for the GPU."""
         lr = self.optimizer.param_groups[0]["lr"]
         micro_batches = [self._local(batch) for batch in self.batches.next_step()]
-        agree = (lambda flag: all_reduce(flag, self.env, op=dist.ReduceOp.MAX)) if self.env.distributed else None
+        env = self.env
+        agree = (lambda flag: all_reduce(flag, env, op=dist.ReduceOp.MAX)) if env.distributed else None
+        mean_over_ranks = (lambda count: all_reduce(count, env) / env.world_size) if env.distributed else None
         loss, grad_norm = train_step(self.wrapped, self.optimizer, micro_batches, bf16=self.bf16,
                                      loss_chunk_size=self.loss_chunk_size, scheduler=self.scheduler,
                                      max_grad_norm=self.cfg.optim.grad_clip or math.inf, skip_nonfinite=True,
-                                     agree=agree, context=self._attention)
+                                     agree=agree, mean_over_ranks=mean_over_ranks, context=self._attention)
         return loss, grad_norm, lr
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over the fixed held-out rows of all ranks."""
+        """Mean loss over every target of the fixed held-out rows of all ranks."""
         self.wrapped.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for batch in self.eval_set:
+            local = self._local(batch)
             with self._attention():
-                totals[0] += lm_loss(self.wrapped, self._local(batch), self.bf16, self.loss_chunk_size).double() \
-                    * len(batch.input_ids)
-            totals[1] += len(batch.input_ids)
+                totals[0] += lm_loss(self.wrapped, local, self.bf16, self.loss_chunk_size, divisor=1.0).double()
+            totals[1] += count_targets(local)
         self.wrapped.train()
         totals = all_reduce(totals, self.env)
         return (totals[0] / totals[1]).item()
@@ -269,10 +272,8 @@ class Trainer:
     def save_checkpoint(self) -> str:
         """Write ``ckpt-<step>`` atomically (all ranks call it) and drop all but the newest keep_checkpoints."""
         lora = self.cfg.lora if self.cfg.lora.enabled else None
-        if lora is not None:  # adapters only: the frozen base is never copied out
-            model_state, optimizer_state = None, full_optimizer_state_dict(self.wrapped, self.optimizer)
-        else:
-            model_state, optimizer_state = full_state_dicts(self.wrapped, self.optimizer)
+        # Under LoRA the adapters only: the frozen base is never gathered nor copied out.
+        model_state, optimizer_state = full_state_dicts(self.wrapped, self.optimizer, trainable_only=lora is not None)
         path = os.path.join(self.run_dir, f"ckpt-{self.step}")
         failure = None
         if self.env.is_main:
@@ -287,7 +288,7 @@ class Trainer:
             }
             model = self.model if lora is not None else self._full_model(model_state)
             try:
-                write_checkpoint(path, model, self.tokenizer, state, lora, self.init_dir)
+                write_checkpoint(path, model, self.tokenizer, state, lora, self.init_dir, adapters=model_state)
             except WriteError as error:
                 failure = error
             else:

@@ -147,23 +147,23 @@ def clean_stale_writes(run_dir: str) -> list[str]:
 
 
 def write_checkpoint(path: str, model, tokenizer, state: dict, lora: LoRAConfig | None = None,
-                     base_dir: str | None = None) -> None:
+                     base_dir: str | None = None, adapters: dict | None = None) -> None:
     """Write weights, tokenizer and ``state`` as the checkpoint directory ``path``, atomically.
 
     Args:
         path: ``<run_dir>/ckpt-<step>``; replaced if it exists.
-        model: the unsharded Transformer.
+        model: the unsharded Transformer (under ``lora`` the adapted one, possibly sharded: only its config is read).
         tokenizer: saved beside the weights (generation and fine-tuning reuse it).
         state: the trainer state (``trainer_state.pt``).
-        lora, base_dir: for a model adapted with ``lora``: only its adapters are written, with a record
-            of the base checkpoint ``base_dir``.
+        lora, base_dir, adapters: for a model adapted with ``lora``: only its adapters are written (the
+            ``adapters`` tensors, whole), with a record of the base checkpoint ``base_dir``.
     Raises:
         fileio.WriteError: the disk refused the write (full, a file-size limit, read-only); nothing of the
             new checkpoint is left behind and an older one is untouched.
     """
     with atomic_directory(path) as tmp:
         if lora is not None:
-            write_adapter_files(model, tmp, lora, base_dir)
+            write_adapter_files(adapters, model.config, tmp, lora, base_dir)
             tokenizer.save(tmp)
         else:
             write_pretrained_files(model, tmp, tokenizer=tokenizer)

@@ -13,7 +13,6 @@ import contextlib
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -70,8 +69,9 @@ def set_hyperparameters(optimizer: torch.optim.Optimizer, scheduler, cfg, factor
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
-def lm_loss(model: nn.Module, batch: Batch, bf16: bool = False, loss_chunk_size: int | None = None) -> torch.Tensor:
-    """Mean next-token cross-entropy of one micro batch, fp32.
+def lm_loss(model: nn.Module, batch: Batch, bf16: bool = False, loss_chunk_size: int | None = None,
+            divisor: torch.Tensor | float | None = None) -> torch.Tensor:
+    """Next-token cross-entropy of one micro batch, fp32: the mean over its targets, or their sum / ``divisor``.
 
     Args:
         model: a Transformer or a wrapper of one (DDP / FSDP hook only ``forward``, so the chunked loss
@@ -80,10 +80,9 @@ def lm_loss(model: nn.Module, batch: Batch, bf16: bool = False, loss_chunk_size:
         bf16: run under bf16 autocast.
         loss_chunk_size: LM head + cross-entropy in chunks of this many tokens (never the full
             (tokens x vocab) logits); None materializes the logits.
-    Returns:
-        the mean loss, or with ``batch.loss_divisor`` the summed loss divided by it.
+        divisor: what the summed token loss is divided by; None: the batch's count of targets (the mean).
     """
-    reduction = "mean" if batch.loss_divisor is None else "sum"
+    reduction = "mean" if divisor is None else "sum"
     with torch.autocast(batch.input_ids.device.type, dtype=torch.bfloat16, enabled=bf16):
         if loss_chunk_size:
             loss = model(batch.input_ids, targets=batch.targets, loss_chunk_size=loss_chunk_size,
@@ -91,25 +90,45 @@ def lm_loss(model: nn.Module, batch: Batch, bf16: bool = False, loss_chunk_size:
         else:
             logits = model(batch.input_ids, **batch.model_kwargs())
             loss = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(), reduction=reduction)
-    return loss if batch.loss_divisor is None else loss / batch.loss_divisor
+    return loss if divisor is None else loss / divisor
+
+
+def count_targets(batch: Batch) -> torch.Tensor:
+    """The batch's targets that carry a loss (not IGNORE_INDEX), a 0-dim int64 tensor on its device."""
+    return (batch.targets != IGNORE_INDEX).sum()
+
+
+def step_divisor(micro_batches: list[Batch], mean_over_ranks=None) -> torch.Tensor:
+    """What each micro batch's summed token loss is divided by, so that the step's gradient is the one of the
+    mean loss over all its targets, however they fall into micro batches, ranks and slices of a row.
+
+    DDP and FSDP average the ranks' gradients, so a rank divides by the mean over the ranks of their counts
+    (not by the total): the mean of (rank's sum / mean count) is (all ranks' sum / total count).
+
+    Args:
+        micro_batches: this rank's micro batches of the step (under context parallelism, its slices).
+        mean_over_ranks: the mean of a tensor over the ranks whose gradients are averaged (e.g. an
+            all-reduce over them / their number); None: one process.
+    Returns:
+        a 0-dim tensor on the batches' device.
+    """
+    count = torch.stack([count_targets(batch) for batch in micro_batches]).sum()
+    return count.float() if mean_over_ranks is None else mean_over_ranks(count).float()
 
 
 def shard_micro_batch(batch: Batch, group) -> Batch:
     """This rank's zigzag slice of a micro batch that every rank of ``group`` holds whole.
 
-    Its loss is the slice's summed token loss over (the rows' count of targets / group size): the
-    ranks' losses average to the rows' mean loss, and so do their gradients, since the rows' loss is
-    the sum of the slices' over the full count. Averaged over data-parallel ranks too (DDP / FSDP over
-    the whole world), the gradient is the one process's of the same rows. Packed documents keep the
-    whole rows' cu_seqlens (the ring pairs every rank's tokens by document) and their positions.
+    Divided by ``step_divisor`` over all ranks, the slices' summed losses make the rows' loss, and
+    their gradients, averaged over the ranks (DDP / FSDP over the whole world), the one process's of the
+    same rows, whichever slices hold how many targets. Packed documents keep the whole rows' cu_seqlens
+    (the ring pairs every rank's tokens by document) and their positions.
 
     Args:
         batch: rows of seq_len tokens, seq_len divisible by 2 * the group's size.
     """
     input_ids, targets, position_ids = shard_batch(batch.input_ids, batch.targets, group, batch.position_ids)
-    targets_per_rank = (batch.targets != IGNORE_INDEX).sum() / dist.get_world_size(group)
-    return Batch(input_ids, targets, position_ids=position_ids, cu_seqlens=batch.cu_seqlens,
-                 loss_divisor=targets_per_rank)
+    return Batch(input_ids, targets, position_ids=position_ids, cu_seqlens=batch.cu_seqlens)
 
 
 def nonfinite(loss: torch.Tensor, grad_norm: torch.Tensor | None) -> torch.Tensor:
@@ -122,45 +141,52 @@ def nonfinite(loss: torch.Tensor, grad_norm: torch.Tensor | None) -> torch.Tenso
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[Batch], *,
                bf16: bool = False, loss_chunk_size: int | None = None, max_grad_norm: float | None = None,
                scheduler=None, context=contextlib.nullcontext, reduce_gradients=None, skip_nonfinite: bool = False,
-               agree=None):
+               agree=None, mean_over_ranks=None):
     """Queue one optimizer step: forward + backward of every micro batch (DDP / FSDP reduce the
     gradients on the last only), then clip, step the optimizer and the schedule, zero the gradients.
+
+    The gradient is that of the mean loss over every target of the step (``step_divisor``): a micro
+    batch or a rank with few targets (chat data's prompts carry none) weighs by them.
 
     Args:
         model: the module to call; its parameters are the optimizer's.
         optimizer: the optimizer.
-        micro_batches: data.Batch list on the model's device; the step's loss is their mean.
+        micro_batches: data.Batch list on the model's device.
         bf16, loss_chunk_size: as in ``lm_loss``.
         max_grad_norm: clip the global gradient norm to it (``math.inf`` measures without clipping);
             None neither measures nor clips.
         scheduler: stepped after the optimizer, if given.
         context: entered around each micro batch's forward and backward (context parallelism routes
             attention around the ring inside it; recomputed activations need it in backward too).
-        reduce_gradients: called with the mean loss after the last backward, before clipping, for
-            gradients averaged by hand (context parallelism without DDP); may average the loss in place.
-        skip_nonfinite: where the mean loss or the gradient norm is NaN / inf, leave the parameters and the
-            optimizer state as they were (needs the fused AdamW of ``build_optimizer``); the schedule steps.
+        reduce_gradients: called with the loss after the last backward, before clipping, for
+            gradients averaged by hand (context parallelism without DDP; with ``mean_over_ranks`` over the
+            same ranks where their counts of targets differ); may average the loss in place.
+        skip_nonfinite: where the loss or the gradient norm is NaN / inf (a step without targets too), leave
+            the parameters and the optimizer state as they were (needs the fused AdamW of ``build_optimizer``);
+            the schedule steps.
         agree: under several processes, the max of a flag over the ranks (e.g. an all-reduce), so that every
             rank skips the same steps.
+        mean_over_ranks: as in ``step_divisor``; under several processes every rank must pass it.
     Returns:
-        (mean loss, gradient norm or None), 0-dim tensors on the device.
+        (loss, gradient norm or None), 0-dim tensors on the device. The loss is this rank's summed token
+        loss over ``step_divisor``: on one process the step's mean loss, and its mean over the ranks otherwise.
     """
-    loss_sum = torch.zeros((), device=micro_batches[0].input_ids.device)
+    divisor = step_divisor(micro_batches, mean_over_ranks)
+    step_loss = torch.zeros((), device=micro_batches[0].input_ids.device)
     for index, batch in enumerate(micro_batches):
         with gradient_sync(model, enabled=index == len(micro_batches) - 1), context():
-            loss = lm_loss(model, batch, bf16, loss_chunk_size)
-            (loss / len(micro_batches)).backward()
-        loss_sum += loss.detach()
-    mean_loss = loss_sum / len(micro_batches)
+            loss = lm_loss(model, batch, bf16, loss_chunk_size, divisor)
+            loss.backward()
+        step_loss += loss.detach()
     if reduce_gradients is not None:
-        reduce_gradients(mean_loss)
+        reduce_gradients(step_loss)
     grad_norm = None
     if max_grad_norm is not None:
         grad_norm = clip_grad_norm([p for group in optimizer.param_groups for p in group["params"]], max_grad_norm)
     if skip_nonfinite:
         if not optimizer.defaults.get("fused"):
             raise ValueError("skip_nonfinite needs a fused optimizer (build_optimizer's), which reads found_inf")
-        flag = nonfinite(mean_loss, grad_norm)
+        flag = nonfinite(step_loss, grad_norm)
         # The flag GradScaler hands fused optimizers: read on the device, the host never waits for it.
         optimizer.found_inf = agree(flag) if agree is not None else flag
     optimizer.step()
@@ -169,4 +195,4 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
     if scheduler is not None:
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return mean_loss, grad_norm
+    return step_loss, grad_norm
