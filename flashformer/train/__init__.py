@@ -6,6 +6,7 @@
 config.py   the recipe (TrainConfig and its sections), overrides, what may change on resume
 step.py     one optimizer step (shared with context parallelism and the memory sweep), the schedule
 loop.py     the Trainer: setup, the loop, evaluation, checkpoints
+run_dir.py  the run directory (created, locked, cleaned) and the checkpoints a run starts from
 stops.py    how a run ends early: stop signals, non-finite losses, exit codes
 state.py    the run directory: checkpoints, RNG states, its lock, leftovers of killed writes
 metrics.py  metrics.jsonl (append-only), loss.png

@@ -13,18 +13,15 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import shutil
 import sys
-import tempfile
 import time
-import weakref
 
 import torch
 import torch.distributed as dist
 import yaml
 from tqdm.auto import tqdm
 
-from ..checkpoint import from_pretrained, resolve_checkpoint_dir
+from ..checkpoint import from_pretrained
 from ..config import ConfigError, config_to_dict, save_config
 from ..batches import Batch, TrainBatches, eval_batches
 from ..chat import ChatTemplate, load_chat_corpus
@@ -36,12 +33,12 @@ from ..model import Transformer
 from ..parallel import all_reduce, barrier, full_optimizer_state_dict, full_state_dicts, init_distributed
 from ..parallel import load_optimizer_state_dict, parallelize, raise_on_every_rank, shutdown_distributed
 from ..tokenizer import TOKENIZER_FILE, load_tokenizer
-from ..weights import CheckpointError, latest_checkpoint
-from .config import RUN_CONFIG_FILE, TrainConfig, resume_changes, resume_refusal, saved_run_config
+from ..weights import latest_checkpoint
+from .config import RUN_CONFIG_FILE, TrainConfig
 from .model_setup import build_model
 from .metrics import METRICS_FILE, MetricsLog, abridged, plot_losses
-from .state import (LOCK_FILE, RunDirLocked, RunLock, capture_rng, clean_stale_writes, prune_checkpoints,
-                    read_trainer_state, restore_rng, seed_everything, write_checkpoint)
+from .run_dir import RunDirectory, init_checkpoint
+from .state import capture_rng, prune_checkpoints, read_trainer_state, restore_rng, seed_everything, write_checkpoint
 from .step import (build_optimizer, lm_loss, lr_factor, nonfinite, set_hyperparameters, shard_micro_batch,
                    train_step)
 from .stops import SkippedSteps, StepFlags, StopRequests, TrainResult
@@ -74,21 +71,18 @@ class Trainer:
         self.env = init_distributed(cfg.parallel, _resolve_device(cfg.device))
         self.device = self.env.device
         self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and self.device.type == "cuda")
-        self.lock = None
-        created = not os.path.exists(self.run_dir)
+        self.run = RunDirectory(self.run_dir, self.env)
         try:
             self._setup()
         except BaseException:
-            self.close()
-            if created and self.env.is_main:  # a run that never started leaves no directory behind
-                _remove_if_only_lock(self.run_dir)
+            self.run.close(started=False)  # a run that never started leaves no directory behind
             raise
 
     def _setup(self) -> None:
         cfg = self.cfg
-        init_dir = self.init_dir = self._init_checkpoint()
-        self._open_run_dir()
-        self.resume_from = self._resume_checkpoint()
+        init_dir = self.init_dir = init_checkpoint(cfg)
+        self.run.open()
+        self.resume_from, self._resume_state = self.run.resume_checkpoint(cfg)
         self.weights_from = self.resume_from or init_dir
         self._choose_tokenizer()
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -119,63 +113,9 @@ class Trainer:
 
     def close(self) -> None:
         """Release the run directory's lock (idempotent)."""
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
+        self.run.close()
 
     # ----- setup -----
-
-    def _open_run_dir(self) -> None:
-        """Create out_dir, check that it is writable, lock it, and clean what killed writes left there."""
-        try:
-            os.makedirs(self.run_dir, exist_ok=True)
-            with tempfile.TemporaryFile(dir=self.run_dir):
-                pass
-        except OSError as error:
-            where = f" ({error.filename})" if error.filename and error.filename != self.run_dir else ""
-            raise ConfigError(f"out_dir {self.run_dir!r} is not writable: {error.strerror or error}{where}; choose "
-                              f"another out_dir= (or name=, for runs/<name>)") from None
-        refused = None
-        if self.env.is_main:
-            try:
-                self.lock = RunLock(self.run_dir).acquire()
-                weakref.finalize(self, self.lock.release)  # a Trainer dropped without close() lets go too
-            except RunDirLocked as error:
-                refused = error
-        raise_on_every_rank(refused, RunDirLocked(f"{self.run_dir} is in use by another run (rank 0 says by whom)"),
-                            self.env)
-        if self.env.is_main:
-            for name in clean_stale_writes(self.run_dir):
-                print(f"{self.run_dir}: cleaned up {name}, left by an interrupted write")
-        barrier(self.env)
-
-    def _resume_checkpoint(self) -> str | None:
-        """The checkpoint to resume from (None: a fresh start), its config checked against this one."""
-        latest = latest_checkpoint(self.run_dir)
-        if latest is not None and not self.cfg.resume:
-            raise ConfigError(
-                f"{self.run_dir} already holds checkpoints ({os.path.basename(latest)}): continue with "
-                f"`flashformer train --resume {self.run_dir}` (or resume=true), or choose another out_dir=/name=")
-        if self.cfg.resume and latest is None and self.env.is_main:
-            print(f"resume: no checkpoint in {self.run_dir} yet, starting from scratch")
-        if not self.cfg.resume or latest is None:
-            return None
-        self._resume_state = read_trainer_state(latest)
-        changes = resume_changes(saved_run_config(self._resume_state["config"]), config_to_dict(self.cfg),
-                                 compare_model=self.cfg.init_from is None)
-        if changes:
-            raise ConfigError(resume_refusal(changes, self.run_dir))
-        return latest
-
-    def _init_checkpoint(self) -> str | None:
-        """The directory ``init_from`` names: a checkpoint, a run directory's latest checkpoint, or a hub id's
-        snapshot."""
-        if self.cfg.init_from is None:
-            return None
-        try:
-            return resolve_checkpoint_dir(self.cfg.init_from, self.cfg.init_revision)
-        except CheckpointError as error:
-            raise ConfigError(f"init_from: {error}") from None
 
     def _choose_tokenizer(self) -> None:
         data = self.cfg.data
@@ -328,15 +268,7 @@ class Trainer:
     def _divergence_advice(self) -> str:
         optim = self.cfg.optim
         return (f"Lower optim.lr (it is {optim.lr:g}), raise optim.warmup_steps ({optim.warmup_steps}) or clip "
-                f"harder (optim.grad_clip={optim.grad_clip:g}); {self._how_to_continue(' optim.lr=...')}")
-
-    def _how_to_continue(self, overrides: str = "", when: str = "") -> str:
-        """Which checkpoint survived a failed run, and the command that continues from it."""
-        command = f"`flashformer train --resume {self.run_dir}{overrides}`"
-        latest = latest_checkpoint(self.run_dir)
-        if latest is None:
-            return f"no checkpoint had been written yet: {command} starts the run again{when}"
-        return f"{latest} is intact: continue from it with {command}{when}"
+                f"harder (optim.grad_clip={optim.grad_clip:g}); {self.run.how_to_continue(' optim.lr=...')}")
 
     def fit(self) -> TrainResult:
         """Train until ``cfg.steps`` (or SIGINT / SIGTERM: checkpoint, then stop); returns the last losses.
@@ -431,7 +363,7 @@ class Trainer:
                         break
         except WriteError as error:
             when = " once the disk takes writes again (space freed, a limit lifted)"
-            raise WriteError(f"{error}. {self._how_to_continue(when=when)}, or resume a copy of {self.run_dir} on "
+            raise WriteError(f"{error}. {self.run.how_to_continue(when=when)}, or resume a copy of {self.run_dir} on "
                              "another disk", error.errno) from error
         finally:
             bar.close()
@@ -456,15 +388,6 @@ class Trainer:
                           top_k=sample.top_k, top_p=sample.top_p, stop_tokens=[self.tokenizer.eos_id],
                           seed=self.cfg.seed)
         print(f"--- sample (prompt {sample.prompt!r}) ---\n{self.tokenizer.decode(output[0].tolist())}\n---")
-
-
-def _remove_if_only_lock(run_dir: str) -> None:
-    """Remove ``run_dir`` if it holds nothing but its lock file."""
-    try:
-        if set(os.listdir(run_dir)) <= {LOCK_FILE}:
-            shutil.rmtree(run_dir, ignore_errors=True)
-    except OSError:
-        pass
 
 
 def train(cfg: TrainConfig) -> TrainResult:
