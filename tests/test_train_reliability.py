@@ -77,6 +77,14 @@ def skip_records(run):
     return [r for r in read_metrics(run) if "skipped" in r]
 
 
+def rollback_records(run):
+    return [r for r in read_metrics(run) if "rollback" in r]
+
+
+def finite_weights(checkpoint) -> bool:
+    return all(torch.isfinite(p).all() for p in from_pretrained(checkpoint).parameters())
+
+
 def test_a_diverging_run_skips_its_nonfinite_steps_then_stops_naming_the_step(tmp_path, data_cache, capsys):
     # lr=1e6: the first update wrecks the weights, every later step's gradient norm or loss is NaN / inf.
     config = write_recipe(tmp_path / "recipe.yaml", tiny_recipe(tmp_path / "fresh", data_cache, log_every=5))
@@ -107,8 +115,58 @@ def test_no_checkpoint_is_saved_amid_nonfinite_steps(tmp_path, data_cache, capsy
     step = int(re.search(r"error: step (\d+):", diverged).group(1))
     assert step > 8 and skip_records(run)[0]["step"] <= 8
     assert f"{run / 'ckpt-4'} is intact: continue from it with `flashformer train --resume {run} optim.lr=...`" in diverged
-    assert latest_checkpoint(str(run)) == str(run / "ckpt-4")
-    assert all(torch.isfinite(p).all() for p in from_pretrained(run / "ckpt-4").parameters())
+    assert latest_checkpoint(str(run)) == str(run / "ckpt-4") and finite_weights(run / "ckpt-4")
+
+
+def test_a_run_that_diverges_rolls_back_past_the_diverged_batches_and_finishes(tmp_path, data_cache):
+    run = tmp_path / "run"
+    train(load_train_config(tiny_recipe(run, data_cache, steps=4)))
+    reference = tmp_path / "reference"
+    shutil.copytree(run, reference)
+    # lr=1e6 wrecks the weights at step 5; the rollback to ckpt-4 scales it down to 1e-3, which trains.
+    rolled = run_cli("train", "--resume", str(run), "steps=12", "optim.lr=1e6", "max_nonfinite_skips=1",
+                     "max_rollbacks=2", "rollback_lr_scale=1e-9")
+    assert rolled.returncode == 0, rolled.stderr[-3000:]
+    [rollback] = rollback_records(run)
+    window = rollback["skipped_data_steps"]
+    assert (rollback["step"], rollback["rollback"], rollback["diverged_at"]) == (4, 1, 4 + window)
+    assert f"warning: step {4 + window}: {rollback['problem']}: rolled back to {run / 'ckpt-4'} (rollback 1 of " \
+           f"max_rollbacks=2); the batches of steps 5-{4 + window} are skipped, optim.lr is now 0.001" in rolled.stderr
+    steps = [r["step"] for r in read_metrics(run)]
+    assert steps == sorted(steps) and steps[-1] == 12  # the diverged window's records gave way to the rollback's
+    state = torch.load(run / "ckpt-12" / TRAINER_STATE_FILE, weights_only=True)
+    assert state["rollbacks"] == 1 and state["data_position"] == (12 + window) * 8
+    assert finite_weights(run / "ckpt-12")
+    saved = load_train_config(str(run / "config.yaml"))  # a resume goes on at the lowered lr
+    assert saved.optim.lr == pytest.approx(1e-3, rel=1e-12) and saved.optim.min_lr == pytest.approx(1e-13)
+
+    # Bit for bit the run resumed from ckpt-4 at that lr with its data position moved past the window.
+    state_path = reference / "ckpt-4" / TRAINER_STATE_FILE
+    state = torch.load(state_path, weights_only=True)
+    state["data_position"] += window * 8
+    torch.save(state, state_path)
+    resumed = run_cli("train", "--resume", str(reference), "steps=12", f"optim.lr={saved.optim.lr!r}",
+                      f"optim.min_lr={saved.optim.min_lr!r}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r for r in losses(run) if r[0] > 4] == [r for r in losses(reference) if r[0] > 4]
+    rolled_weights, reference_weights = (read_weights(str(r / "ckpt-12")) for r in (run, reference))
+    assert all(torch.equal(rolled_weights[name], reference_weights[name]) for name in reference_weights)
+
+
+def test_rollbacks_that_do_not_get_past_a_divergence_stop_with_exit_3(tmp_path, data_cache):
+    run = tmp_path / "run"
+    train(load_train_config(tiny_recipe(run, data_cache, steps=4)))
+    stopped = run_cli("train", "--resume", str(run), "steps=40", "optim.lr=1e6", "max_nonfinite_skips=1",
+                      "max_rollbacks=2")
+    assert stopped.returncode == 3, stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr
+    error = stopped.stderr.strip().splitlines()[-1]
+    assert re.match(r"flashformer train: error: step \d+: the (loss|gradient norm) is (nan|inf).* \(2 steps in a "
+                    r"row, max_nonfinite_skips=1\), so training stopped\. 2 rollbacks \(max_rollbacks=2\) did not "
+                    r"get past it\. Lower optim.lr", error), error
+    assert f"{run / 'ckpt-4'} is intact: continue from it with `flashformer train --resume {run} optim.lr=...`" in error
+    assert [(r["step"], r["rollback"]) for r in rollback_records(run)] == [(4, 1), (4, 2)]
+    assert latest_checkpoint(str(run)) == str(run / "ckpt-4") and finite_weights(run / "ckpt-4")
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -30,18 +30,19 @@ from ..data import corpus_cache_dir, load_corpus
 from ..fileio import WriteError
 from ..losses import default_chunk_size
 from ..model import Transformer
-from ..parallel import all_reduce, barrier, full_optimizer_state_dict, full_state_dicts, init_distributed
-from ..parallel import load_optimizer_state_dict, parallelize, raise_on_every_rank, shutdown_distributed
+from ..parallel import (all_reduce, barrier, full_optimizer_state_dict, full_state_dicts, init_distributed,
+                        load_optimizer_state_dict, parallelize, raise_on_every_rank, shutdown_distributed)
 from ..tokenizer import TOKENIZER_FILE, load_tokenizer
 from ..weights import latest_checkpoint
 from .config import RUN_CONFIG_FILE, TrainConfig
 from .model_setup import build_model
 from .metrics import METRICS_FILE, MetricsLog, abridged, plot_losses
 from .run_dir import RunDirectory, init_checkpoint
-from .state import capture_rng, prune_checkpoints, read_trainer_state, restore_rng, seed_everything, write_checkpoint
+from .state import (capture_rng, load_checkpoint_weights, prune_checkpoints, read_trainer_state, restore_rng,
+                    seed_everything, write_checkpoint)
 from .step import (build_optimizer, lm_loss, lr_factor, nonfinite, set_hyperparameters, shard_micro_batch,
                    train_step)
-from .stops import SkippedSteps, StepFlags, StopRequests, TrainResult
+from .stops import NonFiniteLossError, SkippedSteps, StepFlags, StopRequests, TrainResult
 
 CHUNKED_LOSS_MIN_SEQ_LEN = 8192  # chunked_loss=None chunks from here: the logits outgrow the activations
 
@@ -105,8 +106,10 @@ class Trainer:
         self.loss_chunk_size = default_chunk_size(self.model.config.vocab_size) if chunked else None
         self.step = 0
         self.skipped = SkippedSteps(cfg.max_nonfinite_skips)
+        self.rollbacks = 0
         if self.resume_from is not None:
-            self._load_trainer_state()
+            self._load_trainer_state(self._resume_state)
+            self._resume_state = None
         if self.env.is_main:
             save_config(cfg, os.path.join(self.run_dir, RUN_CONFIG_FILE))
             self._print_summary(train_corpus, eval_corpus)
@@ -220,6 +223,7 @@ class Trainer:
                 "step": self.step,
                 "data_position": self.batches.position,
                 "skipped_steps": self.skipped.total,
+                "rollbacks": self.rollbacks,
                 "optimizer": optimizer_state,
                 "scheduler": self.scheduler.state_dict(),
                 "rng": capture_rng(),
@@ -244,8 +248,7 @@ class Trainer:
         copy.load_state_dict(model_state, assign=True)
         return copy
 
-    def _load_trainer_state(self) -> None:
-        state, self._resume_state = self._resume_state, None
+    def _load_trainer_state(self, state: dict) -> None:
         load_optimizer_state_dict(self.wrapped, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         # The state dicts bring back the hyper-parameters they were saved with; use the ones asked for now.
@@ -254,6 +257,7 @@ class Trainer:
         self.step = state["step"]
         self.batches.position = state["data_position"]
         self.skipped.total = state.get("skipped_steps", 0)  # absent from checkpoints of earlier versions
+        self.rollbacks = state.get("rollbacks", 0)
         restore_rng(state["rng"])
 
     # ----- the loop -----
@@ -265,20 +269,52 @@ class Trainer:
             flags = all_reduce(flags, self.env, op=dist.ReduceOp.MAX)
         return StepFlags(step, flags, loss, grad_norm)
 
+    def _roll_back(self, flags: StepFlags, metrics: MetricsLog | None, bar) -> MetricsLog | None:
+        """Reload the latest checkpoint (every rank does) and train on from the batches after the ones that
+        diverged, optim.lr scaled by rollback_lr_scale; returns the metrics log, rewound to the checkpoint."""
+        checkpoint = latest_checkpoint(self.run_dir)
+        state = read_trainer_state(checkpoint)
+        load_checkpoint_weights(self.model, checkpoint, adapters_only=self.cfg.lora.enabled)
+        optim, scale = self.cfg.optim, self.cfg.rollback_lr_scale
+        optim.lr, optim.min_lr = optim.lr * scale, optim.min_lr * scale
+        # Everything as the checkpoint left it but the data (the window that diverged is not trained again)
+        # and the counts of skipped steps and rollbacks, which are the run's.
+        kept = self.batches.position, self.skipped.total, self.rollbacks + 1, self.step
+        self._load_trainer_state(state)
+        self.batches.position, self.skipped.total, self.rollbacks, diverged_at = kept
+        self.skipped.in_a_row, bar.n = 0, self.step
+        if metrics is None:
+            return None
+        bar.write(f"warning: step {flags.step}: {flags.problem()}: rolled back to {checkpoint} (rollback "
+                  f"{self.rollbacks} of max_rollbacks={self.cfg.max_rollbacks}); the batches of steps "
+                  f"{self.step + 1}-{diverged_at} are skipped, optim.lr is now {optim.lr:g}", file=sys.stderr)
+        save_config(self.cfg, os.path.join(self.run_dir, RUN_CONFIG_FILE))  # a resumed run keeps the new lr
+        metrics.close()
+        metrics = MetricsLog(metrics.path, self.step)
+        metrics.write({"step": self.step, "rollback": self.rollbacks, "diverged_at": flags.step,
+                       "problem": flags.problem(), "skipped_data_steps": diverged_at - self.step, "lr": optim.lr,
+                       "min_lr": optim.min_lr, "skipped_steps": self.skipped.total})
+        return metrics
+
     def _divergence_advice(self) -> str:
-        optim = self.cfg.optim
-        return (f"Lower optim.lr (it is {optim.lr:g}), raise optim.warmup_steps ({optim.warmup_steps}) or clip "
+        optim, limit = self.cfg.optim, self.cfg.max_rollbacks
+        tried = "" if not limit else (f"{self.rollbacks} rollbacks (max_rollbacks={limit}) did not get past it. "
+                                      if latest_checkpoint(self.run_dir) else "No checkpoint to roll back to. ")
+        return (f"{tried}Lower optim.lr (it is {optim.lr:g}), raise optim.warmup_steps ({optim.warmup_steps}) or clip "
                 f"harder (optim.grad_clip={optim.grad_clip:g}); {self.run.how_to_continue(' optim.lr=...')}")
 
     def fit(self) -> TrainResult:
         """Train until ``cfg.steps`` (or SIGINT / SIGTERM: checkpoint, then stop); returns the last losses.
 
         A step whose loss or gradient norm is NaN / inf leaves the weights and the optimizer as they were
-        (on every rank); it is logged and counted (``skipped_steps`` in metrics.jsonl).
+        (on every rank); it is logged and counted (``skipped_steps`` in metrics.jsonl). Where more than
+        ``max_nonfinite_skips`` in a row would stop the run, up to ``max_rollbacks`` times every rank reloads
+        the latest checkpoint instead and trains on from the batches after the ones that diverged.
 
         Raises:
-            NonFiniteLossError: more than ``max_nonfinite_skips`` steps in a row were not finite (found at
-                the last of them when it is logged, evaluated or checkpointed, otherwise one step later).
+            NonFiniteLossError: more than ``max_nonfinite_skips`` steps in a row were not finite, and no
+                rollback was left (found at the last of them when it is logged, evaluated or checkpointed,
+                otherwise one step later).
             fileio.WriteError: the disk refused metrics.jsonl or a checkpoint (full, a file-size limit): the
                 previous checkpoint is intact; the message says how to continue.
         """
@@ -314,15 +350,24 @@ class Trainer:
                     pending = None
                     if not (logging or evaluating or checkpointing):
                         to_read, pending = to_read[:-1], current
-                    skipped = False  # this step's when logging: its flags are read last
+                    skipped = rolled_back = False  # this step's when logging: its flags are read last
                     for flags in to_read:
                         signum, skipped = flags.read()
-                        warning = self.skipped.count(flags, skipped, self._divergence_advice)
+                        stop_signal = stop_signal or signum
+                        try:
+                            warning = self.skipped.count(flags, skipped, self._divergence_advice)
+                        except NonFiniteLossError:
+                            if self.rollbacks >= cfg.max_rollbacks or latest_checkpoint(self.run_dir) is None:
+                                raise
+                            metrics, rolled_back = self._roll_back(flags, metrics, bar), True
+                            break
                         if warning and main:
                             bar.write(warning, file=sys.stderr)
                             metrics.write({"step": flags.step, "skipped": flags.problem(),
                                            "skipped_steps": self.skipped.total})
-                        stop_signal = stop_signal or signum
+                    if rolled_back:  # the steps queued since the checkpoint are forgotten, their flags too
+                        pending, interval_seconds, interval_steps, clock = None, 0.0, 0, time.perf_counter()
+                        continue
                     if logging and not skipped:  # a skipped step's record is its warning
                         train_loss = (all_reduce(loss, self.env) / self.env.world_size).item()
                         now = time.perf_counter()
