@@ -50,6 +50,24 @@ def wait_for_first_record(process, run, timeout=90):
         time.sleep(0.01)
 
 
+def test_a_sigterm_while_tokenizing_exits_143_and_leaves_no_cache_or_run_directory(tmp_path):
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    # A fresh cache of 40 MB of sources: tokenizing takes seconds, in a temporary directory beside the cache.
+    config = write_recipe(tmp_path / "recipe.yaml", tiny_recipe(run, str(cache), data__stdlib_max_bytes=40_000_000))
+    process = subprocess.Popen(cli_command("train", config), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True, env=SUBPROCESS_ENV)
+    deadline = time.time() + 120
+    while not list(cache.glob(".*.tmp")):
+        assert process.poll() is None and time.time() < deadline, process.communicate()
+        time.sleep(0.01)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 143, stderr[-3000:]
+    assert "flashformer train: stopped by SIGTERM before the first step: nothing to save" in stderr
+    assert "Traceback" not in stderr
+    assert not list(cache.glob(".*")) and not run.exists()  # no temporary left, no empty run
+
+
 def test_a_kill_while_resuming_loses_no_metrics_record(tmp_path, data_cache):
     run = tmp_path / "run"
     train(load_train_config(tiny_recipe(run, data_cache, steps=4)))

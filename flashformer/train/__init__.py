@@ -18,11 +18,11 @@ from .metrics import METRICS_FILE, abridged, plot_losses, read_metrics
 from ..weights import latest_checkpoint
 from .state import LOCK_FILE, TRAINER_STATE_FILE, RunDirLocked, RunLock
 from .step import lm_loss, lr_factor, train_step
-from .stops import INTERRUPTED_EXIT_CODE, NONFINITE_EXIT_CODE, NonFiniteLossError, TrainResult
+from .stops import INTERRUPTED_EXIT_CODE, NONFINITE_EXIT_CODE, Interrupted, NonFiniteLossError, TrainResult
 
 __all__ = [
-    "CHUNKED_LOSS_MIN_SEQ_LEN", "INTERRUPTED_EXIT_CODE", "LOCK_FILE", "METRICS_FILE", "NONFINITE_EXIT_CODE",
-    "NonFiniteLossError", "OptimConfig", "RunDirLocked", "RunLock", "SampleConfig", "TRAINER_STATE_FILE",
-    "TrainConfig", "TrainResult", "Trainer", "abridged", "latest_checkpoint", "lm_loss", "load_train_config",
-    "lr_factor", "plot_losses", "read_metrics", "train", "train_step",
+    "CHUNKED_LOSS_MIN_SEQ_LEN", "INTERRUPTED_EXIT_CODE", "Interrupted", "LOCK_FILE", "METRICS_FILE",
+    "NONFINITE_EXIT_CODE", "NonFiniteLossError", "OptimConfig", "RunDirLocked", "RunLock", "SampleConfig",
+    "TRAINER_STATE_FILE", "TrainConfig", "TrainResult", "Trainer", "abridged", "latest_checkpoint", "lm_loss",
+    "load_train_config", "lr_factor", "plot_losses", "read_metrics", "train", "train_step",
 ]

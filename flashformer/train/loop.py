@@ -42,7 +42,7 @@ from .state import (capture_rng, load_checkpoint_weights, prune_checkpoints, rea
                     seed_everything, write_checkpoint)
 from .step import (build_optimizer, lm_loss, lr_factor, nonfinite, set_hyperparameters, shard_micro_batch,
                    train_step)
-from .stops import NonFiniteLossError, SkippedSteps, StepFlags, StopRequests, TrainResult
+from .stops import NonFiniteLossError, SkippedSteps, StepFlags, StopRequests, TrainResult, interrupts_raise
 
 CHUNKED_LOSS_MIN_SEQ_LEN = 8192  # chunked_loss=None chunks from here: the logits outgrow the activations
 
@@ -74,7 +74,8 @@ class Trainer:
         self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and self.device.type == "cuda")
         self.run = RunDirectory(self.run_dir, self.env)
         try:
-            self._setup()
+            with interrupts_raise():
+                self._setup()
         except BaseException:
             self.run.close(started=False)  # a run that never started leaves no directory behind
             raise
