@@ -350,6 +350,15 @@ def test_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys):
     assert malformed.returncode == 2 and "Traceback" not in malformed.stderr
     assert "broken.yaml: not valid YAML" in malformed.stderr and "line 3" in malformed.stderr
     assert cli_main(["train", str(tmp_path)]) == 2  # a directory where a recipe belongs
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# to be written\n")
+    capsys.readouterr()
+    assert cli_main(["train", str(empty)]) == 2
+    assert f"{empty} is empty" in capsys.readouterr().err
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("")
+    assert cli_main(["train", "--resume", str(tmp_path / "run")]) == 2
+    assert f"{tmp_path / 'run' / 'config.yaml'} does not hold a run's config" in capsys.readouterr().err
 
 
 def test_an_unreadable_trainer_state_names_the_checkpoint_to_fall_back_to(tmp_path, data_cache):

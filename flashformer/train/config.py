@@ -229,7 +229,10 @@ def _read_recipe(path, overrides) -> tuple[dict, list]:
         raise ConfigError(f"{path} is a directory, not a recipe file (to continue a run there: --resume {path})")
     if not os.path.isfile(path):
         raise ConfigError(f"{path}: no such recipe file")
-    raw = read_yaml(path) or {}
+    raw = read_yaml(path)
+    if raw is None:
+        raise ConfigError(f"{path} is empty: a recipe sets at least the run's model and data (start from "
+                          f"configs/tiny.yaml)")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
     recipe_dir = os.path.dirname(os.fspath(path))
