@@ -63,7 +63,8 @@ class Trainer:
         cfg: the resolved training config.
     Raises:
         ConfigError / DataError / CheckpointError: bad config values, data paths, out_dir or init_from;
-            RunDirLocked (a ConfigError): another live process trains in out_dir.
+            RunDirLocked (a ConfigError): another live process trains in out_dir;
+        Interrupted: SIGINT / SIGTERM before the setup was done.
     """
 
     def __init__(self, cfg: TrainConfig):
@@ -84,7 +85,7 @@ class Trainer:
         cfg = self.cfg
         init_dir = self.init_dir = init_checkpoint(cfg)
         self.run.open()
-        self.resume_from, self._resume_state = self.run.resume_checkpoint(cfg)
+        self.resume_from, resume_state = self.run.resume_checkpoint(cfg)
         self.weights_from = self.resume_from or init_dir
         self._choose_tokenizer()
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -109,8 +110,7 @@ class Trainer:
         self.skipped = SkippedSteps(cfg.max_nonfinite_skips)
         self.rollbacks = 0
         if self.resume_from is not None:
-            self._load_trainer_state(self._resume_state)
-            self._resume_state = None
+            self._load_trainer_state(resume_state)
         if self.env.is_main:
             save_config(cfg, os.path.join(self.run_dir, RUN_CONFIG_FILE))
             self._print_summary(train_corpus, eval_corpus)
