@@ -187,6 +187,17 @@ def test_rollbacks_that_do_not_get_past_a_divergence_stop_with_exit_3(tmp_path, 
     assert latest_checkpoint(str(run)) == str(run / "ckpt-4") and finite_weights(run / "ckpt-4")
 
 
+def test_a_lora_run_rolls_its_adapters_back(tmp_path, data_cache):
+    base = tmp_path / "base"
+    train(load_train_config(tiny_recipe(base, data_cache, steps=2, ckpt_every=2)))
+    run = tmp_path / "run"
+    train(load_train_config(tiny_recipe(run, data_cache, steps=4, init_from=str(base), lora={"rank": 4})))
+    overrides = ["steps=8", "optim.lr=1e6", "max_nonfinite_skips=1", "max_rollbacks=1", "rollback_lr_scale=1e-9"]
+    assert train(load_train_config(None, overrides, resume_dir=str(run))).step == 8
+    assert [(r["step"], r["rollback"]) for r in rollback_records(run)] == [(4, 1)]
+    assert finite_weights(run / "ckpt-8")
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal bit for bit, NaNs included."""
     a, b = a.detach().reshape(-1), b.detach().reshape(-1)
