@@ -12,7 +12,8 @@ only, the work lives in the modules.
 Exit codes: 0 done; 1 another failure, e.g. a disk that refused a write (full, a file-size limit: the
 message names the path); 2 a usage error (a config key, a file, a run directory in use), reported in one
 line (``--debug`` shows the traceback); 3 training diverged (more NaN / inf losses in a row than
-max_nonfinite_skips); 128 + N stopped by signal N after saving a checkpoint (130 Ctrl-C, 143 SIGTERM).
+max_nonfinite_skips, and max_rollbacks rollbacks if any); 128 + N stopped by signal N after saving a checkpoint
+(130 Ctrl-C, 143 SIGTERM), or before the first step with nothing to save.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def _guarded(prog: str, debug: bool, work) -> int:
     from .config import ConfigError
     from .data import DataError
     from .fileio import WriteError
-    from .train import INTERRUPTED_EXIT_CODE, NONFINITE_EXIT_CODE, NonFiniteLossError
+    from .train import INTERRUPTED_EXIT_CODE, NONFINITE_EXIT_CODE, Interrupted, NonFiniteLossError
 
     if debug:
         return work()
@@ -48,6 +49,9 @@ def _guarded(prog: str, debug: bool, work) -> int:
     except OSError as error:
         print(f"{prog}: error: {error} (--debug shows where)", file=sys.stderr)
         return FAILURE_EXIT_CODE
+    except Interrupted as error:
+        print(f"{prog}: {error}", file=sys.stderr)
+        return error.exit_code
     except KeyboardInterrupt:
         print(f"{prog}: aborted by a second Ctrl-C: nothing saved after the last checkpoint", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE

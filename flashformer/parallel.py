@@ -261,6 +261,13 @@ def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer,
     return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
 
 
+def load_model_state_dict(model: nn.Module, model_state: dict) -> None:
+    """Load unsharded weights, keyed as ``full_state_dicts`` keys them, into a (possibly sharded) model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True))
+
+
 def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, optimizer_state: dict) -> None:
     """Load an optimizer dict from ``full_state_dicts`` into the optimizer of a (possibly wrapped or sharded) model."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict

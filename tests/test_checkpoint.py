@@ -95,6 +95,9 @@ def test_a_config_json_that_is_not_an_object_is_named(tmp_path):
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(CheckpointError, match="config.json must hold a JSON object, got a list"):
         flashformer.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text('{"format": "flashformer",')
+    with pytest.raises(CheckpointError, match=f"{tmp_path / 'config.json'} is not valid JSON"):
+        flashformer.from_pretrained(tmp_path)
 
 
 def test_a_stray_dtype_is_refused_unless_a_dtype_is_asked_for(tmp_path):

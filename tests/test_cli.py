@@ -1,5 +1,6 @@
 """The command line's conventions: help and version on stdout, usage errors in one line with exit 2."""
 
+import shutil
 import subprocess
 import sys
 
@@ -69,6 +70,16 @@ def test_generate_refuses_bad_lengths_in_one_line(gpt2_checkpoint, args, message
 def test_generate_on_a_missing_checkpoint_is_one_line(tmp_path):
     done = run("generate", str(tmp_path / "nothing"), "--device", "cpu")
     assert done.returncode == 2 and "not found" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_generate_on_a_truncated_checkpoint_is_one_line_naming_the_file(tmp_path, gpt2_checkpoint):
+    broken = tmp_path / "broken"
+    shutil.copytree(gpt2_checkpoint, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:200])
+    done = run("generate", str(broken), "--prompt", "ab", "--device", "cpu")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"{weights.name} is corrupted or truncated" in done.stderr, done.stderr
 
 
 def test_generate_past_the_configured_context_warns_for_rope(tmp_path):

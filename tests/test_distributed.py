@@ -18,6 +18,7 @@ from flashformer.cli import main as cli_main
 from flashformer.lora import read_adapter
 from flashformer.train import NonFiniteLossError, latest_checkpoint, load_train_config, read_metrics, train
 from test_train import SUBPROCESS_ENV, data_cache, one_thread, tiny_recipe  # noqa: F401 (fixtures)
+from test_train_reliability import file_size_limit, resource
 
 TOLERANCE = 1e-5  # fp32: the two runs sum the same numbers in a different order
 # Every run here trains on the CPU over gloo, as the tolerance above assumes: device "auto" would put
@@ -87,6 +88,48 @@ def test_ranks_skip_the_same_nonfinite_steps_and_stop_after_the_same_one(tmp_pat
     assert re.findall(r"error: step (\d+):", result.stderr) == [step, step], result.stderr[-3000:]  # both ranks
     skipped = [[(r["step"], r["skipped_steps"]) for r in read_metrics(run) if "skipped" in r] for run in (one, two)]
     assert skipped[0] == skipped[1] and len(skipped[0]) == 2
+
+
+def test_ranks_roll_back_together_and_train_on_like_one_process(tmp_path, data_cache):
+    base = tmp_path / "base"
+    train(load_train_config(tiny_recipe(base, data_cache, steps=4, batch_size=8, micro_batch_size=2, **CPU)))
+    one, two = tmp_path / "one", tmp_path / "two"
+    shutil.copytree(base, one)
+    shutil.copytree(base, two)
+    # lr=1e6 wrecks the weights after ckpt-4; every rank must roll back at the same step, to the same data.
+    overrides = ["steps=8", "optim.lr=1e6", "max_nonfinite_skips=1", "max_rollbacks=1", "rollback_lr_scale=1e-9"]
+    train(load_train_config(None, overrides, resume_dir=str(one)))
+    result = torchrun({}, tmp_path, "--resume", str(two), "parallel.mode=ddp", *overrides)
+    assert result.stderr.count("rolled back to") == 1  # rank 0 says it
+    fields = ("step", "rollback", "diverged_at", "skipped_data_steps", "skipped_steps")
+    rollbacks = [[tuple(r[k] for k in fields) for r in read_metrics(run) if "rollback" in r] for run in (one, two)]
+    assert rollbacks[0] == rollbacks[1] and len(rollbacks[0]) == 1
+    assert_same_losses(two, one)
+    assert all(torch.isfinite(p).all() for p in from_pretrained(two / "ckpt-8").parameters())
+
+
+@pytest.mark.skipif(resource is None, reason="no setrlimit")
+def test_a_checkpoint_rank_0_cannot_write_stops_every_rank_and_keeps_the_previous_one(tmp_path, data_cache):
+    run = tmp_path / "run"
+    train(load_train_config(tiny_recipe(run, data_cache, steps=4, batch_size=8, micro_batch_size=2, **CPU)))
+    weights = (run / "ckpt-4" / "model.safetensors").stat().st_size
+    # The limit holds for torchrun and both workers; only rank 0 writes, and ckpt-8's weights outgrow it.
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+               "-m", "flashformer.cli", "train", "--resume", str(run), "steps=8", "parallel.mode=ddp"]
+    failed = subprocess.run(command, capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=180,
+                            preexec_fn=file_size_limit(weights // 2))
+    assert failed.returncode != 0, failed.stderr[-3000:]
+    # Each rank ends with its own line (rank 1's may follow rank 0's progress bar on one line): none hangs.
+    errors = re.findall(r"flashformer train: error: .*", failed.stderr)
+    assert len(errors) == 2, failed.stderr[-3000:]
+    assert any(f"could not write {run / 'ckpt-8'}: File too large" in e for e in errors), errors
+    assert any(f"rank 0 could not write {run / 'ckpt-8'}" in e for e in errors), errors
+    assert all(f"{run / 'ckpt-4'} is intact" in e for e in errors), errors
+    # The one traceback is the launcher's own report of a failed worker.
+    assert failed.stderr.count("Traceback") == 1 and "ChildFailedError" in failed.stderr
+    assert latest_checkpoint(str(run)) == str(run / "ckpt-4")
+    assert sorted(p.name for p in run.iterdir() if "ckpt" in p.name) == ["ckpt-4"]
+    assert train(load_train_config(None, [], resume_dir=str(run))).step == 8  # ckpt-4 loads
 
 
 def worker_pid(rank: int, marker: str) -> int | None:

@@ -50,6 +50,24 @@ def wait_for_first_record(process, run, timeout=300):
         time.sleep(0.01)
 
 
+def test_a_sigterm_while_tokenizing_exits_143_and_leaves_no_cache_or_run_directory(tmp_path):
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    # A fresh cache of 40 MB of sources: tokenizing takes seconds, in a temporary directory beside the cache.
+    config = write_recipe(tmp_path / "recipe.yaml", tiny_recipe(run, str(cache), data__stdlib_max_bytes=40_000_000))
+    process = subprocess.Popen(cli_command("train", config), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True, env=SUBPROCESS_ENV)
+    deadline = time.time() + 120
+    while not list(cache.glob(".*.tmp")):
+        assert process.poll() is None and time.time() < deadline, process.communicate()
+        time.sleep(0.01)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 143, stderr[-3000:]
+    assert "flashformer train: stopped by SIGTERM before the first step: nothing to save" in stderr
+    assert "Traceback" not in stderr
+    assert not list(cache.glob(".*")) and not run.exists()  # no temporary left, no empty run
+
+
 def test_a_kill_while_resuming_loses_no_metrics_record(tmp_path, data_cache):
     run = tmp_path / "run"
     train(load_train_config(tiny_recipe(run, data_cache, steps=4)))
@@ -75,6 +93,14 @@ def test_a_kill_while_resuming_loses_no_metrics_record(tmp_path, data_cache):
 
 def skip_records(run):
     return [r for r in read_metrics(run) if "skipped" in r]
+
+
+def rollback_records(run):
+    return [r for r in read_metrics(run) if "rollback" in r]
+
+
+def finite_weights(checkpoint) -> bool:
+    return all(torch.isfinite(p).all() for p in from_pretrained(checkpoint).parameters())
 
 
 def test_a_diverging_run_skips_its_nonfinite_steps_then_stops_naming_the_step(tmp_path, data_cache, capsys):
@@ -107,8 +133,69 @@ def test_no_checkpoint_is_saved_amid_nonfinite_steps(tmp_path, data_cache, capsy
     step = int(re.search(r"error: step (\d+):", diverged).group(1))
     assert step > 8 and skip_records(run)[0]["step"] <= 8
     assert f"{run / 'ckpt-4'} is intact: continue from it with `flashformer train --resume {run} optim.lr=...`" in diverged
-    assert latest_checkpoint(str(run)) == str(run / "ckpt-4")
-    assert all(torch.isfinite(p).all() for p in from_pretrained(run / "ckpt-4").parameters())
+    assert latest_checkpoint(str(run)) == str(run / "ckpt-4") and finite_weights(run / "ckpt-4")
+
+
+def test_a_run_that_diverges_rolls_back_past_the_diverged_batches_and_finishes(tmp_path, data_cache):
+    run = tmp_path / "run"
+    train(load_train_config(tiny_recipe(run, data_cache, steps=4)))
+    reference = tmp_path / "reference"
+    shutil.copytree(run, reference)
+    # lr=1e6 wrecks the weights at step 5; the rollback to ckpt-4 scales it down to 1e-3, which trains.
+    rolled = run_cli("train", "--resume", str(run), "steps=12", "optim.lr=1e6", "max_nonfinite_skips=1",
+                     "max_rollbacks=2", "rollback_lr_scale=1e-9")
+    assert rolled.returncode == 0, rolled.stderr[-3000:]
+    [rollback] = rollback_records(run)
+    window = rollback["skipped_data_steps"]
+    assert (rollback["step"], rollback["rollback"], rollback["diverged_at"]) == (4, 1, 4 + window)
+    assert f"warning: step {4 + window}: {rollback['problem']}: rolled back to {run / 'ckpt-4'} (rollback 1 of " \
+           f"max_rollbacks=2); the batches of steps 5-{4 + window} are skipped, optim.lr is now 0.001" in rolled.stderr
+    steps = [r["step"] for r in read_metrics(run)]
+    assert steps == sorted(steps) and steps[-1] == 12  # the diverged window's records gave way to the rollback's
+    state = torch.load(run / "ckpt-12" / TRAINER_STATE_FILE, weights_only=True)
+    assert state["rollbacks"] == 1 and state["data_position"] == (12 + window) * 8
+    assert finite_weights(run / "ckpt-12")
+    saved = load_train_config(str(run / "config.yaml"))  # a resume goes on at the lowered lr
+    assert saved.optim.lr == pytest.approx(1e-3, rel=1e-12) and saved.optim.min_lr == pytest.approx(1e-13)
+
+    # Bit for bit the run resumed from ckpt-4 at that lr with its data position moved past the window.
+    state_path = reference / "ckpt-4" / TRAINER_STATE_FILE
+    state = torch.load(state_path, weights_only=True)
+    state["data_position"] += window * 8
+    torch.save(state, state_path)
+    resumed = run_cli("train", "--resume", str(reference), "steps=12", f"optim.lr={saved.optim.lr!r}",
+                      f"optim.min_lr={saved.optim.min_lr!r}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r for r in losses(run) if r[0] > 4] == [r for r in losses(reference) if r[0] > 4]
+    rolled_weights, reference_weights = (read_weights(str(r / "ckpt-12")) for r in (run, reference))
+    assert all(torch.equal(rolled_weights[name], reference_weights[name]) for name in reference_weights)
+
+
+def test_rollbacks_that_do_not_get_past_a_divergence_stop_with_exit_3(tmp_path, data_cache):
+    run = tmp_path / "run"
+    train(load_train_config(tiny_recipe(run, data_cache, steps=4)))
+    stopped = run_cli("train", "--resume", str(run), "steps=40", "optim.lr=1e6", "max_nonfinite_skips=1",
+                      "max_rollbacks=2")
+    assert stopped.returncode == 3, stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr
+    error = stopped.stderr.strip().splitlines()[-1]
+    assert re.match(r"flashformer train: error: step \d+: the (loss|gradient norm) is (nan|inf).* \(2 steps in a "
+                    r"row, max_nonfinite_skips=1\), so training stopped\. 2 rollbacks \(max_rollbacks=2\) did not "
+                    r"get past it\. Lower optim.lr", error), error
+    assert f"{run / 'ckpt-4'} is intact: continue from it with `flashformer train --resume {run} optim.lr=...`" in error
+    assert [(r["step"], r["rollback"]) for r in rollback_records(run)] == [(4, 1), (4, 2)]
+    assert latest_checkpoint(str(run)) == str(run / "ckpt-4") and finite_weights(run / "ckpt-4")
+
+
+def test_a_lora_run_rolls_its_adapters_back(tmp_path, data_cache):
+    base = tmp_path / "base"
+    train(load_train_config(tiny_recipe(base, data_cache, steps=2, ckpt_every=2)))
+    run = tmp_path / "run"
+    train(load_train_config(tiny_recipe(run, data_cache, steps=4, init_from=str(base), lora={"rank": 4})))
+    overrides = ["steps=8", "optim.lr=1e6", "max_nonfinite_skips=1", "max_rollbacks=1", "rollback_lr_scale=1e-9"]
+    assert train(load_train_config(None, overrides, resume_dir=str(run))).step == 8
+    assert [(r["step"], r["rollback"]) for r in rollback_records(run)] == [(4, 1)]
+    assert finite_weights(run / "ckpt-8")
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -274,6 +361,15 @@ def test_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys):
     assert malformed.returncode == 2 and "Traceback" not in malformed.stderr
     assert "broken.yaml: not valid YAML" in malformed.stderr and "line 3" in malformed.stderr
     assert cli_main(["train", str(tmp_path)]) == 2  # a directory where a recipe belongs
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# to be written\n")
+    capsys.readouterr()
+    assert cli_main(["train", str(empty)]) == 2
+    assert f"{empty} is empty" in capsys.readouterr().err
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("")
+    assert cli_main(["train", "--resume", str(tmp_path / "run")]) == 2
+    assert f"{tmp_path / 'run' / 'config.yaml'} does not hold a run's config" in capsys.readouterr().err
 
 
 def test_an_unreadable_trainer_state_names_the_checkpoint_to_fall_back_to(tmp_path, data_cache):

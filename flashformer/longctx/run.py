@@ -40,7 +40,7 @@ from ..model import Transformer
 from ..parallel import broadcast_from_main, init_distributed, raise_on_every_rank, shutdown_distributed
 from ..tokenizer import TOKENIZER_FILE, load_tokenizer
 from ..train import LOCK_FILE, RunLock, Trainer, latest_checkpoint
-from ..train.loop import _resolve_device
+from ..train.model_setup import resolve_device
 from .evaluate import evaluate_long_context, held_out_windows
 from .extend import extended_model_config, long_context_train_config, resolve_checkpoint, save_extended_checkpoint
 from .passkey import PASSKEY_TRAIN_DIR, mix_in_passkey_documents, passkey_prompts
@@ -125,7 +125,7 @@ def finetune_long(args: argparse.Namespace) -> tuple[int, dict | None]:
     lengths = _eval_lengths(args.eval_lengths, original_len, args.target_len)
     cfg = long_context_train_config(args.checkpoint, extended_config, args.scaling, args.out_dir, args.steps,
                                     args.lr, args.warmup_steps, args.overrides)
-    env = init_distributed(cfg.parallel, _resolve_device(cfg.device))  # torchrun's group; nothing alone
+    env = init_distributed(cfg.parallel, resolve_device(cfg.device))  # torchrun's group; nothing alone
     try:
         return _in_run_dir(args, cfg, env, checkpoint, original, extended_config, lengths)
     finally:

@@ -25,9 +25,9 @@ RUN_CONFIG_FILE = "config.yaml"
 # the data, the batch, the seed) shapes the checkpoint or the data order, so changing it on resume would
 # train a different run under the old one's name.
 RESUMABLE_KEYS = ("steps", "log_every", "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints",
-                  "max_nonfinite_skips", "optim.", "sample.", "parallel.", "device", "precision", "compile",
-                  "activation_checkpointing", "chunked_loss", "peak_flops_per_gpu", "attn_backend", "deterministic",
-                  "data.cache_dir")
+                  "max_nonfinite_skips", "max_rollbacks", "rollback_lr_scale", "optim.", "sample.", "parallel.",
+                  "device", "precision", "compile", "activation_checkpointing", "chunked_loss", "peak_flops_per_gpu",
+                  "attn_backend", "deterministic", "data.cache_dir")
 # Not part of the comparison: where the run lives, and the tokenizer file, which a resumed run always
 # takes from its checkpoint (the recorded path may point into a pruned checkpoint).
 IGNORED_ON_RESUME = ("name", "out_dir", "resume", "data.tokenizer")
@@ -85,6 +85,12 @@ class TrainConfig:
     # A step whose loss or gradient norm is NaN / inf changes nothing (no update, on every rank); this many
     # such steps in a row are skipped, the next one stops the run. 0 stops at the first.
     max_nonfinite_skips: int = 5
+    # Where max_nonfinite_skips would stop the run, reload the latest checkpoint instead (weights, optimizer,
+    # schedule, RNG) and train on from the batches after the ones that diverged, at most this many times;
+    # then stop. Off by default: the rolled-back run trains on another data order than the recipe's (it is
+    # no longer the run the recipe names), and repeated rollbacks can hide an lr that is too high.
+    max_rollbacks: int = 0
+    rollback_lr_scale: float = 1.0  # each rollback multiplies optim.lr and optim.min_lr by this
     resume: bool = False  # continue from the latest checkpoint in out_dir (fresh start if there is none)
     # fine-tune: our checkpoint / run directory, a Hugging Face directory, or a hub id ("org/name", from the
     # Hugging Face cache; downloaded unless HF_HUB_OFFLINE=1) at init_revision (branch, tag or commit)
@@ -118,6 +124,9 @@ class TrainConfig:
         if self.max_nonfinite_skips < 0:
             raise ConfigError(f"max_nonfinite_skips must be >= 0 (0 stops at the first non-finite step), "
                               f"got {self.max_nonfinite_skips}")
+        if self.max_rollbacks < 0 or not 0 < self.rollback_lr_scale <= 1:
+            raise ConfigError(f"need max_rollbacks >= 0 and 0 < rollback_lr_scale <= 1, got max_rollbacks="
+                              f"{self.max_rollbacks}, rollback_lr_scale={self.rollback_lr_scale}")
         if self.batch_size % self.micro_batch_size:
             raise ConfigError(f"batch_size ({self.batch_size}) must be a multiple of "
                               f"micro_batch_size ({self.micro_batch_size})")
@@ -213,7 +222,10 @@ def _read_recipe(path, overrides) -> tuple[dict, list]:
         raise ConfigError(f"{path} is a directory, not a recipe file (to continue a run there: --resume {path})")
     if not os.path.isfile(path):
         raise ConfigError(f"{path}: no such recipe file")
-    raw = read_yaml(path) or {}
+    raw = read_yaml(path)
+    if raw is None:
+        raise ConfigError(f"{path} is empty: a recipe sets at least the run's model and data (start from "
+                          f"configs/tiny.yaml)")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
     recipe_dir = os.path.dirname(os.fspath(path))

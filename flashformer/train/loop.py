@@ -13,18 +13,15 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import shutil
 import sys
-import tempfile
 import time
-import weakref
 
 import torch
 import torch.distributed as dist
 import yaml
 from tqdm.auto import tqdm
 
-from ..checkpoint import from_pretrained, resolve_checkpoint_dir
+from ..checkpoint import from_pretrained
 from ..config import ConfigError, config_to_dict, save_config
 from ..batches import Batch, TrainBatches, eval_batches
 from ..chat import ChatTemplate, load_chat_corpus
@@ -33,28 +30,21 @@ from ..data import corpus_cache_dir, load_corpus
 from ..fileio import WriteError
 from ..losses import default_chunk_size
 from ..model import Transformer
-from ..parallel import all_reduce, barrier, full_state_dicts, init_distributed
-from ..parallel import load_optimizer_state_dict, parallelize, raise_on_every_rank, shutdown_distributed
+from ..parallel import (all_reduce, barrier, full_state_dicts, init_distributed, load_optimizer_state_dict,
+                        parallelize, raise_on_every_rank, shutdown_distributed)
 from ..tokenizer import TOKENIZER_FILE, load_tokenizer
-from ..weights import CheckpointError, latest_checkpoint
-from .config import RUN_CONFIG_FILE, TrainConfig, resume_changes, resume_refusal, saved_run_config
-from .model_setup import build_model
+from ..weights import latest_checkpoint
+from .config import RUN_CONFIG_FILE, TrainConfig
+from .model_setup import build_model, resolve_device
 from .metrics import METRICS_FILE, MetricsLog, abridged, plot_losses
-from .state import (LOCK_FILE, RunDirLocked, RunLock, capture_rng, clean_stale_writes, prune_checkpoints,
-                    read_trainer_state, restore_rng, seed_everything, write_checkpoint)
+from .run_dir import RunDirectory, init_checkpoint
+from .state import (capture_rng, load_checkpoint_weights, prune_checkpoints, read_trainer_state, restore_rng,
+                    seed_everything, write_checkpoint)
 from .step import (build_optimizer, count_targets, lm_loss, lr_factor, nonfinite, set_hyperparameters,
                    shard_micro_batch, train_step)
-from .stops import SkippedSteps, StepFlags, StopRequests, TrainResult
+from .stops import NonFiniteLossError, SkippedSteps, StepFlags, StopRequests, TrainResult, interrupts_raise
 
 CHUNKED_LOSS_MIN_SEQ_LEN = 8192  # chunked_loss=None chunks from here: the logits outgrow the activations
-
-
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device=cuda but no CUDA device is available")
-    return torch.device(name)
 
 
 class Trainer:
@@ -65,30 +55,29 @@ class Trainer:
         cfg: the resolved training config.
     Raises:
         ConfigError / DataError / CheckpointError: bad config values, data paths, out_dir or init_from;
-            RunDirLocked (a ConfigError): another live process trains in out_dir.
+            RunDirLocked (a ConfigError): another live process trains in out_dir;
+        Interrupted: SIGINT / SIGTERM before the setup was done.
     """
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.run_dir = cfg.run_dir
-        self.env = init_distributed(cfg.parallel, _resolve_device(cfg.device))
+        self.env = init_distributed(cfg.parallel, resolve_device(cfg.device))
         self.device = self.env.device
         self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and self.device.type == "cuda")
-        self.lock = None
-        created = not os.path.exists(self.run_dir)
+        self.run = RunDirectory(self.run_dir, self.env)
         try:
-            self._setup()
+            with interrupts_raise():
+                self._setup()
         except BaseException:
-            self.close()
-            if created and self.env.is_main:  # a run that never started leaves no directory behind
-                _remove_if_only_lock(self.run_dir)
+            self.run.close(started=False)  # a run that never started leaves no directory behind
             raise
 
     def _setup(self) -> None:
         cfg = self.cfg
-        init_dir = self.init_dir = self._init_checkpoint()
-        self._open_run_dir()
-        self.resume_from = self._resume_checkpoint()
+        init_dir = self.init_dir = init_checkpoint(cfg)
+        self.run.open()
+        self.resume_from, resume_state = self.run.resume_checkpoint(cfg)
         self.weights_from = self.resume_from or init_dir
         self._choose_tokenizer()
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -111,71 +100,18 @@ class Trainer:
         self.loss_chunk_size = default_chunk_size(self.model.config.vocab_size) if chunked else None
         self.step = 0
         self.skipped = SkippedSteps(cfg.max_nonfinite_skips)
+        self.rollbacks = 0
         if self.resume_from is not None:
-            self._load_trainer_state()
+            self._load_trainer_state(resume_state)
         if self.env.is_main:
             save_config(cfg, os.path.join(self.run_dir, RUN_CONFIG_FILE))
             self._print_summary(train_corpus, eval_corpus)
 
     def close(self) -> None:
         """Release the run directory's lock (idempotent)."""
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
+        self.run.close()
 
     # ----- setup -----
-
-    def _open_run_dir(self) -> None:
-        """Create out_dir, check that it is writable, lock it, and clean what killed writes left there."""
-        try:
-            os.makedirs(self.run_dir, exist_ok=True)
-            with tempfile.TemporaryFile(dir=self.run_dir):
-                pass
-        except OSError as error:
-            where = f" ({error.filename})" if error.filename and error.filename != self.run_dir else ""
-            raise ConfigError(f"out_dir {self.run_dir!r} is not writable: {error.strerror or error}{where}; choose "
-                              f"another out_dir= (or name=, for runs/<name>)") from None
-        refused = None
-        if self.env.is_main:
-            try:
-                self.lock = RunLock(self.run_dir).acquire()
-                weakref.finalize(self, self.lock.release)  # a Trainer dropped without close() lets go too
-            except RunDirLocked as error:
-                refused = error
-        raise_on_every_rank(refused, RunDirLocked(f"{self.run_dir} is in use by another run (rank 0 says by whom)"),
-                            self.env)
-        if self.env.is_main:
-            for name in clean_stale_writes(self.run_dir):
-                print(f"{self.run_dir}: cleaned up {name}, left by an interrupted write")
-        barrier(self.env)
-
-    def _resume_checkpoint(self) -> str | None:
-        """The checkpoint to resume from (None: a fresh start), its config checked against this one."""
-        latest = latest_checkpoint(self.run_dir)
-        if latest is not None and not self.cfg.resume:
-            raise ConfigError(
-                f"{self.run_dir} already holds checkpoints ({os.path.basename(latest)}): continue with "
-                f"`flashformer train --resume {self.run_dir}` (or resume=true), or choose another out_dir=/name=")
-        if self.cfg.resume and latest is None and self.env.is_main:
-            print(f"resume: no checkpoint in {self.run_dir} yet, starting from scratch")
-        if not self.cfg.resume or latest is None:
-            return None
-        self._resume_state = read_trainer_state(latest)
-        changes = resume_changes(saved_run_config(self._resume_state["config"]), config_to_dict(self.cfg),
-                                 compare_model=self.cfg.init_from is None)
-        if changes:
-            raise ConfigError(resume_refusal(changes, self.run_dir))
-        return latest
-
-    def _init_checkpoint(self) -> str | None:
-        """The directory ``init_from`` names: a checkpoint, a run directory's latest checkpoint, or a hub id's
-        snapshot."""
-        if self.cfg.init_from is None:
-            return None
-        try:
-            return resolve_checkpoint_dir(self.cfg.init_from, self.cfg.init_revision)
-        except CheckpointError as error:
-            raise ConfigError(f"init_from: {error}") from None
 
     def _choose_tokenizer(self) -> None:
         data = self.cfg.data
@@ -281,6 +217,7 @@ class Trainer:
                 "step": self.step,
                 "data_position": self.batches.position,
                 "skipped_steps": self.skipped.total,
+                "rollbacks": self.rollbacks,
                 "optimizer": optimizer_state,
                 "scheduler": self.scheduler.state_dict(),
                 "rng": capture_rng(),
@@ -305,8 +242,7 @@ class Trainer:
         copy.load_state_dict(model_state, assign=True)
         return copy
 
-    def _load_trainer_state(self) -> None:
-        state, self._resume_state = self._resume_state, None
+    def _load_trainer_state(self, state: dict) -> None:
         load_optimizer_state_dict(self.wrapped, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         # The state dicts bring back the hyper-parameters they were saved with; use the ones asked for now.
@@ -315,6 +251,7 @@ class Trainer:
         self.step = state["step"]
         self.batches.position = state["data_position"]
         self.skipped.total = state.get("skipped_steps", 0)  # absent from checkpoints of earlier versions
+        self.rollbacks = state.get("rollbacks", 0)
         restore_rng(state["rng"])
 
     # ----- the loop -----
@@ -326,28 +263,52 @@ class Trainer:
             flags = all_reduce(flags, self.env, op=dist.ReduceOp.MAX)
         return StepFlags(step, flags, loss, grad_norm)
 
-    def _divergence_advice(self) -> str:
-        optim = self.cfg.optim
-        return (f"Lower optim.lr (it is {optim.lr:g}), raise optim.warmup_steps ({optim.warmup_steps}) or clip "
-                f"harder (optim.grad_clip={optim.grad_clip:g}); {self._how_to_continue(' optim.lr=...')}")
+    def _roll_back(self, flags: StepFlags, metrics: MetricsLog | None, bar) -> MetricsLog | None:
+        """Reload the latest checkpoint (every rank does) and train on from the batches after the ones that
+        diverged, optim.lr scaled by rollback_lr_scale; returns the metrics log, rewound to the checkpoint."""
+        checkpoint = latest_checkpoint(self.run_dir)
+        state = read_trainer_state(checkpoint)
+        load_checkpoint_weights(self.model, checkpoint, adapters_only=self.cfg.lora.enabled)
+        optim, scale = self.cfg.optim, self.cfg.rollback_lr_scale
+        optim.lr, optim.min_lr = optim.lr * scale, optim.min_lr * scale
+        # Everything as the checkpoint left it but the data (the window that diverged is not trained again)
+        # and the counts of skipped steps and rollbacks, which are the run's.
+        kept = self.batches.position, self.skipped.total, self.rollbacks + 1, self.step
+        self._load_trainer_state(state)
+        self.batches.position, self.skipped.total, self.rollbacks, diverged_at = kept
+        self.skipped.in_a_row, bar.n = 0, self.step
+        if metrics is None:
+            return None
+        bar.write(f"warning: step {flags.step}: {flags.problem()}: rolled back to {checkpoint} (rollback "
+                  f"{self.rollbacks} of max_rollbacks={self.cfg.max_rollbacks}); the batches of steps "
+                  f"{self.step + 1}-{diverged_at} are skipped, optim.lr is now {optim.lr:g}", file=sys.stderr)
+        save_config(self.cfg, os.path.join(self.run_dir, RUN_CONFIG_FILE))  # a resumed run keeps the new lr
+        metrics.close()
+        metrics = MetricsLog(metrics.path, self.step)
+        metrics.write({"step": self.step, "rollback": self.rollbacks, "diverged_at": flags.step,
+                       "problem": flags.problem(), "skipped_data_steps": diverged_at - self.step, "lr": optim.lr,
+                       "min_lr": optim.min_lr, "skipped_steps": self.skipped.total})
+        return metrics
 
-    def _how_to_continue(self, overrides: str = "", when: str = "") -> str:
-        """Which checkpoint survived a failed run, and the command that continues from it."""
-        command = f"`flashformer train --resume {self.run_dir}{overrides}`"
-        latest = latest_checkpoint(self.run_dir)
-        if latest is None:
-            return f"no checkpoint had been written yet: {command} starts the run again{when}"
-        return f"{latest} is intact: continue from it with {command}{when}"
+    def _divergence_advice(self) -> str:
+        optim, limit = self.cfg.optim, self.cfg.max_rollbacks
+        tried = "" if not limit else (f"{self.rollbacks} rollbacks (max_rollbacks={limit}) did not get past it. "
+                                      if latest_checkpoint(self.run_dir) else "No checkpoint to roll back to. ")
+        return (f"{tried}Lower optim.lr (it is {optim.lr:g}), raise optim.warmup_steps ({optim.warmup_steps}) or clip "
+                f"harder (optim.grad_clip={optim.grad_clip:g}); {self.run.how_to_continue(' optim.lr=...')}")
 
     def fit(self) -> TrainResult:
         """Train until ``cfg.steps`` (or SIGINT / SIGTERM: checkpoint, then stop); returns the last losses.
 
         A step whose loss or gradient norm is NaN / inf leaves the weights and the optimizer as they were
-        (on every rank); it is logged and counted (``skipped_steps`` in metrics.jsonl).
+        (on every rank); it is logged and counted (``skipped_steps`` in metrics.jsonl). Where more than
+        ``max_nonfinite_skips`` in a row would stop the run, up to ``max_rollbacks`` times every rank reloads
+        the latest checkpoint instead and trains on from the batches after the ones that diverged.
 
         Raises:
-            NonFiniteLossError: more than ``max_nonfinite_skips`` steps in a row were not finite (found at
-                the last of them when it is logged, evaluated or checkpointed, otherwise one step later).
+            NonFiniteLossError: more than ``max_nonfinite_skips`` steps in a row were not finite, and no
+                rollback was left (found at the last of them when it is logged, evaluated or checkpointed,
+                otherwise one step later).
             fileio.WriteError: the disk refused metrics.jsonl or a checkpoint (full, a file-size limit): the
                 previous checkpoint is intact; the message says how to continue.
         """
@@ -383,15 +344,24 @@ class Trainer:
                     pending = None
                     if not (logging or evaluating or checkpointing):
                         to_read, pending = to_read[:-1], current
-                    skipped = False  # this step's when logging: its flags are read last
+                    skipped = rolled_back = False  # this step's when logging: its flags are read last
                     for flags in to_read:
                         signum, skipped = flags.read()
-                        warning = self.skipped.count(flags, skipped, self._divergence_advice)
+                        stop_signal = stop_signal or signum
+                        try:
+                            warning = self.skipped.count(flags, skipped, self._divergence_advice)
+                        except NonFiniteLossError:
+                            if self.rollbacks >= cfg.max_rollbacks or latest_checkpoint(self.run_dir) is None:
+                                raise
+                            metrics, rolled_back = self._roll_back(flags, metrics, bar), True
+                            break
                         if warning and main:
                             bar.write(warning, file=sys.stderr)
                             metrics.write({"step": flags.step, "skipped": flags.problem(),
                                            "skipped_steps": self.skipped.total})
-                        stop_signal = stop_signal or signum
+                    if rolled_back:  # the steps queued since the checkpoint are forgotten, their flags too
+                        pending, interval_seconds, interval_steps, clock = None, 0.0, 0, time.perf_counter()
+                        continue
                     if logging and not skipped:  # a skipped step's record is its warning
                         train_loss = (all_reduce(loss, self.env) / self.env.world_size).item()
                         now = time.perf_counter()
@@ -432,7 +402,7 @@ class Trainer:
                         break
         except WriteError as error:
             when = " once the disk takes writes again (space freed, a limit lifted)"
-            raise WriteError(f"{error}. {self._how_to_continue(when=when)}, or resume a copy of {self.run_dir} on "
+            raise WriteError(f"{error}. {self.run.how_to_continue(when=when)}, or resume a copy of {self.run_dir} on "
                              "another disk", error.errno) from error
         finally:
             bar.close()
@@ -457,15 +427,6 @@ class Trainer:
                           top_k=sample.top_k, top_p=sample.top_p, stop_tokens=[self.tokenizer.eos_id],
                           seed=self.cfg.seed)
         print(f"--- sample (prompt {sample.prompt!r}) ---\n{self.tokenizer.decode(output[0].tolist())}\n---")
-
-
-def _remove_if_only_lock(run_dir: str) -> None:
-    """Remove ``run_dir`` if it holds nothing but its lock file."""
-    try:
-        if set(os.listdir(run_dir)) <= {LOCK_FILE}:
-            shutil.rmtree(run_dir, ignore_errors=True)
-    except OSError:
-        pass
 
 
 def train(cfg: TrainConfig) -> TrainResult:

@@ -15,6 +15,15 @@ from ..model import Transformer
 from .config import TrainConfig
 
 
+def resolve_device(name: str) -> torch.device:
+    """The recipe's ``device``: "auto" is CUDA where there is one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but no CUDA device is available")
+    return torch.device(name)
+
+
 def build_model(cfg: TrainConfig, device: torch.device, bf16: bool, init_dir: str | None, weights_from: str | None,
                 resume_from: str | None) -> Transformer:
     """The run's model on ``device``; ``cfg.model`` becomes the loaded model's config.

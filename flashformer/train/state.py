@@ -25,8 +25,9 @@ import numpy as np
 import torch
 
 from ..fileio import atomic_directory
-from ..lora import LoRAConfig, write_adapter_files
-from ..weights import CHECKPOINT_NAME, CheckpointError, checkpoint_steps, write_pretrained_files
+from ..lora import LoRAConfig, load_adapter_weights, read_adapter, write_adapter_files
+from ..parallel import load_model_state_dict
+from ..weights import CHECKPOINT_NAME, CheckpointError, checkpoint_steps, read_weights, write_pretrained_files
 from ..config import ConfigError
 
 try:
@@ -171,6 +172,19 @@ def write_checkpoint(path: str, model, tokenizer, state: dict, lora: LoRAConfig 
         # where a path's C++ stream would report only "file write failed".
         with open(os.path.join(tmp, TRAINER_STATE_FILE), "wb") as f:
             torch.save(state, f)
+
+
+def load_checkpoint_weights(model, checkpoint: str, adapters_only: bool = False) -> None:
+    """Copy the weights of ``checkpoint`` (a ``write_checkpoint`` directory) into the model training now.
+
+    Args:
+        model: the unwrapped Transformer, under FSDP sharded in place; its shapes are the checkpoint's.
+        adapters_only: a LoRA run's checkpoint: only the adapters (and trained norms) are in it.
+    """
+    if adapters_only:
+        load_adapter_weights(model, read_adapter(checkpoint)[1], checkpoint)
+    else:
+        load_model_state_dict(model, read_weights(checkpoint))
 
 
 def prune_checkpoints(run_dir: str, keep: int) -> None:

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import sys
@@ -21,6 +22,33 @@ NONFINITE_EXIT_CODE = 3
 class NonFiniteLossError(RuntimeError):
     """More steps in a row than ``max_nonfinite_skips`` had a NaN or infinite loss or gradient norm;
     nothing after the last checkpoint was saved."""
+
+
+class Interrupted(BaseException):
+    """SIGINT / SIGTERM while a run was set up (tokenizing, loading): it stops with nothing to save.
+
+    A BaseException, as KeyboardInterrupt is: the writes it interrupts clean up after themselves, and no
+    ``except Exception`` swallows it.
+    """
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name} before the first step: nothing to save")
+        self.exit_code = 128 + signum
+
+
+@contextlib.contextmanager
+def interrupts_raise():
+    """Inside the block SIGINT and SIGTERM raise Interrupted (SIGTERM would otherwise end the process
+    at once, leaving a half-written token cache and an empty run directory behind)."""
+    def interrupt(signum, frame):
+        raise Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @dataclass
