@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import sampling
 from .attention import attention, cached_attention, resolve_backend
 from .layers import MLP, make_norm
 from .losses import lm_head_loss
@@ -190,7 +191,8 @@ class Transformer(nn.Module):
     def forward(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, kv_cache=None, *,
                 targets=None, loss_chunk_size=None, loss_reduction="mean"):
         """Next-token logits, or with ``targets`` the loss (``self.loss``): the form a DDP / FSDP
-        wrapper, which only hooks ``forward``, can compute without full logits.
+        wrapper, which only hooks ``forward``, can compute without full logits. Plain tensors, not an
+        output object: the trainer backpropagates what the wrapped forward returns.
 
         Args:
             input_ids, position_ids, cu_seqlens, max_seqlen, kv_cache: as in ``hidden_states``.
@@ -264,7 +266,9 @@ class Transformer(nn.Module):
         when the logits would be large.
 
         Args:
-            input_ids, targets: (batch, seqlen) int64; position_ids, cu_seqlens, max_seqlen as in hidden_states.
+            input_ids, targets: (batch, seqlen) int64, already shifted: targets[:, t] is the token after
+                input_ids[:, t] (tokens[:, :-1] and tokens[:, 1:]); position_ids, cu_seqlens, max_seqlen as
+                in hidden_states.
             chunk_size: tokens per LM-head chunk; setting it forces chunking (e.g.
                 ``losses.default_chunk_size(vocab_size)``). None chunks only when tokens x vocab exceeds
                 ``losses.MATERIALIZED_LOGITS_MAX_ELEMENTS``.
@@ -273,6 +277,25 @@ class Transformer(nn.Module):
         hidden = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen)
         return lm_head_loss(hidden, self.output_weight, targets, chunk_size, ignore_index=ignore_index,
                             softcap=self.config.logit_softcap, reduction=reduction)
+
+    def generate(self, input_ids, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None, eos_token_id=None,
+                 seed=None, stream=None, cuda_graph=False) -> torch.Tensor:
+        """Extend ``input_ids`` by sampled tokens, with a KV cache: ``flashformer.generate.generate`` with
+        transformers' name for the end tokens.
+
+        Args:
+            input_ids: (batch, prompt_len) or (prompt_len,) int64 prompt, non-empty.
+            max_new_tokens: most tokens to add (past max_seq_len: a warning with RoPE, an error with learned
+                positions).
+            eos_token_id: an id or ids that end a row, e.g. ``tokenizer.eos_ids``; None runs to max_new_tokens.
+            temperature, top_k, top_p, seed, stream, cuda_graph: as in ``sampling.generate`` (temperature 0
+                is greedy).
+        Returns:
+            (batch, prompt_len + generated) int64 token ids, the prompt first.
+        """
+        return sampling.generate(self, input_ids, max_new_tokens, temperature, top_k, top_p,
+                                 stop_tokens=sampling.token_ids(eos_token_id, "eos_token_id"), seed=seed,
+                                 stream=stream, cuda_graph=cuda_graph)
 
     def new_kv_cache(self, batch_size: int, max_len: int) -> KVCache:
         """An empty KVCache on this model's device and dtype."""

@@ -15,12 +15,14 @@ import tempfile
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 from triton.experimental.gluon._runtime import GluonASTSource
 
 from flashformer.kernels import (cross_entropy, decode, flash_bwd, flash_bwd_dq_hopper, flash_bwd_hopper, flash_fwd,
                                  flash_fwd_hopper)
+from flashformer.kernels.interface import GLUON_TRITON_VERSIONS
 from flashformer.kernels.sizes import pad_head_dim
 
 FP32_POINTERS = {"LSE", "DELTA", "LSE_LOG2", "DLSE", "LSE_PART", "O_PART", "DQ_ACC", "LOSSES", "TOKEN_SCALE",
@@ -51,8 +53,9 @@ def compile_for_hopper(kernel, constexprs, num_warps, num_stages, maxnreg=None, 
 
 
 def resource_usage(compiled):
-    """Registers per thread and spilled bytes, from the ptxas that Triton ships (ptxas -v)."""
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    """Registers per thread and spilled bytes, from the ptxas that Triton itself runs for sm_90 (ptxas -v):
+    Triton 3.9 ships two, and only its newer one reads the PTX version it emits for Hopper."""
+    ptxas = get_ptxas(90).path
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx_file:
         ptx_file.write(compiled.asm["ptx"])
         ptx_file.flush()
@@ -201,8 +204,11 @@ CASES = {
 
 
 def main(selected):
+    # The Gluon kernels run only on the Triton versions they were tested on (interface.hopper_gluon_available):
+    # on another Triton the tl kernels take their place, so only those must compile.
+    gluon_runs = triton.__version__.startswith(GLUON_TRITON_VERSIONS)
     report = {}
-    for name in selected or CASES:
+    for name in selected or [name for name in CASES if gluon_runs or not name.startswith("gluon-")]:
         kernel, constexprs, *options = CASES[name]
         try:
             compiled = compile_for_hopper(kernel, constexprs, *options)

@@ -87,8 +87,19 @@ def test_generate_past_the_configured_context_warns_for_rope(tmp_path):
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig(family="llama", vocab_size=64, d_model=32, n_layer=1, n_head=2, max_seq_len=8))
-    with pytest.warns(UserWarning, match="past the 8 this model was configured for"):
-        generate(model, torch.tensor([[1, 2]]), 10, temperature=0.0)
+    for call in (lambda: generate(model, torch.tensor([[1, 2]]), 10, temperature=0.0),
+                 lambda: model.generate(torch.tensor([[1, 2]]), max_new_tokens=10, temperature=0.0)):
+        with pytest.warns(UserWarning, match="past the 8 this model was configured for") as caught:
+            call()
+        assert caught[0].filename == __file__  # the caller's line, not one inside flashformer or torch
+
+
+def test_model_generate_refuses_past_learned_positions(gpt2_checkpoint):
+    import flashformer
+
+    model = flashformer.from_pretrained(gpt2_checkpoint)
+    with pytest.raises(ValueError, match="exceeds max_seq_len=16"):
+        model.generate(torch.tensor([[1, 2]]), max_new_tokens=15)
 
 
 def test_generate_takes_a_run_directory_and_names_the_checkpoint_it_picked(tmp_path, gpt2_checkpoint):

@@ -1,11 +1,19 @@
-"""Sampling, the KV-cached generation loop, the generate CLI, and the tokenizers it uses."""
+"""Sampling, the KV-cached generation loop (function and model.generate), the generate CLI, the tokenizers
+it uses, and the README's Python example."""
+
+import os
+import re
+import warnings
 
 import pytest
 import torch
 
-from flashformer.generate import _decode_step, _DeviceLengthCache, generate, main, sample_next_token
+import flashformer
+from flashformer.generate import generate, main
 from flashformer.model import ModelConfig, Transformer
+from flashformer.sampling import _decode_step, _DeviceLengthCache, sample_next_token
 from flashformer.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, train_bpe
+from flashformer.weights import CheckpointError
 
 VOCAB = 257
 
@@ -70,6 +78,24 @@ def test_stop_tokens_end_each_row(model):
         hits = [i for i, t in enumerate(out[row, 5:].tolist()) if t in (stop_row0, stop_row1)]
         assert torch.equal(out[row, :5 + hits[0] + 1], greedy[row, :5 + hits[0] + 1])
         assert set(out[row, 5 + hits[0]:].tolist()) == {int(out[row, 5 + hits[0]])}  # padded with its stop token
+
+
+def test_model_generate_is_the_loop_with_transformers_names(model):
+    greedy = generate(model, PROMPT, 10, temperature=0)
+    assert torch.equal(model.generate(PROMPT, max_new_tokens=10, temperature=0), greedy)
+    sampled = generate(model, PROMPT, 10, temperature=0.9, top_k=20, top_p=0.9, seed=7)
+    assert torch.equal(model.generate(PROMPT, 10, temperature=0.9, top_k=20, top_p=0.9, seed=7), sampled)
+    stop = int(greedy[0, 7])
+    first_stop = 5 + greedy[0, 5:].tolist().index(stop)
+    for eos_token_id in (stop, [stop], (stop, 1000)):
+        out = model.generate(PROMPT[:1], max_new_tokens=10, temperature=0, eos_token_id=eos_token_id)
+        assert torch.equal(out, greedy[:1, :first_stop + 1]), eos_token_id
+    assert torch.equal(model.generate(PROMPT[0], 3, temperature=0), greedy[:1, :8])  # a 1-d prompt is one row
+    for bad in ("2", [1.5], [True], -1):
+        with pytest.raises(ValueError, match="eos_token_id"):
+            model.generate(PROMPT, 3, eos_token_id=bad)
+    with pytest.raises(ValueError, match="stop_tokens"):
+        generate(model, PROMPT, 3, stop_tokens=["a"])
 
 
 def test_bad_arguments(model):
@@ -165,3 +191,51 @@ def test_bpe_training_and_loading(tmp_path):
     assert isinstance(load_tokenizer(tmp_path / "byte_level_checkpoint"), ByteTokenizer)
     with pytest.raises(ValueError, match="vocab_size"):
         train_bpe([text], 100, tmp_path / "small.json")
+
+
+def test_load_tokenizer_pairs_with_from_pretrained_on_a_run_directory(model, tmp_path):
+    run = tmp_path / "run"
+    model.save_pretrained(run / "ckpt-3")
+    model.save_pretrained(run / "ckpt-12")
+    assert isinstance(flashformer.load_tokenizer(run), ByteTokenizer)  # no tokenizer.json: bytes
+    text = tmp_path / "corpus.txt"
+    text.write_text("def main():\n    return 0\n" * 40)
+    train_bpe([text], 280, run / "ckpt-12" / "tokenizer.json")
+    tokenizer = flashformer.load_tokenizer(run)  # the latest checkpoint's, as from_pretrained(run) loads it
+    assert isinstance(tokenizer, HFTokenizer) and tokenizer.decode(tokenizer.encode("def main")) == "def main"
+    with pytest.raises(CheckpointError, match="not found"):
+        flashformer.load_tokenizer(tmp_path / "missing")
+
+
+def _readme_python_example():
+    """The first ```python block of the README's "Models, checkpoints, generation" section."""
+    with open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    section = readme[readme.index("## Models, checkpoints, generation"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_readme_python_example_runs(tmp_path, monkeypatch, capsys):
+    """The example, as written, on a run directory shaped like configs/tiny.yaml's (smaller, untrained)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    tiny_shape = ModelConfig(family="llama", vocab_size=257, d_model=32, n_layer=2, n_head=2, d_ff=64, max_seq_len=256,
+                             tie_embeddings=False)
+    Transformer(tiny_shape).save_pretrained(tmp_path / "runs" / "tiny" / "ckpt-300")
+    latest = Transformer(tiny_shape)
+    latest.save_pretrained(tmp_path / "runs" / "tiny" / "ckpt-600")
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # e.g. generating past max_seq_len
+        exec(compile(_readme_python_example(), "README.md", "exec"), namespace)
+    assert capsys.readouterr().out.startswith("def ")
+    model, ids, out = namespace["model"], namespace["ids"], namespace["out"]
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), latest.state_dict().values()))
+    assert ids.tolist() == [list(b"def ")] and torch.equal(out[:, :4], ids) and 4 < out.shape[1] <= 104
+    assert namespace["logits"].shape == (1, 4, 257) and namespace["loss"].shape == ()
+    expected_loss = torch.nn.functional.cross_entropy(namespace["logits"][0, :-1], ids[0, 1:])
+    torch.testing.assert_close(namespace["loss"], expected_loss)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    torch.testing.assert_close(hf(ids).logits, namespace["logits"], atol=1e-4, rtol=1e-4)
