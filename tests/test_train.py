@@ -302,3 +302,26 @@ def test_the_console_config_cuts_long_lists_only():
     assert shown["data"]["train_files"][:3] == files[:3] and len(shown["data"]["train_files"]) == 4
     assert "597 more" in shown["data"]["train_files"][3]
     assert shown["data"]["eval_files"] == files[:6] and shown["steps"] == 3
+
+
+def test_a_bf16_checkpoint_fine_tunes_on_fp32_master_weights(tmp_path, data_cache):
+    """A bf16 Hugging Face checkpoint trains fp32 weights and AdamW moments (bf16 is the autocast's), so an
+    update far below bf16's resolution (~1e-4 at these weights) still moves every weight."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    hf.to(torch.bfloat16).save_pretrained(tmp_path / "hf-bf16")
+    recipe = tiny_recipe(tmp_path / "run", data_cache, init_from=str(tmp_path / "hf-bf16"), steps=1,
+                         optim__lr=1e-6, optim__min_lr=1e-7, optim__weight_decay=0.0)
+    trainer = Trainer(load_train_config(recipe))
+    try:
+        before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+        assert {p.dtype for p in before.values()} == {torch.float32}
+        torch.testing.assert_close(before["embed.weight"], hf.model.embed_tokens.weight.float(), rtol=0, atol=0)
+        trainer.train_step()
+        assert {s["exp_avg"].dtype for s in trainer.optimizer.state.values()} == {torch.float32}
+        unmoved = [name for name, p in trainer.model.named_parameters() if torch.equal(p, before[name])]
+        assert not unmoved, unmoved
+    finally:
+        trainer.close()

@@ -40,7 +40,9 @@ def build_model(cfg: TrainConfig, device: torch.device, bf16: bool, init_dir: st
         model = from_pretrained(init_dir, dtype=_lora_base_dtype(cfg, device, bf16), device=device,
                                 attn_backend=cfg.attn_backend)
     elif weights_from is not None:
-        model = from_pretrained(weights_from, device=device, attn_backend=cfg.attn_backend)
+        # fp32 master weights whatever the checkpoint stores: AdamW's small updates to bf16 weights round
+        # away, and its moments take their parameter's dtype. bf16 is the autocast's, per matmul.
+        model = from_pretrained(weights_from, dtype=torch.float32, device=device, attn_backend=cfg.attn_backend)
     else:
         model = Transformer(cfg.model, cfg.attn_backend).to(device)
     model.deterministic = cfg.deterministic
