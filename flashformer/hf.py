@@ -249,6 +249,9 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
             local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta}
             hf.update(rope_parameters={"full_attention": rope_parameters, "sliding_attention": local},
                       rope_local_base_freq=cfg.rope_local_theta)
+    if cfg.family == "phi3" and scaling and "original_max_position_embeddings" in scaling:
+        # Phi3Config's own field overrides the one inside rope_parameters (LongRoPE's switch point).
+        hf["original_max_position_embeddings"] = scaling["original_max_position_embeddings"]
     if cfg.family in ("qwen2", "phi3"):
         del hf["head_dim"]  # both derive it from hidden_size / num_attention_heads
     if cfg.family in ("qwen2", "phi3", "mistral"):

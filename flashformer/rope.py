@@ -9,6 +9,8 @@ Scalings are configured like Hugging Face's ``rope_scaling`` / ``rope_parameters
 * ``yarn``: per-frequency blend of interpolation and extrapolation, plus an attention factor
   (mscale) multiplying cos / sin.
 * ``llama3``: Llama 3.1's piecewise rescaling of the low frequencies.
+* ``longrope``: Phi-3's per-frequency divisors, ``short_factor`` up to the original context and
+  ``long_factor`` for a sequence longer than it, plus an attention factor.
 
 Layout: the "rotate_half" (non-interleaved) layout of Hugging Face Llama: dimension i pairs with
 i + head_dim / 2, not with i + 1. Using it in our model means HF checkpoints load without permuting
@@ -29,7 +31,9 @@ _ROPE_KEYS = {
     "yarn": ({"original_max_position_embeddings"},
              {"factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"}),
     "llama3": ({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}, set()),
+    "longrope": ({"short_factor", "long_factor", "original_max_position_embeddings"}, {"factor", "attention_factor"}),
 }
+_FACTOR_LISTS = ("short_factor", "long_factor")  # one divisor per rotated pair
 
 
 def normalize_rope_scaling(scaling: dict | None, max_seq_len: int) -> dict | None:
@@ -76,6 +80,11 @@ def normalize_rope_scaling(scaling: dict | None, max_seq_len: int) -> dict | Non
         if key == "truncate":
             if not isinstance(value, bool):
                 raise ValueError(f"rope_scaling.truncate must be a bool, got {value!r}")
+        elif key in _FACTOR_LISTS:
+            if not isinstance(value, (list, tuple)) or not value or not all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in value):
+                raise ValueError(f"rope_scaling.{key} must be a list of positive numbers, got {value!r}")
+            scaling[key] = [float(x) for x in value]
         elif value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
             raise ValueError(f"rope_scaling.{key} must be a positive number, got {value!r}")
     if rope_type in ("linear", "dynamic", "llama3") and scaling["factor"] < 1:
@@ -144,6 +153,22 @@ def _llama3_inv_freq(head_dim, theta, scaling):
     return torch.where(is_medium, blended, scaled)
 
 
+def _longrope_inv_freq(head_dim, theta, scaling, max_seq_len, seq_len):
+    original = scaling["original_max_position_embeddings"]
+    name = "long_factor" if seq_len and seq_len > original else "short_factor"
+    divisors = scaling[name]
+    if len(divisors) != head_dim // 2:
+        raise ValueError(f"rope_scaling.{name} has {len(divisors)} entries; head_dim {head_dim} rotates "
+                         f"{head_dim // 2} pairs")
+    inv_freq = 1.0 / (torch.tensor(divisors, dtype=torch.float32, device="cpu") * _rotation_periods(head_dim, theta))
+    # Phi-3 states its extension as max_position_embeddings over the original context.
+    factor = scaling.get("factor") or max_seq_len / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return inv_freq, float(attention_factor)
+
+
 def rope_frequencies(head_dim: int, theta: float, scaling: dict | None, max_seq_len: int,
                      seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies (head_dim // 2,) fp32 on the CPU, and the factor multiplying cos / sin.
@@ -153,7 +178,7 @@ def rope_frequencies(head_dim: int, theta: float, scaling: dict | None, max_seq_
         theta: RoPE base.
         scaling: a dict accepted by ``normalize_rope_scaling``, or None.
         max_seq_len: the model's context length (``max_position_embeddings`` in HF terms).
-        seq_len: current sequence length; only "dynamic" depends on it.
+        seq_len: current sequence length; "dynamic" and "longrope" depend on it.
     """
     scaling = normalize_rope_scaling(scaling, max_seq_len)
     rope_type = scaling["rope_type"] if scaling else "default"
@@ -168,6 +193,8 @@ def rope_frequencies(head_dim: int, theta: float, scaling: dict | None, max_seq_
         return _yarn_inv_freq(head_dim, theta, scaling, max_seq_len)
     if rope_type == "llama3":
         return _llama3_inv_freq(head_dim, theta, scaling), 1.0
+    if rope_type == "longrope":
+        return _longrope_inv_freq(head_dim, theta, scaling, max_seq_len, seq_len)
     return _base_inv_freq(head_dim, theta), 1.0
 
 
@@ -183,21 +210,29 @@ class RotaryEmbedding:
             raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
         self.head_dim, self.theta, self.max_seq_len = head_dim, theta, max_seq_len
         self.scaling = normalize_rope_scaling(scaling, max_seq_len)
-        self.is_dynamic = bool(self.scaling) and self.scaling["rope_type"] == "dynamic"
+        rope_type = self.scaling["rope_type"] if self.scaling else "default"
+        self.is_dynamic = rope_type == "dynamic"
         self.inv_freq, self.attention_factor = rope_frequencies(head_dim, theta, self.scaling, max_seq_len)
+        # LongRoPE switches to its long factors for a whole call once a position passes the original
+        # context, as transformers does (a KV cache keeps the keys it rotated before).
+        self.long_from = self.scaling["original_max_position_embeddings"] if rope_type == "longrope" else None
+        self.long_inv_freq = (None if self.long_from is None else
+                              rope_frequencies(head_dim, theta, self.scaling, max_seq_len, self.long_from + 1)[0])
+        self.reads_positions = self.is_dynamic or self.long_from is not None  # a host sync per call
         self._inv_freq_on = {}
 
     def _inv_freq(self, device, seq_len):
         if self.is_dynamic and seq_len > self.max_seq_len:
             return rope_frequencies(self.head_dim, self.theta, self.scaling, self.max_seq_len, seq_len)[0].to(device)
-        if device not in self._inv_freq_on:
-            self._inv_freq_on[device] = self.inv_freq.to(device)
-        return self._inv_freq_on[device]
+        is_long = self.long_from is not None and seq_len > self.long_from
+        if (device, is_long) not in self._inv_freq_on:
+            self._inv_freq_on[device, is_long] = (self.long_inv_freq if is_long else self.inv_freq).to(device)
+        return self._inv_freq_on[device, is_long]
 
     def __call__(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Args: position_ids (batch, seqlen) int. Returns cos, sin: (batch, seqlen, head_dim) fp32."""
-        # Only dynamic NTK needs the longest position (a host sync); the others are position-free.
-        seq_len = int(position_ids.max()) + 1 if self.is_dynamic else 0
+        # Only dynamic NTK and LongRoPE need the longest position (a host sync); the others are position-free.
+        seq_len = int(position_ids.max()) + 1 if self.reads_positions else 0
         inv_freq = self._inv_freq(position_ids.device, seq_len)
         angles = position_ids.float()[..., None] * inv_freq
         angles = torch.cat((angles, angles), dim=-1)

@@ -103,8 +103,9 @@ def _check_cuda_graph(model, device):
         raise ValueError(f"cuda_graph=True needs the model on a CUDA device, not {device}")
     if resolve_backend(model.attn_backend) != "flash":
         raise ValueError(f"cuda_graph=True needs attn_backend='flash', got {model.attn_backend!r}")
-    if model.rope is not None and model.rope.is_dynamic:
-        raise ValueError("cuda_graph=True cannot run dynamic-NTK RoPE: it reads the longest position on the host")
+    if model.rope is not None and model.rope.reads_positions:
+        raise ValueError("cuda_graph=True cannot run dynamic-NTK or LongRoPE RoPE: they read the longest position "
+                         "on the host")
 
 
 def token_ids(ids, name: str) -> tuple[int, ...]:

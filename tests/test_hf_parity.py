@@ -69,6 +69,13 @@ HF_CONFIGS = {
     "phi3-sliding": lambda: Phi3Config(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=64, original_max_position_embeddings=64, sliding_window=7, **COMMON),
+    # LongRoPE with a 16-token original context: the prompt takes the short factors, generation passes 16
+    # and switches to the long ones (and so would a prompt of more than 16 tokens).
+    "phi3-longrope": lambda: Phi3Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, original_max_position_embeddings=16,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(8)],
+                      "long_factor": [1.0 + 0.5 * i for i in range(8)]}, **COMMON),
     "olmo2": lambda: Olmo2Config(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=64, **COMMON),
@@ -129,6 +136,8 @@ class _RopeConfig:
     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "attention_factor": 1.3},
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
      "original_max_position_embeddings": 32},
+    {"rope_type": "longrope", "original_max_position_embeddings": 64, "short_factor": [1 + i / 32 for i in range(32)],
+     "long_factor": [1 + i / 4 for i in range(32)]},
 ], ids=lambda s: s.get("rope_type", s.get("type")))
 @pytest.mark.parametrize("seq_len", [None, 1000])
 def test_rope_scalings_equal_transformers(scaling, seq_len):
@@ -139,6 +148,17 @@ def test_rope_scalings_equal_transformers(scaling, seq_len):
     inv_freq, factor = rope_frequencies(64, 50000.0, scaling, max_seq_len=256, seq_len=seq_len)
     torch.testing.assert_close(inv_freq, hf_inv_freq, atol=0, rtol=0)
     assert factor == pytest.approx(hf_factor, rel=1e-12)
+
+
+@pytest.mark.parametrize("scaling, message", [
+    ({"short_factor": [1.0] * 32, "long_factor": [2.0] * 31}, "long_factor has 31 entries; head_dim 64 rotates 32"),
+    ({"short_factor": [1.0] * 31 + [0.0], "long_factor": [2.0] * 32}, "short_factor must be a list of positive"),
+    ({"short_factor": 1.0, "long_factor": [2.0] * 32}, "short_factor must be a list of positive"),
+    ({"short_factor": [1.0] * 32}, "missing long_factor"),
+])
+def test_longrope_factor_lists_are_checked(scaling, message):
+    with pytest.raises(ValueError, match=message):
+        rope_frequencies(64, 10000.0, {"rope_type": "longrope", **scaling}, max_seq_len=256, seq_len=1000)
 
 
 def test_unsupported_architecture_names_supported_ones(tmp_path):
@@ -183,15 +203,11 @@ def test_llama32_shaped_model_equals_transformers_at_long_positions(tmp_path):
 
 
 @pytest.mark.parametrize("make_config, message", [
-    (lambda: Phi3Config(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=96,
-                        max_position_embeddings=256, original_max_position_embeddings=64,
-                        rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}),
-     "rope_type='longrope'"),
     (lambda: Gemma3TextConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=96,
                               head_dim=16, use_bidirectional_attention=True), "use_bidirectional_attention"),
     (lambda: Gemma2Config(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=96,
                           head_dim=16, hidden_activation="gelu"), "hidden_activation='gelu'"),
-], ids=["phi3-longrope", "gemma3-bidirectional", "gemma2-exact-gelu"])
+], ids=["gemma3-bidirectional", "gemma2-exact-gelu"])
 def test_unsupported_hf_configs_name_the_key(make_config, message, tmp_path):
     make_config().save_pretrained(tmp_path)
     with pytest.raises(CheckpointError, match=message):
