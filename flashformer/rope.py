@@ -214,7 +214,7 @@ class RotaryEmbedding:
         self.is_dynamic = rope_type == "dynamic"
         self.inv_freq, self.attention_factor = rope_frequencies(head_dim, theta, self.scaling, max_seq_len)
         # LongRoPE switches to its long factors for a whole call once a position passes the original
-        # context, as transformers does (a KV cache keeps the keys it rotated before).
+        # context, as transformers does (generation then re-encodes the sequence: sampling.py).
         self.long_from = self.scaling["original_max_position_embeddings"] if rope_type == "longrope" else None
         self.long_inv_freq = (None if self.long_from is None else
                               rope_frequencies(head_dim, theta, self.scaling, max_seq_len, self.long_from + 1)[0])

@@ -205,6 +205,16 @@ def _sample_loop(model, input_ids, max_new_tokens, temperature, top_k, top_p, st
                 break
         if graphed_step is not None:
             logits = graphed_step(next_tokens)
+        elif _at_longrope_switch(model, cache):
+            cache = model.new_kv_cache(batch, total)
+            logits = model(torch.cat(tokens, dim=1), kv_cache=cache)[:, -1]
         else:
             logits = model(next_tokens[:, None], kv_cache=cache)[:, -1]
     return torch.cat(tokens, dim=1)
+
+
+def _at_longrope_switch(model, cache) -> bool:
+    """Whether the next token is the first past LongRoPE's original context. From there its long factors
+    rotate every position, so the cached keys (short factors) are rebuilt from the whole sequence, as
+    transformers' Phi-3 generation does."""
+    return model.rope is not None and model.rope.long_from is not None and cache.length == model.rope.long_from

@@ -69,11 +69,11 @@ HF_CONFIGS = {
     "phi3-sliding": lambda: Phi3Config(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=64, original_max_position_embeddings=64, sliding_window=7, **COMMON),
-    # LongRoPE with a 16-token original context: the prompt takes the short factors, generation passes 16
-    # and switches to the long ones (and so would a prompt of more than 16 tokens).
+    # LongRoPE with a 32-token original context: the 24-token prompt takes the short factors; greedy
+    # generation passes 32, where the whole sequence is re-encoded with the long ones.
     "phi3-longrope": lambda: Phi3Config(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=64, original_max_position_embeddings=16,
+        max_position_embeddings=64, original_max_position_embeddings=32,
         rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(8)],
                       "long_factor": [1.0 + 0.5 * i for i in range(8)]}, **COMMON),
     "olmo2": lambda: Olmo2Config(
