@@ -19,7 +19,6 @@ batch index) and a paged cache looks its page up in block_table. Key tiles never
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -29,7 +28,7 @@ import triton.language as tl
 
 from .flash_fwd import log2_scales
 from .launch import (CompiledLaunch, as_descriptor_compatible, dot_precision, ensure_allocator, new_output,
-                     reused_buffers, upcast_dot)
+                     reused_buffers, sm_count, upcast_dot)
 from .sizes import WIDE_HEAD_DIM, cdiv, next_power_of_2, pad_head_dim
 from .tile_ops import attention_logits, key_range, logit_scale, narrow, online_softmax_step
 
@@ -234,12 +233,6 @@ def _launch_config(device, head_dim_pad, page_size):
     return block_n, warps, stages
 
 
-@functools.cache
-def _sm_count(device_index):
-    """SMs of a GPU: asked once, since the query costs microseconds on every decode step."""
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def choose_num_splits(programs, keys, device):
     """Splits of the cache per program: as many programs as SMs where the keys allow (not more: a few
     SMs running two programs while the rest run one stretch the launch), then splits of up to
@@ -253,7 +246,7 @@ def choose_num_splits(programs, keys, device):
     Args:
         programs: programs without splitting; keys: the most keys one of them reads.
     """
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+    sms = sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else DEFAULT_SMS
     most = max(1, min(keys // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
     fewest = max(1, min(most, sms // programs))

@@ -6,6 +6,7 @@ Which tile shapes a launch uses is tuning.py's choice.
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -24,6 +25,12 @@ def ensure_allocator(device):
     """In-kernel tensor descriptors need scratch memory from an allocator (a per-thread setting)."""
     if device.type == "cuda" and isinstance(_allocator.get(), NullAllocator):
         triton.set_allocator(_torch_allocator)
+
+
+@functools.cache
+def sm_count(device_index):
+    """SMs of a GPU: asked once, since the query costs microseconds on every launch."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def as_descriptor_compatible(t):
