@@ -17,6 +17,12 @@ out, as FlashAttention-3 does it:
 The semantics are flash_fwd.py's (bottom-right causal, windows, softcap, GQA, lse in natural log, rows
 that see no key give 0 and lse -inf); flash_fwd.py stays the portable, interpreter-tested statement of
 the algorithm. P stays in registers as the A operand of P V.
+
+PERSISTENT (not the default) launches one program per SM instead of one per query tile; each walks its
+share of tile_schedule.py's order (longest tiles first) through the same partitions. The K/V ring and
+its phases run on across the tiles, so the producer streams the next tile's keys while the consumers
+finish this one, and two sets of Q blocks (where shared memory allows) let the next tile's queries load
+under this tile's work. Its TMA descriptors cover whole tensors, built once per program.
 """
 
 from __future__ import annotations
@@ -28,20 +34,15 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .launch import ensure_allocator
-from .tile_ops import key_range, tanh, visible
+from .launch import ensure_allocator, sm_count
+from .tile_ops import tanh, visible
+from .tile_schedule import program_tile, q_buffers, query_block, section_pairs, tile_coords
 
 
 @gluon.constexpr_function
 def _mma_layout(n, num_warps):
     """Accumulator layout of a (rows, n) wgmma product: one 16-row slab per warp of the warpgroup."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
-
-
-@gluon.jit
-def _load_tile(desc, n0, bar, dest):
-    mbarrier.expect(bar, desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc, [n0, 0], bar, dest)
 
 
 @gluon.jit
@@ -108,41 +109,119 @@ def _rows_descriptor(base, rows, stride_rows, BLOCK: gl.constexpr, HEAD_DIM: gl.
     return tma.make_tensor_descriptor(base, [rows, HEAD_DIM], [stride_rows, 1], [BLOCK, HEAD_DIM_PAD], LAYOUT)
 
 
+@gluon.constexpr_function
+def _heads_layout(layout):
+    """The rank-4 (1, rows, 1, head_dim) form of a tile's shared layout, same swizzle."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=layout.swizzle_byte_width,
+                                element_bitwidth=layout.element_bitwidth, rank=4)
+
+
 @gluon.jit
-def _load_partition(q_base, k_base, v_base, stride_qs, stride_ks, stride_vs, seqlen_q, seqlen_k, q_smem, k_smem,
-                    v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, m0, start, num_tiles,
-                    HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
-                    NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr, Q_SMEM: gl.constexpr,
-                    KV_SMEM: gl.constexpr):
-    q_desc = _rows_descriptor(q_base, seqlen_q, stride_qs, CONSUMER_ROWS, HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
-    k_desc = _rows_descriptor(k_base, seqlen_k, stride_ks, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
-    v_desc = _rows_descriptor(v_base, seqlen_k, stride_vs, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
+def _heads_descriptor(base, batch_size, rows, heads, stride_b, stride_rows, stride_h, BLOCK: gl.constexpr,
+                      HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, LAYOUT: gl.constexpr):
+    """TMA view of a whole (batch, rows, heads, HEAD_DIM) tensor in (1, BLOCK, 1, HEAD_DIM_PAD) tiles, zeros
+    past each head's ends. A persistent program builds it once for all its tiles: rewriting a per-head
+    descriptor for the next tile would race with the TMA copies still reading it."""
+    return tma.make_tensor_descriptor(base, [batch_size, rows, heads, HEAD_DIM], [stride_b, stride_rows, stride_h, 1],
+                                      [1, BLOCK, 1, HEAD_DIM_PAD], _heads_layout(LAYOUT))
+
+
+@gluon.jit
+def _load_tile(desc, batch, row, head, bar, dest, PERSISTENT: gl.constexpr):
+    """TMA copy of one head's rows [row, row + BLOCK) into ``dest``, completing on ``bar``; a per-head
+    descriptor (_rows_descriptor) ignores batch and head, a persistent program's (_heads_descriptor) takes them."""
+    mbarrier.expect(bar, desc.block_type.nbytes)
+    if PERSISTENT:
+        tma.async_copy_global_to_shared(desc, [batch, row, head, 0], bar,
+                                        dest.reshape([1, dest.shape[0], 1, dest.shape[1]]))
+    else:
+        tma.async_copy_global_to_shared(desc, [row, 0], bar, dest)
+
+
+@gluon.jit
+def _load_query_tile(q_desc, k_desc, v_desc, batch, head, kv_head, m0, start, num_tiles, loaded, tile_index,
+                     q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty,
+                     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                     Q_BUFFERS: gl.constexpr, PERSISTENT: gl.constexpr):
+    """The TMA loads of one query tile (the program's tile_index-th): a Q block per consumer into Q buffer
+    tile_index % Q_BUFFERS, then its num_tiles K and V tiles. Ring slots and phases run on across a
+    program's tiles: key tile j is the program's (loaded + j)-th, in slot (loaded + j) % NUM_STAGES."""
+    first = (tile_index % Q_BUFFERS) * CONSUMERS
     for c in gl.static_range(CONSUMERS):
-        _load_tile(q_desc, m0 + c * CONSUMER_ROWS, q_bars.index(c), q_smem.index(c))
+        if PERSISTENT:
+            # The block held the queries, then the output, of tile tile_index - Q_BUFFERS: consumer c frees
+            # it once that output's TMA store has read it.
+            mbarrier.wait(q_free.index(first + c), ((tile_index // Q_BUFFERS) & 1) ^ 1, pred=tile_index >= Q_BUFFERS)
+        _load_tile(q_desc, batch, m0 + c * CONSUMER_ROWS, head, q_bars.index(first + c), q_smem.index(first + c),
+                   PERSISTENT)
     for j in range(num_tiles):
-        stage = j % NUM_STAGES
-        # The slot's previous use (tile j - NUM_STAGES) must be released by every consumer first.
-        free_phase = ((j // NUM_STAGES) & 1) ^ 1
-        mbarrier.wait(k_empty.index(stage), free_phase, pred=j >= NUM_STAGES)
-        _load_tile(k_desc, start + j * BLOCK_N, k_ready.index(stage), k_smem.index(stage))
-        mbarrier.wait(v_empty.index(stage), free_phase, pred=j >= NUM_STAGES)
-        _load_tile(v_desc, start + j * BLOCK_N, v_ready.index(stage), v_smem.index(stage))
+        count = loaded + j
+        stage = count % NUM_STAGES
+        # The slot's previous use (count - NUM_STAGES) must be released by every consumer first.
+        free_phase = ((count // NUM_STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(stage), free_phase, pred=count >= NUM_STAGES)
+        _load_tile(k_desc, batch, start + j * BLOCK_N, kv_head, k_ready.index(stage), k_smem.index(stage), PERSISTENT)
+        mbarrier.wait(v_empty.index(stage), free_phase, pred=count >= NUM_STAGES)
+        _load_tile(v_desc, batch, start + j * BLOCK_N, kv_head, v_ready.index(stage), v_smem.index(stage), PERSISTENT)
 
 
 @gluon.jit
-def _consume_partition(CONSUMER: gl.constexpr, o_base, stride_os, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty,
-                 v_empty, lse_base, m0, start, un_lo, un_hi, num_tiles, seqlen_q, seqlen_k, qk_scale, softcap_log2,
-                 window_left, window_right, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
-                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, LEFT_BOUNDED: gl.constexpr,
-                 RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr, Q_SMEM: gl.constexpr):
+def _load_partition(Q, K, V, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                    stride_vh, seqlen_q, seqlen_k, window_left, window_right, batch_size, heads, num_m_blocks, section,
+                    q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty,
+                    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
+                    NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr, LEFT_BOUNDED: gl.constexpr,
+                    RIGHT_BOUNDED: gl.constexpr, Q_BUFFERS: gl.constexpr, PERSISTENT: gl.constexpr,
+                    Q_SMEM: gl.constexpr, KV_SMEM: gl.constexpr):
+    BLOCK_M: gl.constexpr = CONSUMERS * CONSUMER_ROWS
+    if PERSISTENT:
+        q_desc = _heads_descriptor(Q, batch_size, seqlen_q, heads, stride_qb, stride_qs, stride_qh, CONSUMER_ROWS,
+                                   HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
+        k_desc = _heads_descriptor(K, batch_size, seqlen_k, heads // GROUP, stride_kb, stride_ks, stride_kh, BLOCK_N,
+                                   HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
+        v_desc = _heads_descriptor(V, batch_size, seqlen_k, heads // GROUP, stride_vb, stride_vs, stride_vh, BLOCK_N,
+                                   HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
+        loaded = 0
+        tile_index = 0
+        for tile in range(gl.program_id(0), batch_size * heads * num_m_blocks, gl.num_programs(0)):
+            batch, head, pid_m = tile_coords(tile, num_m_blocks, heads, batch_size * heads, section, RIGHT_BOUNDED)
+            m0, start, _, _, num_tiles = query_block(pid_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M,
+                                                     BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
+            _load_query_tile(q_desc, k_desc, v_desc, batch, head, head // GROUP, m0, start, num_tiles, loaded,
+                             tile_index, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty,
+                             BLOCK_N, NUM_STAGES, CONSUMERS, Q_BUFFERS, PERSISTENT)
+            loaded += num_tiles
+            tile_index += 1
+    else:
+        batch, head, pid_m = program_tile(RIGHT_BOUNDED)
+        m0, start, _, _, num_tiles = query_block(pid_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M,
+                                                 BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
+        batch, kv_head = batch.to(gl.int64), (head // GROUP).to(gl.int64)
+        q_desc = _rows_descriptor(Q + batch * stride_qb + head.to(gl.int64) * stride_qh, seqlen_q, stride_qs,
+                                  CONSUMER_ROWS, HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
+        k_desc = _rows_descriptor(K + batch * stride_kb + kv_head * stride_kh, seqlen_k, stride_ks, BLOCK_N, HEAD_DIM,
+                                  HEAD_DIM_PAD, KV_SMEM)
+        v_desc = _rows_descriptor(V + batch * stride_vb + kv_head * stride_vh, seqlen_k, stride_vs, BLOCK_N, HEAD_DIM,
+                                  HEAD_DIM_PAD, KV_SMEM)
+        _load_query_tile(q_desc, k_desc, v_desc, batch, head, kv_head, m0, start, num_tiles, 0, 0, q_smem, k_smem,
+                         v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, BLOCK_N, NUM_STAGES, CONSUMERS,
+                         Q_BUFFERS, PERSISTENT)
+
+
+@gluon.jit
+def _attend(q_tile, q_bar, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, lse_ptr, row0, start, un_lo, un_hi,
+            num_tiles, loaded, q_phase, seqlen_q, seqlen_k, qk_scale, softcap_log2, window_left, window_right,
+            HEAD_DIM_PAD: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+            LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr):
+    """One consumer's 64 query rows from row0, its Q block q_tile (ready at q_bar's phase q_phase), over
+    the query tile's num_tiles key tiles (ring slots as in _load_query_tile): stores the rows' lse at
+    ``lse_ptr`` and returns the normalised output tile."""
     S_LAYOUT: gl.constexpr = _mma_layout(BLOCK_N, CONSUMER_WARPS)
     O_LAYOUT: gl.constexpr = _mma_layout(HEAD_DIM_PAD, CONSUMER_WARPS)
     P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
     ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
     ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
-    dtype: gl.constexpr = q_smem.dtype
-    q_tile = q_smem.index(CONSUMER)
-    row0 = m0 + CONSUMER * CONSUMER_ROWS
+    dtype: gl.constexpr = q_tile.dtype
     rows = row0 + gl.arange(0, CONSUMER_ROWS, layout=ROW_S)
     scale = qk_scale
     if HAS_SOFTCAP:
@@ -152,23 +231,25 @@ def _consume_partition(CONSUMER: gl.constexpr, o_base, stride_os, LSE, q_smem, k
     acc = gl.zeros([CONSUMER_ROWS, HEAD_DIM_PAD], gl.float32, O_LAYOUT)
     s_zero = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, S_LAYOUT)
 
-    mbarrier.wait(q_bars.index(CONSUMER), 0)
+    mbarrier.wait(q_bar, q_phase)
     if num_tiles > 0:
-        mbarrier.wait(k_ready.index(0), 0)
-        s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        first = loaded % NUM_STAGES
+        mbarrier.wait(k_ready.index(first), (loaded // NUM_STAGES) & 1)
+        s = warpgroup_mma(q_tile, k_smem.index(first).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s])
-        mbarrier.arrive(k_empty.index(0), count=1)
+        mbarrier.arrive(k_empty.index(first), count=1)
         s = _logits(s, start, rows, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
                     (start < un_lo) | (start >= un_hi), S_LAYOUT, BLOCK_N, HAS_SOFTCAP, LEFT_BOUNDED, RIGHT_BOUNDED)
         p, alpha, row_max, row_sum = _softmax_step(s, row_max, row_sum, scale)
         p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)
         for j in range(1, num_tiles):
             n0 = start + j * BLOCK_N
-            stage = j % NUM_STAGES
-            prev = (j - 1) % NUM_STAGES
-            mbarrier.wait(k_ready.index(stage), (j // NUM_STAGES) & 1)
+            count = loaded + j
+            stage = count % NUM_STAGES
+            prev = (count - 1) % NUM_STAGES
+            mbarrier.wait(k_ready.index(stage), (count // NUM_STAGES) & 1)
             s = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
+            mbarrier.wait(v_ready.index(prev), ((count - 1) // NUM_STAGES) & 1)
             acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
             s = warpgroup_mma_wait(1, deps=[s])
             mbarrier.arrive(k_empty.index(stage), count=1)
@@ -179,21 +260,75 @@ def _consume_partition(CONSUMER: gl.constexpr, o_base, stride_os, LSE, q_smem, k
             mbarrier.arrive(v_empty.index(prev), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha_next, ROW_O), 1)
             p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)
-        last = (num_tiles - 1) % NUM_STAGES
-        mbarrier.wait(v_ready.index(last), ((num_tiles - 1) // NUM_STAGES) & 1)
-        acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+        last = loaded + num_tiles - 1
+        mbarrier.wait(v_ready.index(last % NUM_STAGES), (last // NUM_STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_smem.index(last % NUM_STAGES), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
-        mbarrier.arrive(v_empty.index(last), count=1)
+        mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
 
     empty = row_sum == 0.0
     inv = gl.convert_layout(1.0 / gl.where(empty, 1.0, row_sum), ROW_O)
-    q_tile.store((acc * gl.expand_dims(inv, 1)).to(dtype))
-    fence_async_shared()
-    o_desc = _rows_descriptor(o_base, seqlen_q, stride_os, CONSUMER_ROWS, HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
-    tma.async_copy_shared_to_global(o_desc, [row0, 0], q_tile)
     lse = gl.where(empty, float("-inf"), (row_max + gl.log2(row_sum)) * 0.6931471805599453)
-    gl.store(LSE + lse_base + rows, lse, mask=rows < seqlen_q)
+    gl.store(lse_ptr + rows, lse, mask=rows < seqlen_q)
+    return (acc * gl.expand_dims(inv, 1)).to(dtype)
+
+
+@gluon.jit
+def _store_out(o_desc, batch, row0, head, out, q_tile, PERSISTENT: gl.constexpr):
+    """Store a consumer's output tile through its Q block (the queries are spent) by one TMA store, clipped
+    at the head's ends, and wait until the store has read the block; descriptors as in _load_tile."""
+    q_tile.store(out)
+    fence_async_shared()
+    if PERSISTENT:
+        tma.async_copy_shared_to_global(o_desc, [batch, row0, head, 0],
+                                        q_tile.reshape([1, q_tile.shape[0], 1, q_tile.shape[1]]))
+    else:
+        tma.async_copy_shared_to_global(o_desc, [row0, 0], q_tile)
     tma.store_wait(0)
+
+
+@gluon.jit
+def _consume_partition(CONSUMER: gl.constexpr, O, LSE, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
+                       seqlen_q, seqlen_k, qk_scale, softcap_log2, window_left, window_right, batch_size, heads,
+                       num_m_blocks, section, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty,
+                       v_empty, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
+                       NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr, LEFT_BOUNDED: gl.constexpr,
+                       RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr, Q_BUFFERS: gl.constexpr,
+                       PERSISTENT: gl.constexpr, Q_SMEM: gl.constexpr):
+    BLOCK_M: gl.constexpr = CONSUMERS * CONSUMER_ROWS
+    if PERSISTENT:
+        o_desc = _heads_descriptor(O, batch_size, seqlen_q, heads, stride_ob, stride_os, stride_oh, CONSUMER_ROWS,
+                                   HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
+        loaded = 0
+        tile_index = 0
+        for tile in range(gl.program_id(0), batch_size * heads * num_m_blocks, gl.num_programs(0)):
+            batch, head, pid_m = tile_coords(tile, num_m_blocks, heads, batch_size * heads, section, RIGHT_BOUNDED)
+            m0, start, un_lo, un_hi, num_tiles = query_block(pid_m, seqlen_q, seqlen_k, window_left, window_right,
+                                                             BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
+            row0 = m0 + CONSUMER * CONSUMER_ROWS
+            slot = (tile_index % Q_BUFFERS) * CONSUMERS + CONSUMER
+            out = _attend(q_smem.index(slot), q_bars.index(slot), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                          LSE + batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h, row0, start,
+                          un_lo, un_hi, num_tiles, loaded, (tile_index // Q_BUFFERS) & 1, seqlen_q, seqlen_k,
+                          qk_scale, softcap_log2, window_left, window_right, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES,
+                          LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP)
+            _store_out(o_desc, batch, row0, head, out, q_smem.index(slot), PERSISTENT)
+            mbarrier.arrive(q_free.index(slot), count=1)  # the producer may load this buffer's next Q block
+            loaded += num_tiles
+            tile_index += 1
+    else:
+        batch, head, pid_m = program_tile(RIGHT_BOUNDED)
+        m0, start, un_lo, un_hi, num_tiles = query_block(pid_m, seqlen_q, seqlen_k, window_left, window_right,
+                                                         BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
+        batch, head = batch.to(gl.int64), head.to(gl.int64)
+        row0 = m0 + CONSUMER * CONSUMER_ROWS
+        out = _attend(q_smem.index(CONSUMER), q_bars.index(CONSUMER), k_smem, v_smem, k_ready, v_ready, k_empty,
+                      v_empty, LSE + batch * stride_lse_b + head * stride_lse_h, row0, start, un_lo, un_hi, num_tiles,
+                      0, 0, seqlen_q, seqlen_k, qk_scale, softcap_log2, window_left, window_right, HEAD_DIM_PAD,
+                      BLOCK_N, NUM_STAGES, LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP)
+        o_desc = _rows_descriptor(O + batch * stride_ob + head * stride_oh, seqlen_q, stride_os, CONSUMER_ROWS,
+                                  HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
+        _store_out(o_desc, batch, row0, head, out, q_smem.index(CONSUMER), PERSISTENT)
 
 
 @gluon.jit
@@ -206,55 +341,52 @@ def _attn_fwd_hopper_kernel(
     stride_lse_b, stride_lse_h,
     seqlen_q, seqlen_k,
     qk_scale, softcap_log2, window_left, window_right,
+    batch_size, heads, num_m_blocks, section,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
     CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-    Q_SMEM: gl.constexpr, KV_SMEM: gl.constexpr,
+    Q_BUFFERS: gl.constexpr, PERSISTENT: gl.constexpr, Q_SMEM: gl.constexpr, KV_SMEM: gl.constexpr,
 ):
+    """One query tile per program on a (query blocks, heads, batch) grid or, PERSISTENT, a 1-D grid whose
+    programs each walk tile_schedule's tiles (batch_size, heads, num_m_blocks, section describe them),
+    with Q_BUFFERS sets of Q blocks (2: the next tile's queries load while this tile runs)."""
     dtype: gl.constexpr = Q.dtype.element_ty
-    BLOCK_M: gl.constexpr = CONSUMERS * CONSUMER_ROWS
-    pid_m = gl.program_id(0)
-    if RIGHT_BOUNDED:
-        pid_m = gl.num_programs(0) - 1 - pid_m
-    head = gl.program_id(1).to(gl.int64)
-    batch = gl.program_id(2).to(gl.int64)
-    kv_head = head // GROUP
-    m0 = pid_m * BLOCK_M
-    q_base = Q + batch * stride_qb + head * stride_qh
-    k_base = K + batch * stride_kb + kv_head * stride_kh
-    v_base = V + batch * stride_vb + kv_head * stride_vh
-    o_base = O + batch * stride_ob + head * stride_oh
-    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, CONSUMER_ROWS, HEAD_DIM_PAD], Q_SMEM)
+    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * CONSUMERS, CONSUMER_ROWS, HEAD_DIM_PAD], Q_SMEM)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM_PAD], KV_SMEM)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM_PAD], KV_SMEM)
-    q_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_bars = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS * CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for c in gl.static_range(CONSUMERS):
+    for c in gl.static_range(Q_BUFFERS * CONSUMERS):
         mbarrier.init(q_bars.index(c), count=1)
+    if PERSISTENT:
+        q_free = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS * CONSUMERS, 1], mbarrier.MBarrierLayout())
+        for c in gl.static_range(Q_BUFFERS * CONSUMERS):
+            mbarrier.init(q_free.index(c), count=1)
+    else:
+        q_free = q_bars  # never waited on: a one-tile program loads each Q block once
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=CONSUMERS)
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
-    start, un_lo, un_hi, end = key_range(m0, seqlen_q, seqlen_k, window_left, window_right,
-                                         BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
-    num_tiles = (end - start) // BLOCK_N
-    lse_base = batch * stride_lse_b + head * stride_lse_h
     # Partitions: consumers 0..CONSUMERS-1 (consumer 0 is the default partition, the launch's num_warps),
     # then the producer. A comprehension over a literal tuple is how Gluon unrolls a list at compile time;
     # one comprehension, as `+` on tuples of partitions strips their constexpr arguments.
     gl.warp_specialize(
-        [(_load_partition, (q_base, k_base, v_base, stride_qs, stride_ks, stride_vs, seqlen_q, seqlen_k, q_smem,
-                            k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, m0, start, num_tiles,
-                            HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, CONSUMERS, Q_SMEM, KV_SMEM))
+        [(_load_partition, (Q, K, V, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb,
+                            stride_vs, stride_vh, seqlen_q, seqlen_k, window_left, window_right, batch_size, heads,
+                            num_m_blocks, section, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty,
+                            v_empty, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, CONSUMERS, LEFT_BOUNDED,
+                            RIGHT_BOUNDED, Q_BUFFERS, PERSISTENT, Q_SMEM, KV_SMEM))
          if c == CONSUMERS else
-         (_consume_partition, (c, o_base, stride_os, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty,
-                               v_empty, lse_base, m0, start, un_lo, un_hi, num_tiles, seqlen_q, seqlen_k, qk_scale,
-                               softcap_log2, window_left, window_right, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES,
-                               LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP, Q_SMEM))
+         (_consume_partition, (c, O, LSE, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, seqlen_q,
+                               seqlen_k, qk_scale, softcap_log2, window_left, window_right, batch_size, heads,
+                               num_m_blocks, section, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready,
+                               k_empty, v_empty, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, CONSUMERS, LEFT_BOUNDED,
+                               RIGHT_BOUNDED, HAS_SOFTCAP, Q_BUFFERS, PERSISTENT, Q_SMEM))
          for c in (0, 1, 2, 3)[:CONSUMERS + 1]],
         _partition_warps(CONSUMERS), _partition_registers(CONSUMERS))
 
@@ -285,9 +417,11 @@ def shared_layouts(block_n, head_dim_pad, dtype):
 
 
 def launch_forward(q, k, v, out, lse, qk_scale, softcap_log2, window_left, window_right, softcap, head_dim_pad,
-                   strides, strides_lse, block_n=None, num_stages=None, consumers=None):
+                   strides, strides_lse, block_n=None, num_stages=None, consumers=None, persistent=False):
     """Launch the kernel on dense (batch, seqlen, heads, head_dim) inputs the caller has validated;
-    block_n, num_stages and consumers override CONFIGS (consumers: 2 or 3 warpgroups of 64 rows)."""
+    block_n, num_stages and consumers override CONFIGS (consumers: 2 or 3 warpgroups of 64 rows).
+    persistent: one program per SM, each walking its share of tile_schedule's order (not the default
+    anywhere until the H200 has measured it)."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     default_n, default_stages, default_consumers = CONFIGS[head_dim_pad]
@@ -296,12 +430,19 @@ def launch_forward(q, k, v, out, lse, qk_scale, softcap_log2, window_left, windo
         raise ValueError(f"consumers must be one of {sorted(REGISTERS)}, got {consumers}")
     q_smem, kv_smem = shared_layouts(block_n, head_dim_pad, q.dtype)
     ensure_allocator(q.device)  # the in-kernel TMA descriptors' scratch
-    grid = (triton.cdiv(seqlen_q, consumers * CONSUMER_ROWS.value), heads_q, batch)
+    block_m = consumers * CONSUMER_ROWS.value
+    num_m_blocks = triton.cdiv(seqlen_q, block_m)
+    if persistent:
+        grid = (min(num_m_blocks * heads_q * batch, sm_count(q.device.index)),)
+    else:
+        grid = (num_m_blocks, heads_q, batch)
     _attn_fwd_hopper_kernel[grid](
         q, k, v, out, lse, *strides, *strides_lse, seqlen_q, seqlen_k,
         qk_scale, softcap_log2, window_left, window_right,
+        batch, heads_q, num_m_blocks, section_pairs(seqlen_k, head_dim_pad, heads_q, heads_kv, q.element_size()),
         GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         CONSUMERS=consumers, BLOCK_N=block_n, NUM_STAGES=num_stages,
         LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
-        Q_SMEM=q_smem, KV_SMEM=kv_smem, num_warps=CONSUMER_WARPS.value,
+        Q_BUFFERS=q_buffers(2 * num_stages * block_n, block_m, head_dim_pad, q.element_size()) if persistent else 1,
+        PERSISTENT=persistent, Q_SMEM=q_smem, KV_SMEM=kv_smem, num_warps=CONSUMER_WARPS.value,
     )

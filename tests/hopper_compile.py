@@ -24,11 +24,14 @@ from flashformer.kernels import (cross_entropy, decode, flash_bwd, flash_bwd_dq_
                                  flash_fwd_hopper)
 from flashformer.kernels.interface import GLUON_TRITON_VERSIONS
 from flashformer.kernels.sizes import pad_head_dim
+from flashformer.kernels.tile_schedule import q_buffers
 
 FP32_POINTERS = {"LSE", "DELTA", "LSE_LOG2", "DLSE", "LSE_PART", "O_PART", "DQ_ACC", "LOSSES", "TOKEN_SCALE",
                  "ALIBI_SLOPES"}
 INT64_POINTERS = {"TARGETS", "DROPOUT_SEED"}
 INT32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K", "BLOCK_TABLE"}
+TMA_LOAD = r"cp\.async\.bulk\.tensor\.\w+\.shared::cluster\.global"
+TMA_STORE = r"cp\.async\.bulk\.tensor\.\w+\.global\.shared"
 FLOAT_SCALARS = {"qk_scale", "softcap_log2", "softmax_scale", "softcap", "dropout_rescale"}
 
 
@@ -66,6 +69,20 @@ def resource_usage(compiled):
     return registers, spills
 
 
+def loop_depths(ptx, pattern):
+    """How many loops enclose each PTX line matching ``pattern``: a loop spans from a label to the last
+    branch back to it (the blocks LLVM places before a loop's header are missed)."""
+    lines = ptx.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"(\$L__BB\d+_\d+):", line))}
+    last_back_branch = {}
+    for i, line in enumerate(lines):
+        target = re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);", line)
+        if target and labels.get(target.group(1), i) < i:
+            last_back_branch[target.group(1)] = i
+    spans = [(labels[label], end) for label, end in last_back_branch.items()]
+    return [sum(start < i < end for start, end in spans) for i, line in enumerate(lines) if re.search(pattern, line)]
+
+
 def attention_constexprs(head_dim, block_m, block_n, causal=True, window=False, softcap=False, varlen=False, group=1,
                          accumulate_dq=False, has_dlse=False, alibi=False, dropout=False):
     return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=pad_head_dim(head_dim), BLOCK_M=block_m,
@@ -76,14 +93,18 @@ def attention_constexprs(head_dim, block_m, block_n, causal=True, window=False, 
                 HAS_ALIBI=alibi, HAS_DROPOUT=dropout)
 
 
-def gluon_forward_constexprs(head_dim, causal=True, window=False, softcap=False, group=1, config=None):
-    """config: (BLOCK_N, NUM_STAGES, CONSUMERS), flash_fwd_hopper.CONFIGS' by default."""
+def gluon_forward_constexprs(head_dim, causal=True, window=False, softcap=False, group=1, config=None,
+                             persistent=False):
+    """config: (BLOCK_N, NUM_STAGES, CONSUMERS), flash_fwd_hopper.CONFIGS' by default; persistent: one program
+    per SM with the Q buffers the launcher gives it."""
     head_dim_pad = pad_head_dim(head_dim)
     block_n, num_stages, consumers = config or flash_fwd_hopper.CONFIGS[head_dim_pad]
     q_smem, kv_smem = flash_fwd_hopper.shared_layouts(block_n, head_dim_pad, torch.bfloat16)
+    q_sets = q_buffers(2 * num_stages * block_n, consumers * flash_fwd_hopper.CONSUMER_ROWS.value, head_dim_pad, 2)
     return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, CONSUMERS=consumers,
                 BLOCK_N=block_n, NUM_STAGES=num_stages, LEFT_BOUNDED=window, RIGHT_BOUNDED=causal or window,
-                HAS_SOFTCAP=softcap, Q_SMEM=q_smem, KV_SMEM=kv_smem)
+                HAS_SOFTCAP=softcap, PERSISTENT=persistent, Q_SMEM=q_smem, KV_SMEM=kv_smem,
+                Q_BUFFERS=q_sets if persistent else 1)
 
 
 def gluon_backward_constexprs(head_dim, causal=True, window=False, softcap=False, group=1, block_m=None):
@@ -127,6 +148,14 @@ CASES = {
                                             GLUON_WARPS, 1),
     "gluon-fwd-d64-c3-full-n64": (GLUON_FORWARD, gluon_forward_constexprs(64, causal=False, config=(64, 4, 3)),
                                   GLUON_WARPS, 1),
+    # the persistent forward (one program per SM walking kernels/tile_schedule.py's order) at every head_dim
+    "gluon-fwd-d128-persistent-causal": (GLUON_FORWARD, gluon_forward_constexprs(128, persistent=True), GLUON_WARPS, 1),
+    "gluon-fwd-d64-c3-persistent-full": (GLUON_FORWARD, gluon_forward_constexprs(64, causal=False, persistent=True),
+                                         GLUON_WARPS, 1),
+    "gluon-fwd-d64-c2-persistent-window-softcap-gqa": (
+        GLUON_FORWARD, gluon_forward_constexprs(64, window=True, softcap=True, group=4, config=(128, 2, 2),
+                                                persistent=True), GLUON_WARPS, 1),
+    "gluon-fwd-d256-persistent-causal": (GLUON_FORWARD, gluon_forward_constexprs(256, persistent=True), GLUON_WARPS, 1),
     # every Gluon backward configuration (flash_bwd_hopper.config): head_dim 64, 128, 256 (split), softcap's tile
     "gluon-bwd_dkdv-d128-causal-gqa": (GLUON_DKDV, gluon_backward_constexprs(128, group=4), GLUON_WARPS, 1),
     "gluon-bwd_dkdv-d128-full": (GLUON_DKDV, gluon_backward_constexprs(128, causal=False), GLUON_WARPS, 1),
@@ -224,6 +253,9 @@ def main(selected):
                         # the register counts the partitions ask for (empty: no setmaxnreg)
                         "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
                                                                          ptx)}),
+                        # the fewest loops around a TMA load / store: a persistent kernel's tile loop adds one
+                        "tma_load_loop_depth": min(loop_depths(ptx, TMA_LOAD), default=None),
+                        "tma_store_loop_depth": min(loop_depths(ptx, TMA_STORE), default=None),
                         "shared_bytes": compiled.metadata.shared, "registers": registers, "spill_bytes": spill_bytes}
     print(json.dumps(report))
 
