@@ -5,10 +5,13 @@ heads * head_dim = 2048, 8 heads at head_dim 256) each (BLOCK_N, NUM_STAGES) can
 flash_fwd_hopper is first checked against fp32 math on the same inputs (max abs error beside SDPA's
 in bf16), then timed with do_bench; the table gives forward TFLOP/s and the ratio of the best
 candidate to cuDNN. Writes the cells as JSON to --out. --check first checks the candidates of the
-chosen head_dims on odd shapes.
+chosen head_dims on odd shapes. --variants persistent adds each candidate as the persistent kernel (one
+program per SM walking kernels/tile_schedule.py's order; named ...-persistent), checked and timed too.
 
     python scripts/bench_gluon_forward.py --head-dims 64 128 256 --seqlens 1024 4096 16384
     python scripts/bench_gluon_forward.py --check --head-dims 64 --seqlens 1024 4096 16384
+    python scripts/bench_gluon_forward.py --check --variants default persistent --head-dims 64 128 \
+        --configs n128-s2-c2 n128-s2-c3 --seqlens 1024 2048 4096
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ CANDIDATES = {64: [(128, 2, 2), (128, 3, 2), (128, 2, 3), (128, 3, 3), (64, 4, 3
               128: [(128, 2, 2), (64, 3, 2)], 256: [(64, 2, 2)]}
 
 
-def gluon_forward(q, k, v, causal, config, window=(-1, -1), softcap=0.0):
-    """(out, lse) of the Gluon kernel with one (BLOCK_N, NUM_STAGES, CONSUMERS) config."""
+def gluon_forward(q, k, v, causal, config, window=(-1, -1), softcap=0.0, variant="default"):
+    """(out, lse) of the Gluon kernel with one (BLOCK_N, NUM_STAGES, CONSUMERS) config, one tile per program
+    (variant "default") or persistent."""
     block_n, num_stages, consumers = config
     head_dim_pad = max(16, triton.next_power_of_2(q.shape[-1]))
     out = new_output(q)
@@ -43,7 +47,8 @@ def gluon_forward(q, k, v, causal, config, window=(-1, -1), softcap=0.0):
     window_left, window_right = window[0], 0 if causal else window[1]
     flash_fwd_hopper.launch_forward(q, k, v, out, lse, qk_scale, softcap_log2, window_left, window_right, softcap,
                                     head_dim_pad, [s for t in (q, k, v, out) for s in seq_strides(t, False)],
-                                    lse.stride()[:2], block_n=block_n, num_stages=num_stages, consumers=consumers)
+                                    lse.stride()[:2], block_n=block_n, num_stages=num_stages, consumers=consumers,
+                                    persistent=variant == "persistent")
     return out, lse
 
 
@@ -57,11 +62,11 @@ CHECK_CASES = [(113, 203, 8, 2, 128, True, (-1, -1), 0.0), (239, 1, 8, 8, 64, Fa
                (2000, 2000, 4, 4, 64, True, (-1, -1), 0.0)]
 
 
-def check_candidates(head_dims):
-    """Every candidate of the padded head_dims ``head_dims`` against fp64 math on odd shapes, by
-    flash-attn's 2x rule against the tl kernel's error, for out and lse, with outputs NaN-poisoned before
-    each launch (a freed buffer handed back by torch's allocator can hold the right answer in rows a
-    kernel never writes)."""
+def check_candidates(head_dims, variants, configs=None):
+    """Every candidate (of ``configs``, by name), in each of ``variants``, of the padded head_dims ``head_dims``
+    against fp64 math on odd shapes, by flash-attn's 2x rule against the tl kernel's error, for out and lse,
+    with outputs NaN-poisoned before each launch (a freed buffer handed back by torch's allocator can hold
+    the right answer in rows a kernel never writes)."""
     from flashformer.kernels import attention_materialized, launch
     launch.POISON_OUTPUTS = True
     failures = 0
@@ -80,11 +85,11 @@ def check_candidates(head_dims):
                 tl_out, tl_lse = flash_attn_func(q, k, v, return_lse=True, **opts)
             tl_error = (tl_out.double() - ref).abs().max().item()
             tl_lse_error = (tl_lse.double() - ref_lse)[seen].abs().max().item()
-            for config in CANDIDATES[head_dim_pad]:
+            for config, variant in candidates(head_dim_pad, variants, configs):
                 label = (f"check s{seqlen_q}x{seqlen_k} h{heads_q}:{heads_kv} d{head_dim} causal={causal} w={window} "
-                         f"cap={softcap} {candidate_name(config)}")
+                         f"cap={softcap} {candidate_name(config, variant)}")
                 try:
-                    out, lse = gluon_forward(q, k, v, causal, config, window, softcap)
+                    out, lse = gluon_forward(q, k, v, causal, config, window, softcap, variant)
                 except Exception as error:  # a candidate that does not compile or fit fails, the rest go on
                     failures += 1
                     print(f"{label}: FAIL {type(error).__name__}: {str(error)[:300]}")
@@ -102,9 +107,16 @@ def check_candidates(head_dims):
     return failures
 
 
-def candidate_name(config):
+def candidates(head_dim, variants, configs=None):
+    """(config, variant) pairs to check and time at padded ``head_dim``: CANDIDATES' (only those named in
+    ``configs``, as n128-s2-c3, where given) in each of ``variants``."""
+    return [(config, variant) for variant in variants for config in CANDIDATES[head_dim]
+            if configs is None or candidate_name(config, "default") in configs]
+
+
+def candidate_name(config, variant):
     block_n, num_stages, consumers = config
-    return f"n{block_n}-s{num_stages}-c{consumers}"
+    return f"n{block_n}-s{num_stages}-c{consumers}" + ("-persistent" if variant == "persistent" else "")
 
 
 def sdpa(backend, q, k, v, causal):
@@ -126,9 +138,16 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--out", default="bench_gluon_forward.json")
     parser.add_argument("--check", action="store_true", help="first check every candidate on odd shapes")
+    parser.add_argument("--variants", nargs="+", choices=["default", "persistent"], default=["default"],
+                        help="one tile per program (default) and/or the persistent kernel")
+    parser.add_argument("--configs", nargs="+", metavar="NAME",
+                        help="only these candidates, as n128-s2-c3 (default: all of each head_dim's)")
     args = parser.parse_args(argv)
+    known = {candidate_name(config, "default") for configs in CANDIDATES.values() for config in configs}
+    if args.configs and not set(args.configs) <= known:
+        parser.error(f"--configs: unknown {sorted(set(args.configs) - known)}; candidates are {sorted(known)}")
     if args.check:
-        print(f"check failures: {check_candidates(args.head_dims)}")
+        print(f"check failures: {check_candidates(args.head_dims, args.variants, args.configs)}")
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     cells = []
     for head_dim in args.head_dims:
@@ -146,16 +165,17 @@ def main(argv=None):
                 timings = {"tl": lambda: tl_forward(q, k, v, causal),
                            "cudnn": lambda: sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, causal)}
                 cell["tl_error"] = (tl_forward(q, k, v, causal).float() - reference).abs().max().item()
-                for config in CANDIDATES[head_dim]:
-                    name = candidate_name(config)
+                for config, variant in candidates(head_dim, args.variants, args.configs):
+                    name = candidate_name(config, variant)
                     try:
-                        out, _ = gluon_forward(q, k, v, causal, config)
+                        out, _ = gluon_forward(q, k, v, causal, config, variant=variant)
                     except Exception as error:  # a candidate that does not compile or fit is reported, not fatal
                         cell["gluon"][name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
                         continue
                     cell["gluon"][name] = {"error_max": (out.float() - reference).abs().max().item(),
                                            "finite": bool(torch.isfinite(out).all())}
-                    timings[name] = (lambda config=config: gluon_forward(q, k, v, causal, config))
+                    timings[name] = (lambda config=config, variant=variant:
+                                     gluon_forward(q, k, v, causal, config, variant=variant))
                 for name, fn in timings.items():
                     ms = triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
                     target = cell["gluon"][name] if name in cell["gluon"] else cell

@@ -101,6 +101,22 @@ def test_descriptor_benchmark_variants_agree(monkeypatch):
     assert not failed, failed
 
 
+def test_gluon_forward_bench_runs_every_candidate_in_each_variant(capsys):
+    """bench_gluon_forward --variants default persistent checks and times each tile shape twice, the
+    persistent kernel under names of its own (the JSON and table key on them)."""
+    gluon = _load_script("bench_gluon_forward")
+    for head_dim, configs in gluon.CANDIDATES.items():
+        pairs = gluon.candidates(head_dim, ["default", "persistent"])
+        names = [gluon.candidate_name(config, variant) for config, variant in pairs]
+        assert sorted(pairs) == sorted((config, variant) for config in configs for variant in ("default", "persistent"))
+        assert len(set(names)) == len(names)
+        assert [name.endswith("-persistent") for name in names] == [v == "persistent" for _, v in pairs]
+    assert gluon.candidates(64, ["persistent"], ["n128-s2-c3"]) == [((128, 2, 3), "persistent")]
+    with pytest.raises(SystemExit):
+        gluon.main(["--configs", "n96-s2-c3"])
+    assert "--configs: unknown ['n96-s2-c3']" in capsys.readouterr().err
+
+
 def test_plots_draw_the_measured_cells(bench, tmp_path):
     """bench_attention's and bench_decode's --plot write a PNG from their JSON records (a missing
     implementation or a skipped cell left out)."""
