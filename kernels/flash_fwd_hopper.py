@@ -396,9 +396,31 @@ def _attn_fwd_hopper_kernel(
 # At head_dim 64 three consumers (192 rows per K/V tile) beat two by 1.05-1.10x at 4k-16k tokens.
 CONFIGS = {64: (128, 2, 3), 128: (128, 2, 2), 256: (64, 2, 2)}
 # Where this kernel is the faster forward on the H200 (BENCHMARKS.md), as the shortest query length per
-# padded head_dim: 1.03-1.17x the tl kernel at head_dim 128 and 1.14-1.38x at 256 over 1k-16k tokens; at 64,
-# 1.01-1.11x over 4k-16k with three consumers but 0.69-0.88x at 1k (the 192-row programs are too few).
-FASTER_FROM_SEQLEN = {64: 4096, 128: 1, 256: 1}
+# padded head_dim: 1.03-1.17x the tl kernel at head_dim 128 and 1.14-1.38x at 256 over 1k-16k tokens; at 64
+# the persistent form is 1.11-1.32x tl from 1k (shorter lengths are unmeasured, so tl keeps them).
+FASTER_FROM_SEQLEN = {64: 1024, 128: 1, 256: 1}
+# Key lengths below which the persistent grid wins, per padded head_dim: with few K/V tiles per query tile
+# a program's own costs (launch, descriptors, barriers, the first loads, the ring's fill and drain) weigh,
+# and a persistent program hides them behind its previous tile. Measured on the H200 at 1k: 1.12-1.17x the
+# one-tile grid at head_dim 128, 1.26-1.58x at 64; at 128 it loses from 4k (0.77-0.93x: tiles walked in a
+# static order cannot rebalance), at 64 it stays ahead or level to 16k. head_dim 256 is unmeasured.
+PERSISTENT_BELOW_SEQLEN = {64: float("inf"), 128: 2048}
+
+
+def pick_config(head_dim_pad, seqlen_k, causal):
+    """(BLOCK_N, NUM_STAGES, CONSUMERS, persistent) for one launch, from the H200's measurements.
+
+    Args:
+        causal: whether the keys are bounded on the right (causal or a right window), so that query
+            tiles differ in length.
+    """
+    block_n, num_stages, consumers = CONFIGS[head_dim_pad]
+    persistent = seqlen_k < PERSISTENT_BELOW_SEQLEN.get(head_dim_pad, 0)
+    if persistent and head_dim_pad == 64 and (causal or seqlen_k < 2048):
+        # 128-row tiles: a causal launch's tiles then vary less in length, and at 1k the 192-row blocks'
+        # ragged last block wastes a tenth of the work (two consumers 1.06-1.42x three there).
+        consumers = 2
+    return block_n, num_stages, consumers, persistent
 
 
 def supports(q, cu_seqlens_q, head_dim_pad, has_alibi, has_dropout):
@@ -417,15 +439,16 @@ def shared_layouts(block_n, head_dim_pad, dtype):
 
 
 def launch_forward(q, k, v, out, lse, qk_scale, softcap_log2, window_left, window_right, softcap, head_dim_pad,
-                   strides, strides_lse, block_n=None, num_stages=None, consumers=None, persistent=False):
+                   strides, strides_lse, block_n=None, num_stages=None, consumers=None, persistent=None):
     """Launch the kernel on dense (batch, seqlen, heads, head_dim) inputs the caller has validated;
-    block_n, num_stages and consumers override CONFIGS (consumers: 2 or 3 warpgroups of 64 rows).
-    persistent: one program per SM, each walking its share of tile_schedule's order (not the default
-    anywhere until the H200 has measured it)."""
+    block_n, num_stages, consumers (2 or 3 warpgroups of 64 rows) and persistent (one program per SM, each
+    walking its share of tile_schedule's order) override pick_config's choice."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
-    default_n, default_stages, default_consumers = CONFIGS[head_dim_pad]
+    default_n, default_stages, default_consumers, default_persistent = pick_config(head_dim_pad, seqlen_k,
+                                                                                    window_right >= 0)
     block_n, num_stages, consumers = block_n or default_n, num_stages or default_stages, consumers or default_consumers
+    persistent = default_persistent if persistent is None else persistent
     if consumers not in REGISTERS:
         raise ValueError(f"consumers must be one of {sorted(REGISTERS)}, got {consumers}")
     q_smem, kv_smem = shared_layouts(block_n, head_dim_pad, q.dtype)
