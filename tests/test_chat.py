@@ -168,7 +168,7 @@ def expected_targets(input_ids, cu_seqlens, encodings, pad_id):
         for offset in range(len(ids) - 1):
             if mask[offset + 1]:
                 targets[start + offset] = ids[offset + 1]
-    return torch.tensor(targets).view_as(input_ids), seen
+    return torch.tensor(targets, device=input_ids.device).view_as(input_ids), seen
 
 
 def test_conversations_packed_whole_with_assistant_targets_only(tmp_path, unmarked_dir, marked_dir):
@@ -210,7 +210,7 @@ def test_training_loss_is_the_mean_over_assistant_tokens(tmp_path, marked_dir):
                              f"data.train_files=[{os.path.join(directory, 'conversations.jsonl')}]"])
     trainer = Trainer(cfg)
     try:
-        batch = trainer.batches.next_step()[0]
+        batch = trainer.batches.next_step()[0].to(trainer.device)
         with open(os.path.join(directory, "conversations.jsonl")) as f:
             conversations = [json.loads(line)["messages"] for line in f]
         from transformers import AutoTokenizer

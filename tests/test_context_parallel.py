@@ -245,7 +245,10 @@ def test_ring_attention_matches_full_sequence(world_size, tmp_path):
 
 # The windowed case (more calls per ring step) doubles the interpreter's minute or so on a busy 2-core machine.
 @pytest.mark.parametrize("window_left", [-1, pytest.param(9, marks=pytest.mark.slow)])
-def test_packed_ring_attention_on_the_triton_kernels(window_left, tmp_path):
+def test_packed_ring_attention_on_the_triton_kernels(window_left, tmp_path, monkeypatch):
+    # gloo rings CPU tensors, so the kernels run in the interpreter on a GPU machine too (NCCL's ring on
+    # the GPU kernels is scripts/multi_gpu_check.sh's); spawned processes read the variable at their start.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     mp.spawn(run_on_triton_kernels, args=(2, str(tmp_path / "store"), window_left), nprocs=2, join=True)
 
 

@@ -87,7 +87,11 @@ def test_ranks_skip_the_same_nonfinite_steps_and_stop_after_the_same_one(tmp_pat
     step = re.match(r"step (\d+):", str(stopped.value)).group(1)
     assert re.findall(r"error: step (\d+):", result.stderr) == [step, step], result.stderr[-3000:]  # both ranks
     skipped = [[(r["step"], r["skipped_steps"]) for r in read_metrics(run) if "skipped" in r] for run in (one, two)]
-    assert skipped[0] == skipped[1] and len(skipped[0]) == 2
+    assert skipped[0] == skipped[1], skipped
+    # A wrecked model's loss is not NaN on every batch (which ones differs between CPUs), so the run may
+    # skip in several streaks; it stops at the third non-finite step in a row.
+    (before_last, _), (last, _) = skipped[0][-2:]
+    assert last == before_last + 1 and int(step) == last + 1, (skipped, step)
 
 
 def test_ranks_roll_back_together_and_train_on_like_one_process(tmp_path, data_cache):

@@ -94,9 +94,12 @@ def random_hf_model(make_config):
 
 
 def hf_greedy(model, input_ids):
-    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=NEW_TOKENS,
-                         min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-    return out
+    # Past LongRoPE's switch the reference re-encodes every step (no cache): transformers 5.24's cached
+    # generation equals that, 5.17's departs from it at the switch (the H200's transformers).
+    crosses_switch = getattr(model.config, "original_max_position_embeddings", None) is not None and (
+        input_ids.shape[1] + NEW_TOKENS > model.config.original_max_position_embeddings)
+    return model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=NEW_TOKENS,
+                          min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, use_cache=not crosses_switch)
 
 
 def assert_same_model(hf_model, ours, input_ids):

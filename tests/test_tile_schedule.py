@@ -34,11 +34,11 @@ def _walk_schedule(OUT, batch_size, heads, num_m_blocks, section, max_tiles, seq
         index += 1
 
 
-def walk_schedule(programs, batch, heads, seqlen_q, seqlen_k, window, section, block_m=192, block_n=128):
+def walk_schedule(programs, batch, heads, seqlen_q, seqlen_k, window, section, device, block_m=192, block_n=128):
     """Per program, its (batch, head, m_block, key tiles) tiles as the kernel decodes them."""
     num_m_blocks = triton.cdiv(seqlen_q, block_m)
     max_tiles = triton.cdiv(batch * heads * num_m_blocks, programs)
-    out = torch.full((programs, max_tiles, FIELDS), -1, dtype=torch.int32)
+    out = torch.full((programs, max_tiles, FIELDS), -1, dtype=torch.int32, device=device)
     _walk_schedule[(programs,)](out, batch, heads, num_m_blocks, section, max_tiles, seqlen_q, seqlen_k, window[0],
                                 window[1], BLOCK_M=block_m, BLOCK_N=block_n, LEFT_BOUNDED=window[0] >= 0,
                                 RIGHT_BOUNDED=window[1] >= 0)
@@ -53,10 +53,11 @@ CASES = [(2, 3, 1000, 1000, (-1, 0), 5, 4), (2, 3, 1000, 1000, (-1, 0), 132, 6),
 
 
 @pytest.mark.parametrize("batch, heads, seqlen_q, seqlen_k, window, programs, section", CASES)
-def test_schedule_covers_every_tile_once_longest_first(batch, heads, seqlen_q, seqlen_k, window, programs, section):
+def test_schedule_covers_every_tile_once_longest_first(batch, heads, seqlen_q, seqlen_k, window, programs, section,
+                                                      device):
     num_m_blocks = triton.cdiv(seqlen_q, 192)
     programs = min(programs, batch * heads * num_m_blocks)
-    walked = walk_schedule(programs, batch, heads, seqlen_q, seqlen_k, window, section)
+    walked = walk_schedule(programs, batch, heads, seqlen_q, seqlen_k, window, section, device)
     expected = schedule(programs, batch, heads, num_m_blocks, section, longest_last=window[1] >= 0)
     assert [[tile[:3] for tile in tiles] for tiles in walked] == expected
 

@@ -318,7 +318,7 @@ def test_a_bf16_checkpoint_fine_tunes_on_fp32_master_weights(tmp_path, data_cach
     try:
         before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
         assert {p.dtype for p in before.values()} == {torch.float32}
-        torch.testing.assert_close(before["embed.weight"], hf.model.embed_tokens.weight.float(), rtol=0, atol=0)
+        torch.testing.assert_close(before["embed.weight"].cpu(), hf.model.embed_tokens.weight.float(), rtol=0, atol=0)
         trainer.train_step()
         assert {s["exp_avg"].dtype for s in trainer.optimizer.state.values()} == {torch.float32}
         unmoved = [name for name, p in trainer.model.named_parameters() if torch.equal(p, before[name])]
