@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -369,3 +370,33 @@ def test_hbm_table_and_plot_show_measured_cells_and_say_why_others_are_missing(h
     pytest.importorskip("matplotlib")
     assert hbm.plot(rows, tmp_path / "hbm.png")
     assert (tmp_path / "hbm.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("seqlen", [1, 7, 64, 129])
+@pytest.mark.parametrize("causal, window_left", [(False, -1), (True, -1), (True, 0), (True, 5), (True, 300)])
+def test_first_call_counts_the_pairs_each_mask_attends(seqlen, causal, window_left):
+    first_call = _load_script("bench_first_call")
+    rows, cols = torch.arange(seqlen)[:, None], torch.arange(seqlen)[None, :]
+    attended = torch.ones(seqlen, seqlen, dtype=torch.bool)
+    if causal:
+        attended &= cols <= rows
+    if window_left >= 0:
+        attended &= cols >= rows - window_left
+    assert first_call.attended_pairs(seqlen, causal, window_left) == int(attended.sum())
+
+
+def test_first_call_shapes_parse_and_bad_ones_name_the_spec():
+    first_call = _load_script("bench_first_call")
+    assert first_call.parse_shape("23x704x128") == (23, 704, 128, {"causal": True})
+    assert first_call.parse_shape("5x2500x128:window256") == (5, 2500, 128, {"causal": True, "window_size": (256, 0)})
+    assert first_call.parse_shape("4x3000x64:softcap30") == (4, 3000, 64, {"causal": True, "softcap": 30.0})
+    assert first_call.parse_shape("7x1500x64:full") == (7, 1500, 64, {"causal": False})
+    for spec in first_call.DEFAULT_SHAPES:
+        first_call.parse_shape(spec)
+    for bad in ("23x704", "23x704x128:sliding", "0x704x128", "axbxc"):
+        with pytest.raises(ValueError, match=re.escape(repr(bad))):
+            first_call.parse_shape(bad)
+    # The nearest tuned shape keeps the tokens at the power-of-two length that picks the tiles.
+    assert first_call.nearest_tuned(23, 704) == (15, 1024)
+    assert first_call.nearest_tuned(3, 3000) == (2, 4096) and first_call.nearest_tuned(4, 1024) == (4, 1024)
+    assert first_call.nearest_tuned(1, 12000) == (1, 16384)

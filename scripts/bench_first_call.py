@@ -1,0 +1,174 @@
+"""A fresh process's first attention step at shapes outside the offline table: its wall time, compiles
+included, then its speed beside the nearest tuned shape's (one GPU run).
+
+Each shape runs in a child process of its own with an empty Triton cache (TRITON_CACHE_DIR in a new
+temporary directory), so its first forward + backward compiles every kernel it launches, as a user's first
+training step does. The child then times the shape and its nearest tuned shape (same head_dim and mask
+family, the power-of-two length at or above it, which picks its tiles, the same number of tokens) with do_bench. TFLOP/s
+count the (query, key) pairs each mask attends, so a sliding window's figures are comparable to the
+causal shape beside it only as a rate, not as work.
+
+    python3 scripts/bench_first_call.py
+    python3 scripts/bench_first_call.py --shapes 23x704x128:causal 5x2500x128:window256 --out first_call.json
+
+Shapes are BATCHxSEQLENxHEAD_DIM[:MASK] with MASK one of full, causal (the default), windowW (causal
+with W keys to the left) or softcapC (causal, logits soft-capped at C); heads are 2048 / head_dim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+# Beside the issue's example (23 x 704, head_dim 128, causal): lengths between the table's powers of two,
+# each mask family, head dims that pad (80, 96) and the widest one.
+DEFAULT_SHAPES = ["23x704x128:causal", "7x1500x64:full", "3x3000x128:full", "2x5000x64:causal",
+                  "5x2500x128:window256", "4x3000x128:softcap30", "9x900x96:causal", "1x12000x80:causal",
+                  "2x3500x256:causal"]
+HEADS_TIMES_HEAD_DIM = 2048
+
+
+def parse_shape(spec):
+    """(batch, seqlen, head_dim, mask options) of one BATCHxSEQLENxHEAD_DIM[:MASK] spec."""
+    dims, _, mask = spec.partition(":")
+    try:
+        batch, seqlen, head_dim = (int(n) for n in dims.split("x"))
+    except ValueError:
+        raise ValueError(f"--shapes: {spec!r} is not BATCHxSEQLENxHEAD_DIM[:MASK]") from None
+    mask = mask or "causal"
+    if mask in ("full", "causal"):
+        options = {"causal": mask == "causal"}
+    elif mask.startswith("window") and mask[6:].isdigit():
+        options = {"causal": True, "window_size": (int(mask[6:]), 0)}
+    elif mask.startswith("softcap"):
+        options = {"causal": True, "softcap": float(mask[7:])}
+    else:
+        raise ValueError(f"--shapes: mask {mask!r} of {spec!r} is not full, causal, windowW or softcapC")
+    if min(batch, seqlen, head_dim) < 1:
+        raise ValueError(f"--shapes: {spec!r} needs batch, seqlen and head_dim >= 1")
+    return batch, seqlen, head_dim, options
+
+
+def attended_pairs(seqlen, causal, window_left=-1):
+    """(query, key) pairs one head of one sequence attends (square, bottom-right aligned)."""
+    if not causal:
+        return seqlen * seqlen
+    keys = torch.arange(seqlen) + 1  # query i sees keys 0..i
+    if window_left >= 0:
+        keys = keys.clamp(max=window_left + 1)
+    return int(keys.sum())
+
+
+def nearest_tuned(batch, seqlen):
+    """(batch, seqlen) of the tuned shape whose tiles this one launches: the power of two at or above its
+    length (the kernels' seqlen bucket), the same tokens."""
+    tuned = 2 ** math.ceil(math.log2(seqlen))
+    return max(1, batch * seqlen // tuned), tuned
+
+
+def time_shape(batch, seqlen, head_dim, options):
+    """(first step's wall seconds, steady forward + backward TFLOP/s) of one shape, in this process."""
+    import triton
+
+    from flashformer.kernels import flash_attn_func
+
+    heads = max(1, HEADS_TIMES_HEAD_DIM // head_dim)
+    q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    grad_out = torch.randn_like(q)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    flash_attn_func(q, k, v, **options).backward(grad_out)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - start
+
+    def step():
+        flash_attn_func(q, k, v, **options).backward(grad_out)
+
+    ms = triton.testing.do_bench(step, warmup=25, rep=100, grad_to_none=[q, k, v], return_mode="median")
+    pairs = attended_pairs(seqlen, options["causal"], options.get("window_size", (-1, 0))[0])
+    flops = 3.5 * 4 * batch * heads * pairs * head_dim  # forward 4 per pair and dim, backward 2.5x that
+    return first, flops / ms / 1e9
+
+
+def child(spec):
+    """One shape and its nearest tuned shape, timed in this (fresh) process; one JSON line on stdout."""
+    start = time.perf_counter()
+    import flashformer.kernels  # noqa: F401  (import time is the user's too, but reported apart)
+
+    torch.ones(1, device="cuda").sum().item()  # CUDA's own start-up is not the kernels'
+    setup_s = time.perf_counter() - start
+    batch, seqlen, head_dim, options = parse_shape(spec)
+    first_s, tflops = time_shape(batch, seqlen, head_dim, options)
+    tuned_batch, tuned_seqlen = nearest_tuned(batch, seqlen)
+    tuned_options = {"causal": options["causal"]}
+    tuned_first_s, tuned_tflops = time_shape(tuned_batch, tuned_seqlen, head_dim, tuned_options)
+    print(json.dumps({"shape": spec, "setup_s": setup_s, "first_step_s": first_s, "tflops": tflops,
+                      "tuned_shape": f"{tuned_batch}x{tuned_seqlen}x{head_dim}:"
+                                     f"{'causal' if options['causal'] else 'full'}",
+                      "tuned_first_step_s": tuned_first_s, "tuned_tflops": tuned_tflops}))
+
+
+def run_fresh(spec, timeout_s):
+    """The child's result for one shape, run with an empty Triton cache."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TRITON_CACHE_DIR=cache)
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", spec], env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        return {"shape": spec, "error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else
+                f"exit {done.returncode}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def markdown_table(rows):
+    lines = ["| shape | first step (s, compiles included) | TFLOP/s | nearest tuned shape | its TFLOP/s | ratio |",
+             "|---|---|---|---|---|---|"]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['shape']} | error: {row['error'][:80]} | | | | |")
+            continue
+        lines.append(f"| {row['shape']} | {row['first_step_s']:.1f} | {row['tflops']:.0f} | {row['tuned_shape']} | "
+                     f"{row['tuned_tflops']:.0f} | {row['tflops'] / row['tuned_tflops']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, metavar="BxSxD[:MASK]")
+    parser.add_argument("--out", default="bench_first_call.json")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per shape's child process")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return child(args.child)
+    for spec in args.shapes:
+        try:
+            parse_shape(spec)  # a bad spec fails before any child starts
+        except ValueError as err:
+            parser.error(str(err))
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_first_call.py times CUDA kernels: no CUDA device here")
+    from tqdm import tqdm
+
+    from flashformer.profiling import benchmark_provenance
+
+    rows = []
+    for spec in tqdm(args.shapes, desc="shapes"):
+        rows.append(run_fresh(spec, args.timeout))
+        tqdm.write(json.dumps(rows[-1]))
+    with open(args.out, "w") as f:
+        json.dump({**benchmark_provenance(), "rows": rows}, f, indent=1)
+    print(markdown_table(rows))
+
+
+if __name__ == "__main__":
+    main()
