@@ -411,7 +411,7 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
                                          [s for t in (q, k, v, grad_out, dk, dv) for s in seq_strides(t, False)],
                                          strides_lse)
             return dq, dk, dv
-    mask = table_mask(window_left, window_right, softcap)
+    mask = table_mask(window_right)
     if deterministic:  # the dQ kernel also writes delta and lse_log2
         kernel, config = pick_kernel(q.device, "bwd_dq", _bwd_dq_kernel, _bwd_dq_tuned, head_dim_pad, mask,
                                      buckets[0])

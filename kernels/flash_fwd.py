@@ -195,7 +195,7 @@ def attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap
             return out, lse
     seqlen_q_bucket = next_power_of_2(max(seqlen_q, 1))
     kernel, config = pick_kernel(q.device, "fwd", _attn_fwd_kernel, _attn_fwd_tuned, head_dim_pad,
-                                 table_mask(window_left, window_right, softcap), seqlen_q_bucket)
+                                 table_mask(window_right), seqlen_q_bucket)
     kernel[lambda meta: tile_grid(meta["BLOCK_M"], seqlen_q, q.shape[0], batch, heads_q, is_varlen)](
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed if has_dropout else None,
         *(stride for t in (q, k, v, out) for stride in seq_strides(t, is_varlen)), *strides_lse,

@@ -165,18 +165,19 @@ def measured_config(device, kind, head_dim_pad, causal, seqlen_bucket):
     return config_from_shape(entries[nearest])
 
 
-def table_mask(window_left, window_right, softcap):
-    """The offline table's mask name for these options: "causal", "full", or None (not covered)."""
-    if window_left >= 0 or softcap > 0.0:
-        return None
-    return "causal" if window_right == 0 else "full" if window_right < 0 else None
+def table_mask(window_right):
+    """The offline table's mask family for a launch: "causal" where the keys are bounded on the right
+    (causal or a window), so that query tiles differ in length, else "full". The table times plain masks
+    only; windows and softcap take their family's tiles rather than the autotuner's sweep, whose compiles
+    (seconds per candidate) a first call at a new shape must not wait for."""
+    return "causal" if window_right >= 0 else "full"
 
 
-def pick_kernel(device, kind, kernel, tuned_kernel, head_dim_pad, mask=None, seqlen_bucket=1):
+def pick_kernel(device, kind, kernel, tuned_kernel, head_dim_pad, mask, seqlen_bucket):
     """(launcher, fixed meta-parameters) for one launch.
 
     Args:
-        mask: "causal" or "full" for shapes the offline table covers (no window, no softcap), else None.
+        mask: the offline table's mask family, "causal" or "full" (table_mask).
         seqlen_bucket: the power of two at or above the query length.
     Order: a forced config (tuning runs); the interpreter's fixed config; the offline table; the
     default config when FLASHFORMER_AUTOTUNE=0 or below AUTOTUNE_MIN_SEQLEN; otherwise the autotuner.
@@ -185,10 +186,9 @@ def pick_kernel(device, kind, kernel, tuned_kernel, head_dim_pad, mask=None, seq
         return kernel, dict(FORCED_CONFIGS[kind])
     if device.type != "cuda":
         return kernel, dict(INTERPRETER_CONFIGS[kind])
-    if mask is not None:
-        config = measured_config(device, kind, head_dim_pad, mask == "causal", seqlen_bucket)
-        if config is not None:
-            return kernel, config
+    config = measured_config(device, kind, head_dim_pad, mask == "causal", seqlen_bucket)
+    if config is not None:
+        return kernel, config
     if not autotunes(seqlen_bucket):
         return kernel, _default_gpu_config(kind, head_dim_pad)
     return tuned_kernel, {}

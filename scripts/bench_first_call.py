@@ -28,11 +28,12 @@ import time
 
 import torch
 
-# Beside the issue's example (23 x 704, head_dim 128, causal): lengths between the table's powers of two,
-# each mask family, head dims that pad (80, 96) and the widest one.
-DEFAULT_SHAPES = ["23x704x128:causal", "7x1500x64:full", "3x3000x128:full", "2x5000x64:causal",
-                  "5x2500x128:window256", "4x3000x128:softcap30", "9x900x96:causal", "1x12000x80:causal",
-                  "2x3500x256:causal"]
+# The example of 23 x 704 at head_dim 128, causal, beside lengths between the table's powers of two, each
+# mask family on both kernel paths (head_dim 128: Gluon on sm_90; 64: the tl kernels' table), head dims
+# that pad (80, 96) and the widest one.
+DEFAULT_SHAPES = ["23x704x128:causal", "3x3000x128:full", "2x5000x64:causal", "5x2500x128:window256",
+                  "4x3000x128:softcap30", "3x2500x64:window256", "3x2500x64:softcap30", "9x900x96:causal",
+                  "1x12000x80:causal", "2x3500x256:causal"]
 HEADS_TIMES_HEAD_DIM = 2048
 
 

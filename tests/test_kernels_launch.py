@@ -11,11 +11,9 @@ from attention_checks import assert_matches_reference
 from flashformer.kernels import flash_attn_func, launch, tuning
 
 
-@pytest.mark.parametrize("window_left,window_right,softcap,expected", [
-    (-1, 0, 0.0, "causal"), (-1, -1, 0.0, "full"), (16, 0, 0.0, None), (-1, 4, 0.0, None), (-1, 0, 5.0, None),
-])
-def test_table_covers_plain_masks_only(window_left, window_right, softcap, expected):
-    assert tuning.table_mask(window_left, window_right, softcap) == expected
+@pytest.mark.parametrize("window_right,expected", [(0, "causal"), (4, "causal"), (-1, "full")])
+def test_windows_take_the_tiles_of_their_masks_family(window_right, expected):
+    assert tuning.table_mask(window_right) == expected
 
 
 def test_measured_config_takes_the_nearest_bucket_within_an_octave(tmp_path, monkeypatch):
@@ -60,8 +58,8 @@ def test_forced_configs_compute_the_same_attention(config, device, triton_path, 
 def test_forced_config_overrides_every_other_choice(monkeypatch):
     forced = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
     monkeypatch.setattr(tuning, "FORCED_CONFIGS", {"bwd_dq": forced})
-    assert tuning.pick_kernel(torch.device("cpu"), "bwd_dq", "kernel", "tuned", 64) == ("kernel", forced)
-    assert tuning.pick_kernel(torch.device("cpu"), "fwd", "kernel", "tuned", 64) == (
+    assert tuning.pick_kernel(torch.device("cpu"), "bwd_dq", "kernel", "tuned", 64, "causal", 1024) == ("kernel", forced)
+    assert tuning.pick_kernel(torch.device("cpu"), "fwd", "kernel", "tuned", 64, "causal", 1024) == (
         "kernel", tuning.INTERPRETER_CONFIGS["fwd"])
 
 
