@@ -37,6 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .launch import ensure_allocator, sm_count
 from .tile_ops import tanh, visible
 from .tile_schedule import program_tile, q_buffers, query_block, section_pairs, tile_coords
+from .tuning import GLUON_FORWARD_FROM_SEQLEN, gluon_forward_config
 
 
 @gluon.constexpr_function
@@ -391,44 +392,12 @@ def _attn_fwd_hopper_kernel(
         _partition_warps(CONSUMERS), _partition_registers(CONSUMERS))
 
 
-# (BLOCK_N, NUM_STAGES, CONSUMERS) per padded head_dim: two stages of K and V tiles plus the 64-row Q
-# tiles within Hopper's 227 KB of shared memory (scripts/bench_gluon_forward.py measured the alternatives).
-# At head_dim 64 three consumers (192 rows per K/V tile) beat two by 1.05-1.10x at 4k-16k tokens.
-CONFIGS = {64: (128, 2, 3), 128: (128, 2, 2), 256: (64, 2, 2)}
-# Where this kernel is the faster forward on the H200 (BENCHMARKS.md), as the shortest query length per
-# padded head_dim: 1.03-1.17x the tl kernel at head_dim 128 and 1.14-1.38x at 256 over 1k-16k tokens; at 64
-# the persistent form is 1.11-1.32x tl from 1k (shorter lengths are unmeasured, so tl keeps them).
-FASTER_FROM_SEQLEN = {64: 1024, 128: 1, 256: 1}
-# Key lengths below which the persistent grid wins, per padded head_dim: with few K/V tiles per query tile
-# a program's own costs (launch, descriptors, barriers, the first loads, the ring's fill and drain) weigh,
-# and a persistent program hides them behind its previous tile. Measured on the H200 at 1k: 1.12-1.17x the
-# one-tile grid at head_dim 128, 1.26-1.58x at 64; at 128 it loses from 4k (0.77-0.93x: tiles walked in a
-# static order cannot rebalance), at 64 it stays ahead or level to 16k. head_dim 256 is unmeasured.
-PERSISTENT_BELOW_SEQLEN = {64: float("inf"), 128: 2048}
-
-
-def pick_config(head_dim_pad, seqlen_k, causal):
-    """(BLOCK_N, NUM_STAGES, CONSUMERS, persistent) for one launch, from the H200's measurements.
-
-    Args:
-        causal: whether the keys are bounded on the right (causal or a right window), so that query
-            tiles differ in length.
-    """
-    block_n, num_stages, consumers = CONFIGS[head_dim_pad]
-    persistent = seqlen_k < PERSISTENT_BELOW_SEQLEN.get(head_dim_pad, 0)
-    if persistent and head_dim_pad == 64 and (causal or seqlen_k < 2048):
-        # 128-row tiles: a causal launch's tiles then vary less in length, and at 1k the 192-row blocks'
-        # ragged last block wastes a tenth of the work (two consumers 1.06-1.42x three there).
-        consumers = 2
-    return block_n, num_stages, consumers, persistent
-
-
 def supports(q, cu_seqlens_q, head_dim_pad, has_alibi, has_dropout):
     """Whether this kernel takes these inputs (the caller has chosen the Gluon path for the device):
     dense, 16-bit, a padded head_dim and query length where it is the faster forward, no ALiBi and no
     dropout (the tl kernel has them)."""
     return (cu_seqlens_q is None and q.dtype in (torch.float16, torch.bfloat16)
-            and q.shape[1] >= FASTER_FROM_SEQLEN.get(head_dim_pad, float("inf")) and not has_alibi and not has_dropout)
+            and q.shape[1] >= GLUON_FORWARD_FROM_SEQLEN.get(head_dim_pad, float("inf")) and not has_alibi and not has_dropout)
 
 
 def shared_layouts(block_n, head_dim_pad, dtype):
@@ -442,11 +411,11 @@ def launch_forward(q, k, v, out, lse, qk_scale, softcap_log2, window_left, windo
                    strides, strides_lse, block_n=None, num_stages=None, consumers=None, persistent=None):
     """Launch the kernel on dense (batch, seqlen, heads, head_dim) inputs the caller has validated;
     block_n, num_stages, consumers (2 or 3 warpgroups of 64 rows) and persistent (one program per SM, each
-    walking its share of tile_schedule's order) override pick_config's choice."""
+    walking its share of tile_schedule's order) override gluon_forward_config's choice."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
-    default_n, default_stages, default_consumers, default_persistent = pick_config(head_dim_pad, seqlen_k,
-                                                                                    window_right >= 0)
+    default_n, default_stages, default_consumers, default_persistent = gluon_forward_config(head_dim_pad, seqlen_k,
+                                                                                             window_right >= 0)
     block_n, num_stages, consumers = block_n or default_n, num_stages or default_stages, consumers or default_consumers
     persistent = default_persistent if persistent is None else persistent
     if consumers not in REGISTERS:

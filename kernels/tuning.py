@@ -204,3 +204,36 @@ AUTOTUNE_MIN_SEQLEN = 2048
 def autotunes(seqlen_bucket):
     """Whether a launch the offline table does not cover goes through the autotuner."""
     return autotune_enabled() and seqlen_bucket >= AUTOTUNE_MIN_SEQLEN
+
+
+# The Hopper Gluon forward (flash_fwd_hopper.py): its shapes per padded head_dim and where it runs.
+# (BLOCK_N, NUM_STAGES, CONSUMERS) per padded head_dim: two stages of K and V tiles plus the 64-row Q
+# tiles within Hopper's 227 KB of shared memory (scripts/bench_gluon_forward.py measured the alternatives).
+# At head_dim 64 three consumers (192 rows per K/V tile) beat two by 1.05-1.10x at 4k-16k tokens.
+GLUON_FORWARD_CONFIGS = {64: (128, 2, 3), 128: (128, 2, 2), 256: (64, 2, 2)}
+# Where the Gluon forward is the faster one on the H200 (BENCHMARKS.md), as the shortest query length per
+# padded head_dim: 1.03-1.17x the tl kernel at head_dim 128 and 1.14-1.38x at 256 over 1k-16k tokens; at 64
+# the persistent form is 1.11-1.32x tl from 1k (shorter lengths are unmeasured, so tl keeps them).
+GLUON_FORWARD_FROM_SEQLEN = {64: 1024, 128: 1, 256: 1}
+# Key lengths below which the persistent grid wins, per padded head_dim: with few K/V tiles per query tile
+# a program's own costs (launch, descriptors, barriers, the first loads, the ring's fill and drain) weigh,
+# and a persistent program hides them behind its previous tile. Measured on the H200 at 1k: 1.12-1.17x the
+# one-tile grid at head_dim 128, 1.26-1.58x at 64; at 128 it loses from 4k (0.77-0.93x, not yet profiled:
+# docs/perf-notes.md), at 64 it stays ahead or level to 16k. head_dim 256 is unmeasured.
+GLUON_PERSISTENT_BELOW_SEQLEN = {64: float("inf"), 128: 2048}
+
+
+def gluon_forward_config(head_dim_pad, seqlen_k, causal):
+    """(BLOCK_N, NUM_STAGES, CONSUMERS, persistent) for one launch, from the H200's measurements.
+
+    Args:
+        causal: whether the keys are bounded on the right (causal or a right window), so that query
+            tiles differ in length.
+    """
+    block_n, num_stages, consumers = GLUON_FORWARD_CONFIGS[head_dim_pad]
+    persistent = seqlen_k < GLUON_PERSISTENT_BELOW_SEQLEN.get(head_dim_pad, 0)
+    if persistent and head_dim_pad == 64 and (causal or seqlen_k < 2048):
+        # 128-row tiles: a causal launch's tiles then vary less in length, and at 1k the 192-row blocks'
+        # ragged last block wastes a tenth of the work (two consumers 1.06-1.42x three there).
+        consumers = 2
+    return block_n, num_stages, consumers, persistent

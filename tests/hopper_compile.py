@@ -21,7 +21,7 @@ from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
 from flashformer.kernels import (cross_entropy, decode, flash_bwd, flash_bwd_dq_hopper, flash_bwd_hopper, flash_fwd,
-                                 flash_fwd_hopper)
+                                 flash_fwd_hopper, tuning)
 from flashformer.kernels.interface import GLUON_TRITON_VERSIONS
 from flashformer.kernels.sizes import pad_head_dim
 from flashformer.kernels.tile_schedule import q_buffers
@@ -95,10 +95,10 @@ def attention_constexprs(head_dim, block_m, block_n, causal=True, window=False, 
 
 def gluon_forward_constexprs(head_dim, causal=True, window=False, softcap=False, group=1, config=None,
                              persistent=False):
-    """config: (BLOCK_N, NUM_STAGES, CONSUMERS), flash_fwd_hopper.CONFIGS' by default; persistent: one program
+    """config: (BLOCK_N, NUM_STAGES, CONSUMERS), tuning.GLUON_FORWARD_CONFIGS' by default; persistent: one program
     per SM with the Q buffers the launcher gives it."""
     head_dim_pad = pad_head_dim(head_dim)
-    block_n, num_stages, consumers = config or flash_fwd_hopper.CONFIGS[head_dim_pad]
+    block_n, num_stages, consumers = config or tuning.GLUON_FORWARD_CONFIGS[head_dim_pad]
     q_smem, kv_smem = flash_fwd_hopper.shared_layouts(block_n, head_dim_pad, torch.bfloat16)
     q_sets = q_buffers(2 * num_stages * block_n, consumers * flash_fwd_hopper.CONSUMER_ROWS.value, head_dim_pad, 2)
     return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, CONSUMERS=consumers,

@@ -133,6 +133,16 @@ def test_every_module_has_a_layer():
     assert not stale, f"layers name modules that do not exist: {stale}"
 
 
+# A module a newcomer can read in one sitting; past this it wants splitting along a seam of its own.
+MAX_MODULE_LINES = 450
+
+
+def test_no_module_is_longer_than_one_sitting():
+    with_lengths = {module: sum(1 for _ in open(path)) for module, path in _modules().items()}
+    long = {module: lines for module, lines in with_lengths.items() if lines > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
 def test_imports_point_down():
     upward = sorted((module, target) for module, targets in import_graph().items() for target in targets
                     if module in LAYER_OF and target in LAYER_OF and LAYER_OF[target] <= LAYER_OF[module])
