@@ -153,10 +153,10 @@ class Transformer(nn.Module):
         self.pos_embed = nn.Embedding(config.max_seq_len, config.d_model) if config.pos == "learned" else None
         self.rope = self.local_rope = None
         if config.pos == "rope":
-            self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, config.max_seq_len)
+            self.rope = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling, config.max_seq_len)
             # Gemma 3's sliding-window layers rotate with their own base and without the scaling.
             if config.rope_local_theta is not None:
-                self.local_rope = RotaryEmbedding(config.head_dim, config.rope_local_theta, None, config.max_seq_len)
+                self.local_rope = RotaryEmbedding(config.rotary_dim, config.rope_local_theta, None, config.max_seq_len)
         self.layer_kinds = config.layer_kinds()
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.final_norm = make_norm(config)

@@ -76,6 +76,16 @@ HF_CONFIGS = {
         max_position_embeddings=64, original_max_position_embeddings=32,
         rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(8)],
                       "long_factor": [1.0 + 0.5 * i for i in range(8)]}, **COMMON),
+    # Phi-4-mini's partial rotary embeddings: the first 24 of each head's 32 dims rotate, 8 pass through.
+    "phi3-partial": lambda: Phi3Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        max_position_embeddings=64, original_max_position_embeddings=64, partial_rotary_factor=0.75, **COMMON),
+    # Phi-4-mini's head: 96 of 128 dims rotate, LongRoPE factor lists of 48; the switch at 32 is crossed.
+    "phi3-partial-longrope": lambda: Phi3Config(
+        hidden_size=256, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        max_position_embeddings=64, original_max_position_embeddings=32, partial_rotary_factor=0.75,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.02 * i for i in range(48)],
+                      "long_factor": [1.0 + 0.2 * i for i in range(48)]}, **COMMON),
     "olmo2": lambda: Olmo2Config(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=64, **COMMON),
@@ -140,18 +150,24 @@ class _RopeConfig:
      "long_factor": [1 + i / 4 for i in range(32)]},
 ], ids=lambda s: s.get("rope_type", s.get("type")))
 @pytest.mark.parametrize("seq_len", [None, 1000])
-def test_rope_scalings_equal_transformers(scaling, seq_len):
+@pytest.mark.parametrize("partial_rotary_factor", [1.0, 0.5])
+def test_rope_scalings_equal_transformers(scaling, seq_len, partial_rotary_factor):
+    """Every scaling over head_dim 64, or over the 32 rotated dims of a partial rotary embedding (LongRoPE then
+    keeps one factor per rotated pair)."""
+    rotary_dim = int(64 * partial_rotary_factor)
+    scaling = {key: value[:rotary_dim // 2] if key in ("short_factor", "long_factor") else value
+               for key, value in scaling.items()}
     config = LlamaConfig(hidden_size=512, num_attention_heads=8, max_position_embeddings=256, rope_theta=50000.0,
-                         rope_scaling=dict(scaling))
+                         rope_scaling={**scaling, "partial_rotary_factor": partial_rotary_factor})
     rope_type = config.rope_parameters["rope_type"]
     hf_inv_freq, hf_factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=seq_len)
-    inv_freq, factor = rope_frequencies(64, 50000.0, scaling, max_seq_len=256, seq_len=seq_len)
+    inv_freq, factor = rope_frequencies(rotary_dim, 50000.0, scaling, max_seq_len=256, seq_len=seq_len)
     torch.testing.assert_close(inv_freq, hf_inv_freq, atol=0, rtol=0)
     assert factor == pytest.approx(hf_factor, rel=1e-12)
 
 
 @pytest.mark.parametrize("scaling, message", [
-    ({"short_factor": [1.0] * 32, "long_factor": [2.0] * 31}, "long_factor has 31 entries; head_dim 64 rotates 32"),
+    ({"short_factor": [1.0] * 32, "long_factor": [2.0] * 31}, "long_factor has 31 entries; rotary_dim 64 rotates 32"),
     ({"short_factor": [1.0] * 31 + [0.0], "long_factor": [2.0] * 32}, "short_factor must be a list of positive"),
     ({"short_factor": 1.0, "long_factor": [2.0] * 32}, "short_factor must be a list of positive"),
     ({"short_factor": [1.0] * 32}, "missing long_factor"),
