@@ -185,8 +185,15 @@ def _rope_from_hf(hf: dict, family: str, max_seq_len: int) -> dict:
     if local_partial not in (None, partial):
         raise ValueError(f"{family} rope_parameters.sliding_attention.partial_rotary_factor={local_partial!r}: "
                          f"only the full layers' {partial!r} is supported (one rotary_dim for every layer)")
-    if rope.get("rope_type", rope.get("type")) in (None, "default"):
+    rope_type = rope.get("rope_type", rope.get("type"))
+    if rope_type in (None, "default"):
         rope.pop("original_max_position_embeddings", None)  # Phi-3 repeats it; without scaling it means nothing
+    elif family == "phi3":
+        # As Phi3Config: older checkpoints' "su" and "yarn" are LongRoPE, and its own field (4096 unless given)
+        # overrides the rope dict's original context (transformers 4.x configs, Phi-4-mini's, hold only that one).
+        rope.pop("type", None)
+        rope["rope_type"] = "longrope" if rope_type in ("su", "yarn") else rope_type
+        rope["original_max_position_embeddings"] = hf.get("original_max_position_embeddings", 4096)
     fields = dict(rope_theta=float(rope_theta), rope_scaling=normalize_rope_scaling(rope, max_seq_len),
                   partial_rotary_factor=partial)
     if family == "gemma3":

@@ -8,7 +8,8 @@
     Gemma 2: (1 + w) RMSNorm before and after each sublayer, GeGLU, embeddings scaled by sqrt(d_model),
              attention and final-logit softcaps, sliding-window and full layers alternating
     Gemma 3: Gemma 2 without softcaps, + per-head qk-norm, 5 local : 1 global layers, local RoPE base
-    Phi-3:   Llama (fused q/k/v and gate/up only in its checkpoints)
+    Phi-3:   Llama (fused q/k/v and gate/up only in its checkpoints); Phi-4-mini's RoPE turns 3/4 of each head
+             (partial_rotary_factor)
     OLMo 2:  RMSNorm after each sublayer instead of before, RMSNorm over all query / key heads
 
 The model is single-device and knows nothing of parallelism: ``model.blocks`` is a plain ModuleList

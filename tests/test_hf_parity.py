@@ -1,5 +1,6 @@
 """Parity with Hugging Face transformers: loading their checkpoints, exporting ours, RoPE scalings."""
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -223,11 +224,59 @@ def test_llama32_shaped_model_equals_transformers_at_long_positions(tmp_path):
                               head_dim=16, use_bidirectional_attention=True), "use_bidirectional_attention"),
     (lambda: Gemma2Config(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=96,
                           head_dim=16, hidden_activation="gelu"), "hidden_activation='gelu'"),
-], ids=["gemma3-bidirectional", "gemma2-exact-gelu"])
+    # transformers' Llama rotates whole heads (its cos / sin would not even fit a partial rotation).
+    (lambda: LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=96,
+                         partial_rotary_factor=0.5), "partial_rotary_factor=0.5 contradicts family='llama'"),
+], ids=["gemma3-bidirectional", "gemma2-exact-gelu", "llama-partial-rotary"])
 def test_unsupported_hf_configs_name_the_key(make_config, message, tmp_path):
     make_config().save_pretrained(tmp_path)
     with pytest.raises(CheckpointError, match=message):
         flashformer.from_pretrained(tmp_path)
+
+
+# Phi-4-mini-instruct's config.json as transformers 4.x wrote it (partial_rotary_factor and LongRoPE's
+# "type" at the top level), its factor lists made up: 96 of the 128 dims of a head rotate, 48 pairs.
+PHI4_MINI = dict(
+    model_type="phi3", architectures=["Phi3ForCausalLM"], vocab_size=200064, hidden_size=3072, intermediate_size=8192,
+    num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8, max_position_embeddings=131072,
+    original_max_position_embeddings=4096, partial_rotary_factor=0.75, rope_theta=10000.0, rms_norm_eps=1e-5,
+    sliding_window=262144, tie_word_embeddings=True, hidden_act="silu",
+    rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.01 * i for i in range(48)],
+                  "long_factor": [1.0 + 1.5 * i for i in range(48)]})
+
+
+def test_phi4_mini_config_rotates_what_transformers_rotates():
+    """Its RoPE (short and long factors, attention factor) equals what transformers makes of the same config.json
+    and of our export of it, which also reads back unchanged."""
+    cfg = config_from_hf(PHI4_MINI)
+    assert cfg.partial_rotary_factor == 0.75 and cfg.rotary_dim == 96 and cfg.head_dim == 128
+    assert cfg.rope_scaling["original_max_position_embeddings"] == 4096  # the top-level field, not max_seq_len
+    # LongRoPE's first name, which Phi3Config renames too (transformers 5 then misses the top-level original context).
+    older = {**PHI4_MINI, "rope_scaling": {**PHI4_MINI["rope_scaling"], "type": "su"}}
+    exported = config_to_hf(cfg, torch.bfloat16)
+    assert config_from_hf(older) == config_from_hf(exported) == cfg
+    for hf_fields in (PHI4_MINI, exported):
+        hf_config = Phi3Config(**copy.deepcopy(hf_fields))  # transformers fills in the rope dict it is given
+        for seq_len in (None, 8192):
+            hf_inv_freq, hf_factor = ROPE_INIT_FUNCTIONS["longrope"](hf_config, "cpu", seq_len=seq_len)
+            inv_freq, factor = rope_frequencies(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_seq_len,
+                                                seq_len=seq_len)
+            assert inv_freq.shape == (48,)
+            torch.testing.assert_close(inv_freq, hf_inv_freq, atol=0, rtol=0)
+            assert factor == pytest.approx(hf_factor, rel=1e-12) and factor > 1
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(partial_rotary_factor=0), r"partial_rotary_factor must be in \(0, 1\]"),
+    (dict(rope_parameters={"rope_type": "default", "partial_rotary_factor": 1.25}),
+     r"partial_rotary_factor must be in \(0, 1\] .*, got 1.25"),
+    (dict(partial_rotary_factor=0.7), r"int\(head_dim 128 \* 0.7\) = 89 dims"),
+    (dict(rope_scaling={**PHI4_MINI["rope_scaling"], "long_factor": [1.0] * 64}),
+     "rope_scaling.long_factor has 64 entries; rotary_dim 96 rotates 48 pairs"),
+], ids=["zero", "above-one", "odd-rotary-dim", "full-head-factor-list"])
+def test_bad_phi3_partial_rotary_names_the_key(fields, message):
+    with pytest.raises(ValueError, match=message):
+        config_from_hf({**PHI4_MINI, **fields})
 
 
 def test_custom_family_has_no_hf_export(tmp_path):
