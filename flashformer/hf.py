@@ -165,11 +165,10 @@ def _rope_from_hf(hf: dict, family: str, max_seq_len: int) -> dict:
     """rope_theta, rope_scaling, partial_rotary_factor (and Gemma 3's rope_local_theta) from transformers 5's
     rope_parameters or 4.x's rope_theta / rope_scaling / partial_rotary_factor (/ rope_local_base_freq)."""
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    local_theta, local_partial = None, None
+    local_theta = None
     if "full_attention" in rope:  # per layer type (Gemma 3): scaling on the full layers only
         local = dict(rope.get("sliding_attention") or {})
         local_theta = local.pop("rope_theta", None)
-        local_partial = local.pop("partial_rotary_factor", None)
         if normalize_rope_scaling(local, max_seq_len) is not None:
             raise ValueError(f"{family} rope_parameters.sliding_attention: only the default rope_type is supported")
         rope = dict(rope["full_attention"] or {})
@@ -182,9 +181,6 @@ def _rope_from_hf(hf: dict, family: str, max_seq_len: int) -> dict:
         partial = hf.get("partial_rotary_factor")
     if partial is None:
         partial = 1.0
-    if local_partial not in (None, partial):
-        raise ValueError(f"{family} rope_parameters.sliding_attention.partial_rotary_factor={local_partial!r}: "
-                         f"only the full layers' {partial!r} is supported (one rotary_dim for every layer)")
     rope_type = rope.get("rope_type", rope.get("type"))
     if rope_type in (None, "default"):
         rope.pop("original_max_position_embeddings", None)  # Phi-3 repeats it; without scaling it means nothing

@@ -227,7 +227,10 @@ def test_llama32_shaped_model_equals_transformers_at_long_positions(tmp_path):
     # transformers' Llama rotates whole heads (its cos / sin would not even fit a partial rotation).
     (lambda: LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=96,
                          partial_rotary_factor=0.5), "partial_rotary_factor=0.5 contradicts family='llama'"),
-], ids=["gemma3-bidirectional", "gemma2-exact-gelu", "llama-partial-rotary"])
+    (lambda: Gemma3TextConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=96,
+                              head_dim=16, partial_rotary_factor=0.5),
+     "partial_rotary_factor=0.5 contradicts family='gemma3'"),
+], ids=["gemma3-bidirectional", "gemma2-exact-gelu", "llama-partial-rotary", "gemma3-partial-rotary"])
 def test_unsupported_hf_configs_name_the_key(make_config, message, tmp_path):
     make_config().save_pretrained(tmp_path)
     with pytest.raises(CheckpointError, match=message):
