@@ -15,8 +15,8 @@ FAMILY_NAMES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"
 
 # The architecture of a plain pre-norm Llama; every family starts from it.
 _BASE = dict(norm="rmsnorm", norm_eps=1e-5, norm_placement="pre", mlp="swiglu", pos="rope", rope_theta=10000.0,
-             rope_local_theta=None, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm="none",
-             scale_embeddings=False, tie_embeddings=False, sliding_window=None, layer_types=None,
+             rope_local_theta=None, partial_rotary_factor=1.0, qkv_bias=False, o_bias=False, mlp_bias=False,
+             qk_norm="none", scale_embeddings=False, tie_embeddings=False, sliding_window=None, layer_types=None,
              attn_softcap=0.0, logit_softcap=0.0, query_pre_attn_scalar=None)
 ARCH_FIELDS = tuple(_BASE)
 
@@ -41,7 +41,8 @@ _FAMILIES = {
                     rope_local_theta=10000.0),
                {"qkv_bias", "o_bias", "sliding_window", "layer_types", "attn_softcap", "logit_softcap",
                 "query_pre_attn_scalar", "rope_local_theta"}),
-    "phi3": ({}, {"sliding_window"}),
+    # Of our families only transformers' Phi-3 honours partial_rotary_factor (Phi-4-mini: 0.75).
+    "phi3": ({}, {"sliding_window", "partial_rotary_factor"}),
     "olmo2": (dict(norm_eps=1e-6, norm_placement="post", qk_norm="across_heads"), {"qkv_bias", "o_bias"}),
     "custom": ({}, set(_BASE)),
 }

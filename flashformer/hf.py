@@ -126,8 +126,6 @@ def _config_from_hf(hf: dict, model_type: str) -> ModelConfig:
         raise ValueError(f"{model_type} {key}={activation!r}: only {expected[0]} is supported")
     if hf.get("use_bidirectional_attention"):
         raise ValueError(f"{model_type} use_bidirectional_attention=True is not supported (causal models only)")
-    if hf.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"{model_type} partial_rotary_factor={hf['partial_rotary_factor']!r}: only 1.0 is supported")
     max_seq_len = hf.get("max_position_embeddings", 2048)
     n_head = hf["num_attention_heads"]
     attention_bias = hf.get("attention_bias", False)
@@ -164,8 +162,8 @@ def _config_from_hf(hf: dict, model_type: str) -> ModelConfig:
 
 
 def _rope_from_hf(hf: dict, family: str, max_seq_len: int) -> dict:
-    """rope_theta, rope_scaling (and Gemma 3's rope_local_theta) from transformers 5's rope_parameters
-    or 4.x's rope_theta / rope_scaling (/ rope_local_base_freq)."""
+    """rope_theta, rope_scaling, partial_rotary_factor (and Gemma 3's rope_local_theta) from transformers 5's
+    rope_parameters or 4.x's rope_theta / rope_scaling / partial_rotary_factor (/ rope_local_base_freq)."""
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     local_theta = None
     if "full_attention" in rope:  # per layer type (Gemma 3): scaling on the full layers only
@@ -177,9 +175,23 @@ def _rope_from_hf(hf: dict, family: str, max_seq_len: int) -> dict:
     elif family == "gemma3":
         local_theta = hf.get("rope_local_base_freq")
     rope_theta = rope.pop("rope_theta", None) or hf.get("rope_theta") or (1e6 if family == "gemma3" else 10000.0)
-    if rope.get("rope_type", rope.get("type")) in (None, "default"):
+    # transformers reads the value inside the rope dict first, then the top-level field (4.x's only place).
+    partial = rope.pop("partial_rotary_factor", None)
+    if partial is None:
+        partial = hf.get("partial_rotary_factor")
+    if partial is None:
+        partial = 1.0
+    rope_type = rope.get("rope_type", rope.get("type"))
+    if rope_type in (None, "default"):
         rope.pop("original_max_position_embeddings", None)  # Phi-3 repeats it; without scaling it means nothing
-    fields = dict(rope_theta=float(rope_theta), rope_scaling=normalize_rope_scaling(rope, max_seq_len))
+    elif family == "phi3":
+        # As Phi3Config: older checkpoints' "su" and "yarn" are LongRoPE, and its own field (4096 unless given)
+        # overrides the rope dict's original context (transformers 4.x configs, Phi-4-mini's, hold only that one).
+        rope.pop("type", None)
+        rope["rope_type"] = "longrope" if rope_type in ("su", "yarn") else rope_type
+        rope["original_max_position_embeddings"] = hf.get("original_max_position_embeddings", 4096)
+    fields = dict(rope_theta=float(rope_theta), rope_scaling=normalize_rope_scaling(rope, max_seq_len),
+                  partial_rotary_factor=partial)
     if family == "gemma3":
         fields["rope_local_theta"] = float(local_theta or 10000.0)
     return fields
@@ -249,6 +261,9 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
             local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta}
             hf.update(rope_parameters={"full_attention": rope_parameters, "sliding_attention": local},
                       rope_local_base_freq=cfg.rope_local_theta)
+    if cfg.family == "phi3":
+        # transformers 5 reads the rope dict, where rope_scaling (no partial_rotary_factor key) wins, then this field.
+        rope_parameters["partial_rotary_factor"] = hf["partial_rotary_factor"] = cfg.partial_rotary_factor
     if cfg.family == "phi3" and scaling and "original_max_position_embeddings" in scaling:
         # Phi3Config's own field overrides the one inside rope_parameters (LongRoPE's switch point).
         hf["original_max_position_embeddings"] = scaling["original_max_position_embeddings"]

@@ -8,7 +8,8 @@
     Gemma 2: (1 + w) RMSNorm before and after each sublayer, GeGLU, embeddings scaled by sqrt(d_model),
              attention and final-logit softcaps, sliding-window and full layers alternating
     Gemma 3: Gemma 2 without softcaps, + per-head qk-norm, 5 local : 1 global layers, local RoPE base
-    Phi-3:   Llama (fused q/k/v and gate/up only in its checkpoints)
+    Phi-3:   Llama (fused q/k/v and gate/up only in its checkpoints); Phi-4-mini's RoPE turns 3/4 of each head
+             (partial_rotary_factor)
     OLMo 2:  RMSNorm after each sublayer instead of before, RMSNorm over all query / key heads
 
 The model is single-device and knows nothing of parallelism: ``model.blocks`` is a plain ModuleList
@@ -153,10 +154,10 @@ class Transformer(nn.Module):
         self.pos_embed = nn.Embedding(config.max_seq_len, config.d_model) if config.pos == "learned" else None
         self.rope = self.local_rope = None
         if config.pos == "rope":
-            self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, config.max_seq_len)
+            self.rope = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling, config.max_seq_len)
             # Gemma 3's sliding-window layers rotate with their own base and without the scaling.
             if config.rope_local_theta is not None:
-                self.local_rope = RotaryEmbedding(config.head_dim, config.rope_local_theta, None, config.max_seq_len)
+                self.local_rope = RotaryEmbedding(config.rotary_dim, config.rope_local_theta, None, config.max_seq_len)
         self.layer_kinds = config.layer_kinds()
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.final_norm = make_norm(config)

@@ -48,6 +48,9 @@ class ModelConfig:
     rope_theta: Optional[float] = None
     rope_local_theta: Optional[float] = None  # RoPE base of the sliding-window layers (Gemma 3); None: rope_theta
     rope_scaling: Optional[dict] = None  # HF-style, see rope.py; on the full layers only when rope_local_theta is set
+    # RoPE rotates the first rotary_dim = int(head_dim * partial_rotary_factor) dims of each head (transformers'
+    # count) and passes the rest through; scalings and LongRoPE's factor lists count over rotary_dim
+    partial_rotary_factor: Optional[float] = None
     qkv_bias: Optional[bool] = None
     o_bias: Optional[bool] = None
     mlp_bias: Optional[bool] = None
@@ -82,6 +85,11 @@ class ModelConfig:
             self.d_ff = 4 * self.d_model
         if isinstance(self.layer_types, list):
             self.layer_types = tuple(self.layer_types)
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each head RoPE rotates."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def layer_kinds(self) -> tuple[str, ...]:
         """"full" or "sliding" for every layer: layer_types, or the family's pattern."""
@@ -123,8 +131,17 @@ class ModelConfig:
             raise ConfigError("rope_local_theta is set but pos='learned' has no rotary embedding")
         if self.pos == "learned" and self.rope_scaling is not None:
             raise ConfigError("rope_scaling is set but pos='learned' has no rotary embedding")
+        factor = self.partial_rotary_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+            raise ConfigError(f"partial_rotary_factor must be in (0, 1] (the share of each head RoPE rotates), "
+                              f"got {factor!r}")
+        if self.pos == "learned" and factor != 1:
+            raise ConfigError("partial_rotary_factor is set but pos='learned' has no rotary embedding")
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ConfigError(f"partial_rotary_factor={factor!r} rotates int(head_dim {self.head_dim} * {factor!r}) = "
+                              f"{self.rotary_dim} dims; RoPE rotates pairs, so that must be even and at least 2")
         try:
-            normalize_rope_scaling(self.rope_scaling, self.max_seq_len)
+            normalize_rope_scaling(self.rope_scaling, self.max_seq_len, self.rotary_dim if self.pos == "rope" else None)
             check_family(self)
         except ValueError as err:
             raise ConfigError(str(err)) from None

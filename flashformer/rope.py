@@ -13,8 +13,10 @@ Scalings are configured like Hugging Face's ``rope_scaling`` / ``rope_parameters
   ``long_factor`` for a sequence longer than it, plus an attention factor.
 
 Layout: the "rotate_half" (non-interleaved) layout of Hugging Face Llama: dimension i pairs with
-i + head_dim / 2, not with i + 1. Using it in our model means HF checkpoints load without permuting
-the q / k projection rows.
+i + rotary_dim / 2, not with i + 1. Using it in our model means HF checkpoints load without permuting
+the q / k projection rows. Partial rotary embeddings (Phi-4-mini's ``partial_rotary_factor`` 0.75) rotate
+the first rotary_dim dims of each head and pass the rest through; every scaling then counts frequencies
+over rotary_dim, not head_dim, as transformers does.
 """
 
 from __future__ import annotations
@@ -36,12 +38,13 @@ _ROPE_KEYS = {
 _FACTOR_LISTS = ("short_factor", "long_factor")  # one divisor per rotated pair
 
 
-def normalize_rope_scaling(scaling: dict | None, max_seq_len: int) -> dict | None:
+def normalize_rope_scaling(scaling: dict | None, max_seq_len: int, rotary_dim: int | None = None) -> dict | None:
     """Check a ``rope_scaling`` dict; return it with ``rope_type`` set and defaults filled in.
 
     Args:
         scaling: HF-style dict or None; ``{"rope_type": "default"}`` means no scaling.
         max_seq_len: the model's context length, the default ``original_max_position_embeddings``.
+        rotary_dim: the rotated dims of a head; given, LongRoPE's factor lists must hold one entry per pair.
     Returns:
         A new dict (never the caller's), or None for unscaled RoPE.
     Raises:
@@ -54,10 +57,11 @@ def normalize_rope_scaling(scaling: dict | None, max_seq_len: int) -> dict | Non
     scaling = dict(scaling)
     legacy_type = scaling.pop("type", None)
     rope_type = scaling.pop("rope_type", legacy_type)
-    # HF configs repeat rope_theta (our ModelConfig.rope_theta) inside the dict; full rotation is all we support.
+    # HF configs repeat rope_theta (our ModelConfig.rope_theta) inside the dict.
     scaling.pop("rope_theta", None)
-    if scaling.pop("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("rope_scaling.partial_rotary_factor: only 1.0 (full rotation) is supported")
+    if "partial_rotary_factor" in scaling:
+        raise ValueError("rope_scaling.partial_rotary_factor: set the model config's partial_rotary_factor instead "
+                         "(how many dims rotate is not a scaling)")
     if rope_type in (None, "default"):
         if scaling:
             raise ValueError(f"rope_scaling: keys {sorted(scaling)} need a rope_type; supported: {sorted(_ROPE_KEYS)}")
@@ -84,6 +88,9 @@ def normalize_rope_scaling(scaling: dict | None, max_seq_len: int) -> dict | Non
             if not isinstance(value, (list, tuple)) or not value or not all(
                     isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in value):
                 raise ValueError(f"rope_scaling.{key} must be a list of positive numbers, got {value!r}")
+            if rotary_dim is not None and len(value) != rotary_dim // 2:
+                raise ValueError(f"rope_scaling.{key} has {len(value)} entries; rotary_dim {rotary_dim} rotates "
+                                 f"{rotary_dim // 2} pairs")
             scaling[key] = [float(x) for x in value]
         elif value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
             raise ValueError(f"rope_scaling.{key} must be a positive number, got {value!r}")
@@ -92,19 +99,19 @@ def normalize_rope_scaling(scaling: dict | None, max_seq_len: int) -> dict | Non
     return {"rope_type": rope_type, **scaling}
 
 
-def _rotation_periods(head_dim: int, theta: float) -> torch.Tensor:
-    """theta ** (2i / head_dim) for i < head_dim / 2 (each pair's wavelength / 2 pi).
+def _rotation_periods(rotary_dim: int, theta: float) -> torch.Tensor:
+    """theta ** (2i / rotary_dim) for i < rotary_dim / 2 (each pair's wavelength / 2 pi).
 
     fp32 on the CPU, explicitly, so that building a model under a meta device context still works.
     """
-    return theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)
+    return theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim)
 
 
-def _base_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
-    return 1.0 / _rotation_periods(head_dim, theta)
+def _base_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / _rotation_periods(rotary_dim, theta)
 
 
-def _yarn_inv_freq(head_dim, theta, scaling, max_seq_len):
+def _yarn_inv_freq(rotary_dim, theta, scaling, max_seq_len):
     original = scaling["original_max_position_embeddings"]
     factor = scaling.get("factor") or max_seq_len / original
     # The number of full rotations a frequency makes over the original context decides whether it is
@@ -113,17 +120,17 @@ def _yarn_inv_freq(head_dim, theta, scaling, max_seq_len):
     beta_slow = scaling.get("beta_slow") or 1
 
     def dim_with_rotations(rotations):
-        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
     low, high = dim_with_rotations(beta_fast), dim_with_rotations(beta_slow)
     if scaling.get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, head_dim - 1)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
     if low == high:
         high += 0.001  # avoid dividing by zero in the ramp
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     extrapolate = 1 - ramp
-    periods = _rotation_periods(head_dim, theta)
+    periods = _rotation_periods(rotary_dim, theta)
     inv_freq = 1.0 / (factor * periods) * (1 - extrapolate) + 1.0 / periods * extrapolate
 
     def mscale(scale, coefficient=1.0):
@@ -138,8 +145,8 @@ def _yarn_inv_freq(head_dim, theta, scaling, max_seq_len):
     return inv_freq, float(attention_factor)
 
 
-def _llama3_inv_freq(head_dim, theta, scaling):
-    inv_freq = _base_inv_freq(head_dim, theta)
+def _llama3_inv_freq(rotary_dim, theta, scaling):
+    inv_freq = _base_inv_freq(rotary_dim, theta)
     factor = scaling["factor"]
     low_freq_factor, high_freq_factor = scaling["low_freq_factor"], scaling["high_freq_factor"]
     original = scaling["original_max_position_embeddings"]
@@ -153,14 +160,11 @@ def _llama3_inv_freq(head_dim, theta, scaling):
     return torch.where(is_medium, blended, scaled)
 
 
-def _longrope_inv_freq(head_dim, theta, scaling, max_seq_len, seq_len):
+def _longrope_inv_freq(rotary_dim, theta, scaling, max_seq_len, seq_len):
     original = scaling["original_max_position_embeddings"]
     name = "long_factor" if seq_len and seq_len > original else "short_factor"
     divisors = scaling[name]
-    if len(divisors) != head_dim // 2:
-        raise ValueError(f"rope_scaling.{name} has {len(divisors)} entries; head_dim {head_dim} rotates "
-                         f"{head_dim // 2} pairs")
-    inv_freq = 1.0 / (torch.tensor(divisors, dtype=torch.float32, device="cpu") * _rotation_periods(head_dim, theta))
+    inv_freq = 1.0 / (torch.tensor(divisors, dtype=torch.float32, device="cpu") * _rotation_periods(rotary_dim, theta))
     # Phi-3 states its extension as max_position_embeddings over the original context.
     factor = scaling.get("factor") or max_seq_len / original
     attention_factor = scaling.get("attention_factor")
@@ -169,33 +173,33 @@ def _longrope_inv_freq(head_dim, theta, scaling, max_seq_len, seq_len):
     return inv_freq, float(attention_factor)
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: dict | None, max_seq_len: int,
+def rope_frequencies(rotary_dim: int, theta: float, scaling: dict | None, max_seq_len: int,
                      seq_len: int | None = None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (head_dim // 2,) fp32 on the CPU, and the factor multiplying cos / sin.
+    """Inverse frequencies (rotary_dim // 2,) fp32 on the CPU, and the factor multiplying cos / sin.
 
     Args:
-        head_dim: rotated dimension (even).
+        rotary_dim: the rotated dims of a head (even): head_dim, or fewer with a partial rotary factor.
         theta: RoPE base.
         scaling: a dict accepted by ``normalize_rope_scaling``, or None.
         max_seq_len: the model's context length (``max_position_embeddings`` in HF terms).
         seq_len: current sequence length; "dynamic" and "longrope" depend on it.
     """
-    scaling = normalize_rope_scaling(scaling, max_seq_len)
+    scaling = normalize_rope_scaling(scaling, max_seq_len, rotary_dim)
     rope_type = scaling["rope_type"] if scaling else "default"
     if rope_type == "linear":
-        return _base_inv_freq(head_dim, theta) / scaling["factor"], 1.0
+        return _base_inv_freq(rotary_dim, theta) / scaling["factor"], 1.0
     if rope_type == "dynamic":
         factor = scaling["factor"]
         seq_len = max(seq_len or 0, max_seq_len)
-        grown_theta = theta * (factor * seq_len / max_seq_len - (factor - 1)) ** (head_dim / (head_dim - 2))
-        return _base_inv_freq(head_dim, grown_theta), 1.0
+        grown_theta = theta * (factor * seq_len / max_seq_len - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))
+        return _base_inv_freq(rotary_dim, grown_theta), 1.0
     if rope_type == "yarn":
-        return _yarn_inv_freq(head_dim, theta, scaling, max_seq_len)
+        return _yarn_inv_freq(rotary_dim, theta, scaling, max_seq_len)
     if rope_type == "llama3":
-        return _llama3_inv_freq(head_dim, theta, scaling), 1.0
+        return _llama3_inv_freq(rotary_dim, theta, scaling), 1.0
     if rope_type == "longrope":
-        return _longrope_inv_freq(head_dim, theta, scaling, max_seq_len, seq_len)
-    return _base_inv_freq(head_dim, theta), 1.0
+        return _longrope_inv_freq(rotary_dim, theta, scaling, max_seq_len, seq_len)
+    return _base_inv_freq(rotary_dim, theta), 1.0
 
 
 class RotaryEmbedding:
@@ -205,32 +209,32 @@ class RotaryEmbedding:
     the frequencies must stay fp32. They are kept on the CPU and copied once per device.
     """
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_seq_len: int):
-        if head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
-        self.head_dim, self.theta, self.max_seq_len = head_dim, theta, max_seq_len
-        self.scaling = normalize_rope_scaling(scaling, max_seq_len)
+    def __init__(self, rotary_dim: int, theta: float, scaling: dict | None, max_seq_len: int):
+        if rotary_dim % 2:
+            raise ValueError(f"rotary_dim must be even for RoPE, got {rotary_dim}")
+        self.rotary_dim, self.theta, self.max_seq_len = rotary_dim, theta, max_seq_len
+        self.scaling = normalize_rope_scaling(scaling, max_seq_len, rotary_dim)
         rope_type = self.scaling["rope_type"] if self.scaling else "default"
         self.is_dynamic = rope_type == "dynamic"
-        self.inv_freq, self.attention_factor = rope_frequencies(head_dim, theta, self.scaling, max_seq_len)
+        self.inv_freq, self.attention_factor = rope_frequencies(rotary_dim, theta, self.scaling, max_seq_len)
         # LongRoPE switches to its long factors for a whole call once a position passes the original
         # context, as transformers does (generation then re-encodes the sequence: sampling.py).
         self.long_from = self.scaling["original_max_position_embeddings"] if rope_type == "longrope" else None
         self.long_inv_freq = (None if self.long_from is None else
-                              rope_frequencies(head_dim, theta, self.scaling, max_seq_len, self.long_from + 1)[0])
+                              rope_frequencies(rotary_dim, theta, self.scaling, max_seq_len, self.long_from + 1)[0])
         self.reads_positions = self.is_dynamic or self.long_from is not None  # a host sync per call
         self._inv_freq_on = {}
 
     def _inv_freq(self, device, seq_len):
         if self.is_dynamic and seq_len > self.max_seq_len:
-            return rope_frequencies(self.head_dim, self.theta, self.scaling, self.max_seq_len, seq_len)[0].to(device)
+            return rope_frequencies(self.rotary_dim, self.theta, self.scaling, self.max_seq_len, seq_len)[0].to(device)
         is_long = self.long_from is not None and seq_len > self.long_from
         if (device, is_long) not in self._inv_freq_on:
             self._inv_freq_on[device, is_long] = (self.long_inv_freq if is_long else self.inv_freq).to(device)
         return self._inv_freq_on[device, is_long]
 
     def __call__(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Args: position_ids (batch, seqlen) int. Returns cos, sin: (batch, seqlen, head_dim) fp32."""
+        """Args: position_ids (batch, seqlen) int. Returns cos, sin: (batch, seqlen, rotary_dim) fp32."""
         # Only dynamic NTK and LongRoPE need the longest position (a host sync); the others are position-free.
         seq_len = int(position_ids.max()) + 1 if self.reads_positions else 0
         inv_freq = self._inv_freq(position_ids.device, seq_len)
@@ -240,9 +244,14 @@ class RotaryEmbedding:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (batch, seqlen, heads, head_dim) by cos / sin (batch, seqlen, head_dim), in fp32."""
-    x_float = x.float()
-    half = x.shape[-1] // 2
-    rotated_half = torch.cat((-x_float[..., half:], x_float[..., :half]), dim=-1)
+    """Rotate the first rotary_dim dims of ``x`` (batch, seqlen, heads, head_dim) by cos / sin
+    (batch, seqlen, rotary_dim), in fp32; the other head_dim - rotary_dim dims pass through unchanged."""
+    rotary_dim = cos.shape[-1]
+    x_rotary = x[..., :rotary_dim].float()
+    half = rotary_dim // 2
+    rotated_half = torch.cat((-x_rotary[..., half:], x_rotary[..., :half]), dim=-1)
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    return (x_float * cos + rotated_half * sin).to(x.dtype)
+    rotated = (x_rotary * cos + rotated_half * sin).to(x.dtype)
+    if rotary_dim == x.shape[-1]:
+        return rotated
+    return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)

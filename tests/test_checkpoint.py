@@ -38,6 +38,14 @@ def test_round_trip_with_tokenizer(tmp_path):
     assert HFTokenizer(tmp_path / "ckpt" / "tokenizer.json").encode("hello") == tokenizer.encode("hello")
 
 
+def test_round_trip_keeps_partial_rotary(tmp_path):
+    model = tiny_model(family="phi3", partial_rotary_factor=0.75)
+    model.save_pretrained(tmp_path / "ckpt")
+    loaded = flashformer.from_pretrained(tmp_path / "ckpt")
+    assert loaded.config == model.config and loaded.config.rotary_dim == 12
+    assert torch.equal(logits(loaded), logits(model))
+
+
 def test_dtype_device_and_backend_on_load(tmp_path):
     model = tiny_model()
     save_pretrained(model, tmp_path)

@@ -1,5 +1,6 @@
 """Parity with Hugging Face transformers: loading their checkpoints, exporting ours, RoPE scalings."""
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,16 @@ HF_CONFIGS = {
         max_position_embeddings=64, original_max_position_embeddings=32,
         rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(8)],
                       "long_factor": [1.0 + 0.5 * i for i in range(8)]}, **COMMON),
+    # Phi-4-mini's partial rotary embeddings: the first 24 of each head's 32 dims rotate, 8 pass through.
+    "phi3-partial": lambda: Phi3Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        max_position_embeddings=64, original_max_position_embeddings=64, partial_rotary_factor=0.75, **COMMON),
+    # Phi-4-mini's head: 96 of 128 dims rotate, LongRoPE factor lists of 48; the switch at 32 is crossed.
+    "phi3-partial-longrope": lambda: Phi3Config(
+        hidden_size=256, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        max_position_embeddings=64, original_max_position_embeddings=32, partial_rotary_factor=0.75,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.02 * i for i in range(48)],
+                      "long_factor": [1.0 + 0.2 * i for i in range(48)]}, **COMMON),
     "olmo2": lambda: Olmo2Config(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=64, **COMMON),
@@ -143,18 +154,24 @@ class _RopeConfig:
      "long_factor": [1 + i / 4 for i in range(32)]},
 ], ids=lambda s: s.get("rope_type", s.get("type")))
 @pytest.mark.parametrize("seq_len", [None, 1000])
-def test_rope_scalings_equal_transformers(scaling, seq_len):
+@pytest.mark.parametrize("partial_rotary_factor", [1.0, 0.5])
+def test_rope_scalings_equal_transformers(scaling, seq_len, partial_rotary_factor):
+    """Every scaling over head_dim 64, or over the 32 rotated dims of a partial rotary embedding (LongRoPE then
+    keeps one factor per rotated pair)."""
+    rotary_dim = int(64 * partial_rotary_factor)
+    scaling = {key: value[:rotary_dim // 2] if key in ("short_factor", "long_factor") else value
+               for key, value in scaling.items()}
     config = LlamaConfig(hidden_size=512, num_attention_heads=8, max_position_embeddings=256, rope_theta=50000.0,
-                         rope_scaling=dict(scaling))
+                         rope_scaling={**scaling, "partial_rotary_factor": partial_rotary_factor})
     rope_type = config.rope_parameters["rope_type"]
     hf_inv_freq, hf_factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=seq_len)
-    inv_freq, factor = rope_frequencies(64, 50000.0, scaling, max_seq_len=256, seq_len=seq_len)
+    inv_freq, factor = rope_frequencies(rotary_dim, 50000.0, scaling, max_seq_len=256, seq_len=seq_len)
     torch.testing.assert_close(inv_freq, hf_inv_freq, atol=0, rtol=0)
     assert factor == pytest.approx(hf_factor, rel=1e-12)
 
 
 @pytest.mark.parametrize("scaling, message", [
-    ({"short_factor": [1.0] * 32, "long_factor": [2.0] * 31}, "long_factor has 31 entries; head_dim 64 rotates 32"),
+    ({"short_factor": [1.0] * 32, "long_factor": [2.0] * 31}, "long_factor has 31 entries; rotary_dim 64 rotates 32"),
     ({"short_factor": [1.0] * 31 + [0.0], "long_factor": [2.0] * 32}, "short_factor must be a list of positive"),
     ({"short_factor": 1.0, "long_factor": [2.0] * 32}, "short_factor must be a list of positive"),
     ({"short_factor": [1.0] * 32}, "missing long_factor"),
@@ -210,11 +227,62 @@ def test_llama32_shaped_model_equals_transformers_at_long_positions(tmp_path):
                               head_dim=16, use_bidirectional_attention=True), "use_bidirectional_attention"),
     (lambda: Gemma2Config(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=96,
                           head_dim=16, hidden_activation="gelu"), "hidden_activation='gelu'"),
-], ids=["gemma3-bidirectional", "gemma2-exact-gelu"])
+    # transformers' Llama rotates whole heads (its cos / sin would not even fit a partial rotation).
+    (lambda: LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=96,
+                         partial_rotary_factor=0.5), "partial_rotary_factor=0.5 contradicts family='llama'"),
+    (lambda: Gemma3TextConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=96,
+                              head_dim=16, partial_rotary_factor=0.5),
+     "partial_rotary_factor=0.5 contradicts family='gemma3'"),
+], ids=["gemma3-bidirectional", "gemma2-exact-gelu", "llama-partial-rotary", "gemma3-partial-rotary"])
 def test_unsupported_hf_configs_name_the_key(make_config, message, tmp_path):
     make_config().save_pretrained(tmp_path)
     with pytest.raises(CheckpointError, match=message):
         flashformer.from_pretrained(tmp_path)
+
+
+# Phi-4-mini-instruct's config.json as transformers 4.x wrote it (partial_rotary_factor and LongRoPE's
+# "type" at the top level), its factor lists made up: 96 of the 128 dims of a head rotate, 48 pairs.
+PHI4_MINI = dict(
+    model_type="phi3", architectures=["Phi3ForCausalLM"], vocab_size=200064, hidden_size=3072, intermediate_size=8192,
+    num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8, max_position_embeddings=131072,
+    original_max_position_embeddings=4096, partial_rotary_factor=0.75, rope_theta=10000.0, rms_norm_eps=1e-5,
+    sliding_window=262144, tie_word_embeddings=True, hidden_act="silu",
+    rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.01 * i for i in range(48)],
+                  "long_factor": [1.0 + 1.5 * i for i in range(48)]})
+
+
+def test_phi4_mini_config_rotates_what_transformers_rotates():
+    """Its RoPE (short and long factors, attention factor) equals what transformers makes of the same config.json
+    and of our export of it, which also reads back unchanged."""
+    cfg = config_from_hf(PHI4_MINI)
+    assert cfg.partial_rotary_factor == 0.75 and cfg.rotary_dim == 96 and cfg.head_dim == 128
+    assert cfg.rope_scaling["original_max_position_embeddings"] == 4096  # the top-level field, not max_seq_len
+    # LongRoPE's first name, which Phi3Config renames too (transformers 5 then misses the top-level original context).
+    older = {**PHI4_MINI, "rope_scaling": {**PHI4_MINI["rope_scaling"], "type": "su"}}
+    exported = config_to_hf(cfg, torch.bfloat16)
+    assert config_from_hf(older) == config_from_hf(exported) == cfg
+    for hf_fields in (PHI4_MINI, exported):
+        hf_config = Phi3Config(**copy.deepcopy(hf_fields))  # transformers fills in the rope dict it is given
+        for seq_len in (None, 8192):
+            hf_inv_freq, hf_factor = ROPE_INIT_FUNCTIONS["longrope"](hf_config, "cpu", seq_len=seq_len)
+            inv_freq, factor = rope_frequencies(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_seq_len,
+                                                seq_len=seq_len)
+            assert inv_freq.shape == (48,)
+            torch.testing.assert_close(inv_freq, hf_inv_freq, atol=0, rtol=0)
+            assert factor == pytest.approx(hf_factor, rel=1e-12) and factor > 1
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(partial_rotary_factor=0), r"partial_rotary_factor must be in \(0, 1\]"),
+    (dict(rope_parameters={"rope_type": "default", "partial_rotary_factor": 1.25}),
+     r"partial_rotary_factor must be in \(0, 1\] .*, got 1.25"),
+    (dict(partial_rotary_factor=0.7), r"int\(head_dim 128 \* 0.7\) = 89 dims"),
+    (dict(rope_scaling={**PHI4_MINI["rope_scaling"], "long_factor": [1.0] * 64}),
+     "rope_scaling.long_factor has 64 entries; rotary_dim 96 rotates 48 pairs"),
+], ids=["zero", "above-one", "odd-rotary-dim", "full-head-factor-list"])
+def test_bad_phi3_partial_rotary_names_the_key(fields, message):
+    with pytest.raises(ValueError, match=message):
+        config_from_hf({**PHI4_MINI, **fields})
 
 
 def test_custom_family_has_no_hf_export(tmp_path):

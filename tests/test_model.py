@@ -10,6 +10,7 @@ from flashformer.attention import attention
 from flashformer.config import ConfigError
 from flashformer.kernels import force_kernel_impl
 from flashformer.model import ModelConfig, Transformer
+from flashformer.rope import RotaryEmbedding, apply_rotary
 
 GPT2_LIKE = dict(family="gpt2", norm="layernorm", mlp="gelu", pos="learned", qkv_bias=True, o_bias=True,
                  mlp_bias=True, tie_embeddings=True)
@@ -127,6 +128,52 @@ def test_packed_documents_equal_separate_runs(family, backend, device, monkeypat
         logits = model(packed, cu_seqlens=cu_seqlens, max_seqlen=max(lengths)).view(1, 30, -1)
         separate = torch.cat([model(doc) for doc in docs], dim=1)
     torch.testing.assert_close(logits, separate, atol=2e-5, rtol=0)
+
+
+def test_partial_rotary_turns_the_leading_dims_and_passes_the_rest():
+    """rotary_dim 24 of head_dim 32: pairs (i, i + 12) of the first 24 dims turn by position * theta ** (-2i / 24)
+    (fp64 math), the last 8 dims are copied bit for bit."""
+    x = torch.randn(2, 5, 3, 32)
+    out = apply_rotary(x, *RotaryEmbedding(24, 10000.0, None, 64)(torch.arange(5).expand(2, 5)))
+    angles = torch.arange(5.0, dtype=torch.float64)[:, None] * 10000.0 ** (
+        -torch.arange(0, 24, 2, dtype=torch.float64) / 24)
+    cos, sin = angles.cos()[None, :, None], angles.sin()[None, :, None]
+    first, second = x[..., :12].double(), x[..., 12:24].double()
+    expected = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+    torch.testing.assert_close(out[..., :24].double(), expected, atol=1e-5, rtol=0)
+    assert torch.equal(out[..., 24:], x[..., 24:])
+
+
+def test_partial_rotary_kv_cache_equals_full_recompute(monkeypatch):
+    """Half of each head rotating under YaRN: prefill then single tokens through the cache equal one full pass."""
+    model, _ = model_on_backend(dict(family="custom", n_kv_head=2, partial_rotary_factor=0.5, rope_scaling={
+        "rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16}), "reference", "cpu", monkeypatch)
+    assert model.rope.inv_freq.shape == (4,)
+    input_ids = torch.randint(0, 101, (2, 20))
+    with torch.no_grad():
+        full = model(input_ids)
+        cache = model.new_kv_cache(batch_size=2, max_len=20)
+        steps = [model(input_ids[:, :16], kv_cache=cache)] + [model(input_ids[:, i:i + 1], kv_cache=cache)
+                                                               for i in range(16, 20)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(partial_rotary_factor=0.0), r"partial_rotary_factor must be in \(0, 1\]"),
+    (dict(partial_rotary_factor=1.5), r"partial_rotary_factor must be in \(0, 1\] .*, got 1.5"),
+    (dict(partial_rotary_factor=0.5625), r"rotates int\(head_dim 16 \* 0.5625\) = 9 dims; .* even"),
+    (dict(partial_rotary_factor=0.05), r"= 0 dims; .* at least 2"),
+    (dict(family="llama", partial_rotary_factor=0.5), "partial_rotary_factor=0.5 contradicts family='llama'"),
+    (dict(family="custom", pos="learned", partial_rotary_factor=0.5), "partial_rotary_factor is set but pos='learned'"),
+    (dict(partial_rotary_factor=0.75, rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8,
+                                                    "long_factor": [2.0] * 6}),
+     "rope_scaling.short_factor has 8 entries; rotary_dim 12 rotates 6 pairs"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}),
+     "rope_scaling.partial_rotary_factor: set the model config's partial_rotary_factor"),
+])
+def test_partial_rotary_factor_is_checked(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig(**{"family": "phi3", "d_model": 64, "n_head": 4, **fields}).validate()
 
 
 def test_attention_rejects_bad_cu_seqlens():

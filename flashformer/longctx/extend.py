@@ -54,7 +54,7 @@ def extended_model_config(config: ModelConfig, target_len: int, scaling: str) ->
                           "(its static form) or 'yarn'")
     factor = target_len / original_len
     if scaling == "ntk":
-        grown_theta = config.rope_theta * factor ** (config.head_dim / (config.head_dim - 2))
+        grown_theta = config.rope_theta * factor ** (config.rotary_dim / (config.rotary_dim - 2))
         return dataclasses.replace(config, rope_theta=grown_theta, max_seq_len=target_len)
     rope_scaling = {"rope_type": scaling, "factor": factor}
     if scaling in ("yarn", "llama3"):
