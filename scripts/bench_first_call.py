@@ -122,8 +122,11 @@ def run_fresh(spec, timeout_s):
     """The child's result for one shape, run with an empty Triton cache."""
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, TRITON_CACHE_DIR=cache)
-        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", spec], env=env,
-                              capture_output=True, text=True, timeout=timeout_s)
+        try:
+            done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", spec], env=env,
+                                  capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return {"shape": spec, "error": f"not done within --timeout {timeout_s:g} s"}
     if done.returncode != 0:
         return {"shape": spec, "error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else
                 f"exit {done.returncode}"}
@@ -162,12 +165,12 @@ def main(argv=None):
 
     from flashformer.profiling import benchmark_provenance
 
-    rows = []
+    rows, provenance = [], benchmark_provenance()
     for spec in tqdm(args.shapes, desc="shapes"):
         rows.append(run_fresh(spec, args.timeout))
         tqdm.write(json.dumps(rows[-1]))
-    with open(args.out, "w") as f:
-        json.dump({**benchmark_provenance(), "rows": rows}, f, indent=1)
+        with open(args.out, "w") as f:  # after every shape: a run cut short keeps what it measured
+            json.dump({**provenance, "rows": rows}, f, indent=1)
     print(markdown_table(rows))
 
 
