@@ -101,6 +101,17 @@ def query_range(n0, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @triton.jit
+def first_key_block(m0, seqlen_q, seqlen_k, window_left, BLOCK_N: tl.constexpr, LEFT_BOUNDED: tl.constexpr):
+    """Index of the first BLOCK_N-key block whose query_range holds the query tile at row m0: the block
+    of the leftmost key that row m0 sees (query_range's end passes m0 from that block on, and its
+    start never decreases, so the blocks holding a tile are consecutive from this one)."""
+    first = 0
+    if LEFT_BOUNDED:
+        first = tl.maximum(m0 + (seqlen_k - seqlen_q) - window_left, 0) // BLOCK_N
+    return first
+
+
+@triton.jit
 def visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right,
             LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr):
     """Bool tile: query ``rows`` sees key ``cols`` (broadcast 2-D index tensors; either layout)."""
