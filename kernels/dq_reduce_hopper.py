@@ -33,11 +33,20 @@ def tma_view(tile):
 
 
 @gluon.jit
-def _load_acquire(pointers):
-    """ld.acquire.gpu of int32 ``pointers``, then a proxy fence: the bulk reductions this thread's
-    program issues next (async proxy) come after the writes that the value released."""
-    return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];\n\tfence.proxy.async.global;", "=r,l",
-                                     [pointers], dtype=gl.int32, is_pure=False, pack=1)
+def _wait_until_at_least(pointers, targets):
+    """Each thread spins (ld.acquire.gpu) until its int32 at ``pointers`` reaches its ``targets``, then
+    fences the proxies: the bulk reductions its program issues next (async proxy) come after the writes
+    that the value released. Per thread, with no reduction across the warps: the threads that issue
+    the TMA messages have acquired for themselves. Returns the value seen."""
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .pred waiting;
+        spin:
+        ld.acquire.gpu.global.b32 $0, [$1];
+        setp.lt.s32 waiting, $0, $2;
+        @waiting bra spin;
+        fence.proxy.async.global;
+        }""", "=r,l,r", [pointers, targets], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -71,8 +80,7 @@ def add_dq_share(dq, stage, dq_desc, head, m0, semaphore, rank, ORDERED: gl.cons
     fence_async_shared()
     if ORDERED:
         counters = semaphore + gl.zeros([THREADS], gl.int32, ONE_PER_THREAD)
-        while gl.min(_load_acquire(counters), axis=0) < rank * THREADS:
-            pass
+        _wait_until_at_least(counters, gl.full([THREADS], rank * THREADS, gl.int32, ONE_PER_THREAD))
     async_reduce_add_shared_to_global(dq_desc, [head, m0, 0], tma_view(stage))
     if ORDERED:
         _release_after_bulk_writes(counters)

@@ -1,4 +1,4 @@
-"""The order in which the fused Gluon backward (flash_bwd_hopper.DQ_ORDERED) adds dQ shares.
+"""The order in which the fused Gluon backward (flash_bwd_hopper.DQ_ORDERED) reduces dQ shares.
 
 Each query tile's semaphore admits its contributors by rank: the key blocks whose query_range holds
 the tile, counted from tile_ops.first_key_block. Run in Triton's interpreter, query_range and
