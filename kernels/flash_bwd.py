@@ -364,7 +364,7 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
         gluon: with deterministic=True, run the Hopper Gluon kernels (flash_bwd_hopper.py: dQ, then
             dK/dV, after the preprocess forms the row statistics) where they cover the inputs.
         gluon_fused: with gluon, the dK/dV kernel alone also forms dQ (flash_bwd_hopper.launch_fused, 5
-            tile matmuls) where it covers the head_dim: its dQ shares reduced in a fixed order
+            tile matmuls) where it covers the head_dim and softcap: its dQ shares reduced in a fixed order
             (deterministic=True) or in arrival order (deterministic=False). Not the default.
     """
     is_varlen = cu_seqlens_q is not None
@@ -411,7 +411,7 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
             launch_args = (lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left, window_right,
                            softcap, head_dim_pad)
             dkdv_strides = [s for t in (q, k, v, grad_out, dk, dv) for s in seq_strides(t, False)]
-            if gluon_fused and flash_bwd_hopper.fused_supports(head_dim_pad):
+            if gluon_fused and flash_bwd_hopper.fused_supports(head_dim_pad, softcap):
                 flash_bwd_hopper.launch_fused(q, k, v, grad_out, dq, dk, dv, *launch_args, dkdv_strides, strides_lse,
                                               deterministic=deterministic)
                 return dq, dk, dv

@@ -408,18 +408,18 @@ def launch_dkdv(q, k, v, grad_out, dk, dv, lse_log2, delta, softmax_scale, qk_sc
     )
 
 
-def fused_supports(head_dim_pad):
-    """Whether the dK/dV kernel can also form dQ at this padded head_dim: not where the consumers split
-    the head_dim (each would own half of dQ's columns), nor past 128, where the fp32 dQ stages do not fit
-    the shared memory beside the tiles."""
-    return not split_head_dim(head_dim_pad)
+def fused_supports(head_dim_pad, softcap):
+    """Whether the dK/dV kernel can also form dQ here: not where the consumers split the head_dim (each
+    would own half of dQ's columns), nor with softcap past head_dim 64, where its tanh tile does not fit
+    the registers beside the four accumulators at BLOCK_M = 64 (ptxas spilled 1.3 KB at 128)."""
+    return not split_head_dim(head_dim_pad) and (softcap == 0.0 or head_dim_pad <= 64)
 
 
 def launch_fused(q, k, v, grad_out, dq, dk, dv, lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left,
                  window_right, softcap, head_dim_pad, strides, strides_lse, deterministic=True):
-    """dQ, dK and dV from the dK/dV kernel alone (fused_supports): the dQ shares summed in fp32 in a fixed
-    order (``deterministic``) or in arrival order, then scaled into ``dq``. Arguments as launch_dkdv's,
-    ``strides`` without dq's."""
+    """dQ, dK and dV from the dK/dV kernel alone (where fused_supports): the dQ shares summed in fp32 in a
+    fixed order (``deterministic``) or in arrival order, then scaled into ``dq``. Arguments as
+    launch_dkdv's, ``strides`` without dq's."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     dq_acc = torch.zeros(batch, seqlen_q, heads_q, head_dim_pad, dtype=torch.float32, device=q.device)
     semaphores = None

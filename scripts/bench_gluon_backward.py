@@ -160,7 +160,8 @@ def check_candidates(variants):
                          for block_m in (CANDIDATES[pad_head_dim(head_dim)] if covered else [None])]
                 runs.append(("flash_attn_func", False,
                              functools.partial(gluon_path_gradients, q, k, v, grad_out, grad_lse, opts)))
-            fallback = "" if flash_bwd_hopper.fused_supports(pad_head_dim(head_dim)) else " (two-kernel fallback)"
+            fused = flash_bwd_hopper.fused_supports(pad_head_dim(head_dim), softcap)
+            fallback = "" if fused else " (two-kernel fallback)"
             runs += [(variant + fallback, variant == "fused",
                       functools.partial(backward, q, k, v, out, lse, grad_out, causal, window, softcap, True,
                                         grad_lse=grad_lse, variant=variant))
@@ -263,7 +264,7 @@ def main(argv=None):
                 runs = [(f"m{block_m or 'default'}", block_m, "two-kernel") for block_m in CANDIDATES[head_dim_pad]
                         if "two-kernel" in variants]
                 runs += [(variant, None, variant) for variant in variants if variant != "two-kernel"
-                         and flash_bwd_hopper.fused_supports(head_dim_pad)]
+                         and flash_bwd_hopper.fused_supports(head_dim_pad, 0.0)]
                 for name, block_m, variant in runs:
                     run = functools.partial(backward, q, k, v, out, lse, grad_out, causal, (-1, -1), 0.0, True,
                                             block_m, variant=variant)
