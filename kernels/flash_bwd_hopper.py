@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .flash_fwd_hopper import _mma_layout, _rows_descriptor
 from .launch import ensure_allocator
 from .dq_reduce_hopper import add_dq_share, tma_view
-from .tile_ops import first_key_block, query_range, tanh, visible
+from .tile_ops import last_key_block, query_range, tanh, visible
 
 CONSUMER_WARPS = gl.constexpr(4)
 CONSUMER_KEYS = gl.constexpr(64)
@@ -199,10 +199,11 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
             dk = warpgroup_mma_wait(1, deps=[dk])
             mbarrier.arrive(q_empty.index(stage), count=1)
             dq = warpgroup_mma_wait(0, deps=[dq])
-            # This consumer's place among the tile's contributors: 2 per key block from the first block
-            # that sees the tile, consumer 0 first.
-            rank = 2 * (n0 // BLOCK_N - first_key_block(m0, seqlen_q, seqlen_k, window_left, BLOCK_N,
-                                                        LEFT_BOUNDED)) + CONSUMER
+            # This consumer's place among the tile's contributors: 2 per key block, counted down from the
+            # last block that sees the tile (the first to reach it: the blocks above walk fewer tiles
+            # before it), consumer 0 first.
+            rank = 2 * (last_key_block(m0, seqlen_q, seqlen_k, window_right, BLOCK_M, BLOCK_N, RIGHT_BOUNDED)
+                        - n0 // BLOCK_N) + CONSUMER
             add_dq_share(dq, dq_stage, dq_desc, head, m0, semaphore_group + head * q_tiles + m0 // BLOCK_M, rank,
                          DQ_MODE == DQ_ORDERED, CONSUMER_WARPS * 32, ROW_VECTOR)
 
@@ -247,6 +248,10 @@ def _attn_bwd_dkdv_hopper_kernel(
     gl.static_assert(BLOCK_N == KV_TILES * CONSUMER_KEYS)
     dtype: gl.constexpr = Q.dtype.element_ty
     n0 = gl.program_id(0) * BLOCK_N
+    if DQ_MODE == DQ_ORDERED:
+        # Key blocks last first: a contributor waits only for higher blocks, which the grid then starts
+        # earlier (FlashAttention-3's deterministic backward relies on the same launch order).
+        n0 = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_N
     kv_head = gl.program_id(1).to(gl.int64)
     batch = gl.program_id(2).to(gl.int64)
     head0 = kv_head * GROUP
@@ -393,7 +398,7 @@ def launch_dkdv(q, k, v, grad_out, dk, dv, lse_log2, delta, softmax_scale, qk_sc
     # DQ_MODE decides whether the dQ pointers are read; placeholders of their types where they are not.
     placeholders = (delta if dq_acc is None else dq_acc,
                     delta.view(torch.int32) if dq_semaphores is None else dq_semaphores)
-    # Key blocks on the grid's fastest axis: DQ_ORDERED's contributors wait for lower blocks only.
+    # Key blocks on the grid's fastest axis: DQ_ORDERED's contributors wait for blocks started earlier.
     grid = (triton.cdiv(seqlen_k, keys), heads_kv, batch)
     ds_smem, dq_smem, dq_tma = fused_layouts(block_m, head_dim_pad, q.dtype)
     _attn_bwd_dkdv_hopper_kernel[grid](

@@ -1,10 +1,11 @@
 """The order in which the fused Gluon backward (flash_bwd_hopper.DQ_ORDERED) reduces dQ shares.
 
 Each query tile's semaphore admits its contributors by rank: the key blocks whose query_range holds
-the tile, counted from tile_ops.first_key_block. Run in Triton's interpreter, query_range and
-first_key_block must give every contributor of a tile a distinct rank 0, 1, ..., in key-block order
-(a gap would leave a waiter spinning forever), and the contributors must be exactly the key blocks
-that see the tile under the mask (bottom-right causal, windows), enumerated here by brute force.
+the tile, counted down from tile_ops.last_key_block (the order in which they reach the tile). Run in
+Triton's interpreter, query_range and last_key_block must give every contributor of a tile a distinct
+rank 0, 1, ..., in descending key-block order (a gap would leave a waiter spinning forever), and the
+contributors must be exactly the key blocks that see the tile under the mask (bottom-right causal,
+windows), enumerated here by brute force.
 """
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashformer.kernels.tile_ops import first_key_block, query_range
+from flashformer.kernels.tile_ops import last_key_block, query_range
 
 BLOCK_M, BLOCK_N = 64, 128
 
@@ -27,7 +28,7 @@ def _contributor_ranks(RANKS, seqlen_q, seqlen_k, window_left, window_right, num
     start, _, _, end = query_range(n0, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
                                    LEFT_BOUNDED, RIGHT_BOUNDED)
     for m0 in range(start, end, BLOCK_M):
-        rank = block - first_key_block(m0, seqlen_q, seqlen_k, window_left, BLOCK_N, LEFT_BOUNDED)
+        rank = last_key_block(m0, seqlen_q, seqlen_k, window_right, BLOCK_M, BLOCK_N, RIGHT_BOUNDED) - block
         tl.store(RANKS + block * num_tiles + m0 // BLOCK_M, rank)
 
 
@@ -51,11 +52,13 @@ def visible_pairs(seqlen_q, seqlen_k, window_left, window_right):
 CASES = [(300, 500, -1, -1), (1000, 1000, -1, 0), (513, 200, -1, 0), (200, 777, -1, 0), (700, 700, 100, 0),
          (640, 1000, 300, 40), (1000, 333, 17, 5), (129, 1, -1, -1), (1, 300, 64, 0), (900, 900, 0, 0),
          # a tile's first visible key just before / on a key-block boundary
-         (1000, 1000, 1, 0), (1000, 1000, 64, 0), (700, 765, 66, 3)]
+         (1000, 1000, 1, 0), (1000, 1000, 64, 0), (700, 765, 66, 3),
+         # whole query tiles only (no partial last tile), causal and right-bounded
+         (1024, 1024, -1, 0), (512, 300, -1, 0), (640, 900, -1, 70)]
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k,window_left,window_right", CASES)
-def test_contributors_have_consecutive_ranks_in_key_block_order(seqlen_q, seqlen_k, window_left, window_right):
+def test_contributors_have_consecutive_ranks_in_descending_key_block_order(seqlen_q, seqlen_k, window_left, window_right):
     tiles, blocks = triton.cdiv(seqlen_q, BLOCK_M), triton.cdiv(seqlen_k, BLOCK_N)
     ranks = torch.full((blocks, tiles), -1, dtype=torch.int32)
     _contributor_ranks[(blocks,)](ranks, seqlen_q, seqlen_k, window_left, window_right, tiles, BLOCK_M=BLOCK_M,
@@ -65,5 +68,5 @@ def test_contributors_have_consecutive_ranks_in_key_block_order(seqlen_q, seqlen
     assert walked.any()
     for tile in range(tiles):
         contributors = walked[:, tile].nonzero().flatten()
-        assert torch.equal(ranks[contributors, tile], torch.arange(len(contributors), dtype=torch.int32)), tile
+        assert torch.equal(ranks[contributors.flip(0), tile], torch.arange(len(contributors), dtype=torch.int32)), tile
 
