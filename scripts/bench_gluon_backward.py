@@ -85,10 +85,10 @@ def backward(q, k, v, out, lse, grad_out, causal, window, softcap, gluon, block_
 
 
 def smoke(variant):
-    """One small call of ``variant`` per mask (causal GQA, window + softcap, full), synchronised: run
-    in a child process, so that a kernel that never finishes costs a timeout, not the run."""
+    """One small call of ``variant`` per mask (causal GQA, window, full) at head_dim 128, synchronised:
+    run in a child process, so that a kernel that never finishes costs a timeout, not the run."""
     for seqlen_q, seqlen_k, heads_kv, causal, window, softcap in ((300, 333, 2, True, (-1, -1), 0.0),
-                                                                   (257, 190, 4, False, (40, 7), 5.0),
+                                                                   (257, 190, 4, False, (40, 7), 0.0),
                                                                    (129, 1000, 4, False, (-1, -1), 0.0)):
         q = torch.randn(2, seqlen_q, 4, 128, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(2, seqlen_k, heads_kv, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
