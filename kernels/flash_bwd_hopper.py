@@ -44,8 +44,8 @@ CONSUMER_KEYS = gl.constexpr(64)
 SPLIT_HEAD_DIM_ABOVE = 128
 # Where dQ goes (DQ_MODE). SEPARATE: flash_bwd_dq_hopper.py's kernel recomputes S and dP for it (7 tile
 # products per query tile and key block). ORDERED and UNORDERED: each consumer also forms its share dS K
-# and reduces it into an fp32 accumulator (5 products), in key-block order behind a semaphore per query
-# tile (ORDERED: deterministic) or in arrival order.
+# and reduces it into an fp32 accumulator (5 products), in a fixed key-block order behind a semaphore per
+# query tile (ORDERED: deterministic) or in arrival order.
 DQ_SEPARATE = gl.constexpr(0)
 DQ_ORDERED = gl.constexpr(1)
 DQ_UNORDERED = gl.constexpr(2)
@@ -241,8 +241,7 @@ def _attn_bwd_dkdv_hopper_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     SPLIT_HEAD_DIM: gl.constexpr, QO_SMEM: gl.constexpr, QO_TMA: gl.constexpr, KV_SMEM: gl.constexpr,
-    DQ_MODE: gl.constexpr = DQ_SEPARATE, DS_SMEM: gl.constexpr = None, DQ_SMEM: gl.constexpr = None,
-    DQ_TMA: gl.constexpr = None,
+    DQ_MODE: gl.constexpr, DS_SMEM: gl.constexpr, DQ_SMEM: gl.constexpr, DQ_TMA: gl.constexpr,
 ):
     KV_TILES: gl.constexpr = 1 if SPLIT_HEAD_DIM else 2
     gl.static_assert(BLOCK_N == KV_TILES * CONSUMER_KEYS)
