@@ -280,8 +280,9 @@ def main(selected):
                         "tma_reduce_add": bool(re.search(r"cp\.reduce\.async\.bulk\.tensor\.[\w:.]*\.add\b", ptx)),
                         "f32_tensor_map": bool(re.search(r"tensormap\.replace\.tile\.elemtype\S*\s[^;]*,\s*0x7;",
                                                          ptx)),
-                        # element-wise fp32 adds to global memory (ptxas makes an unused-result atom a RED)
-                        "f32_global_atomics": len(re.findall(r"(?:atom|red)\.global\.[\w.]*add\.f32", ptx)),
+                        # element-wise fp32 adds (atom or red, any scope, vector or not; the semaphores' are u32)
+                        "f32_global_atomics": sum(".add" in op and "f32" in op
+                                                  for op in re.findall(r"\b(?:atom|red)\.[\w.:]+", ptx)),
                         # the ordering of DQ_ORDERED: acquire-loads of the semaphore, release-adds to it
                         "acquire_release": "ld.acquire.gpu" in ptx and "atom.release.gpu" in ptx,
                         # local memory in the PTX itself (ptxas's own spills are spill_bytes)

@@ -143,6 +143,7 @@ def test_fused_gluon_bwd_reduces_dq_shares_in_bulk(report):
     for name, case in fused.items():
         assert case["tma_reduce_add"] and case["f32_tensor_map"], (name, case)
         assert case["f32_global_atomics"] == 0 and not case["local_memory"], (name, case)
+        assert case["shared_bytes"] <= 227 * 1024, (name, case)
         assert case["acquire_release"] == (not name.startswith("gluon-bwd_fused_unordered")), (name, case)
     dkdv = {name: case for name, case in report.items() if name.startswith("gluon-bwd_dkdv")}
     assert dkdv and not any(case["tma_reduce"] or case["acquire_release"] for case in dkdv.values()), dkdv
