@@ -58,7 +58,7 @@ CASES = [(300, 500, -1, -1), (1000, 1000, -1, 0), (513, 200, -1, 0), (200, 777, 
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k,window_left,window_right", CASES)
-def test_contributors_have_consecutive_ranks_in_descending_key_block_order(seqlen_q, seqlen_k, window_left, window_right):
+def test_contributors_rank_consecutively_from_the_last_key_block(seqlen_q, seqlen_k, window_left, window_right):
     tiles, blocks = triton.cdiv(seqlen_q, BLOCK_M), triton.cdiv(seqlen_k, BLOCK_N)
     ranks = torch.full((blocks, tiles), -1, dtype=torch.int32)
     _contributor_ranks[(blocks,)](ranks, seqlen_q, seqlen_k, window_left, window_right, tiles, BLOCK_M=BLOCK_M,
