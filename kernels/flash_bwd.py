@@ -14,7 +14,9 @@ Two launches:
    the group inside the program (instead of atomics across programs) keeps GQA deterministic.
 
 On the Gluon path (sm_90) the deterministic backward is ``_bwd_preprocess``, then flash_bwd_hopper.py's
-dQ and dK/dV kernels, where they cover the inputs (dense, 16-bit).
+dQ and dK/dV kernels, where they cover the inputs (dense, 16-bit); with gluon_fused the dK/dV kernel
+alone, forming dQ too (flash_bwd_hopper.launch_fused: TMA reductions of each dQ share, ordered by
+semaphores when deterministic).
 
 With deterministic=False there is no dQ kernel: ``_bwd_preprocess`` computes the statistics, and the
 dK/dV program also forms each query tile's dQ share dS K and adds it to an fp32 buffer (a TMA
@@ -347,7 +349,8 @@ def _preprocess(out, grad_out, lse, grad_lse, delta, lse_log2, cu_seqlens_q, bat
 
 def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, window_left, window_right,
                        softcap, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                       deterministic=True, alibi_slopes=None, dropout_p=0.0, dropout_seed=None, gluon=False):
+                       deterministic=True, alibi_slopes=None, dropout_p=0.0, dropout_seed=None, gluon=False,
+                       gluon_fused=False):
     """Launch the backward kernels; returns (dq, dk, dv) shaped like (q, k, v).
 
     Args:
@@ -360,6 +363,9 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
             regenerates its dropout mask).
         gluon: with deterministic=True, run the Hopper Gluon kernels (flash_bwd_hopper.py: dQ, then
             dK/dV, after the preprocess forms the row statistics) where they cover the inputs.
+        gluon_fused: with gluon, the dK/dV kernel alone also forms dQ (flash_bwd_hopper.launch_fused, 5
+            tile matmuls) where it covers the head_dim and softcap: its dQ shares reduced in a fixed order
+            (deterministic=True) or in arrival order (deterministic=False). Not the default.
     """
     is_varlen = cu_seqlens_q is not None
     q, k, v, out, grad_out = (as_descriptor_compatible(t) for t in (q, k, v, out, grad_out))
@@ -396,7 +402,7 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
     strides_qkv = (*seq_strides(q, is_varlen), *seq_strides(k, is_varlen), *seq_strides(v, is_varlen),
                    *seq_strides(grad_out, is_varlen))
 
-    if deterministic and gluon:
+    if gluon and (deterministic or gluon_fused):
         from . import flash_bwd_dq_hopper, flash_bwd_hopper
 
         if flash_bwd_hopper.supports(q, cu_seqlens_q, head_dim_pad, alibi_slopes is not None, dropout_p > 0.0):
@@ -404,12 +410,16 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
                         head_dim, head_dim_pad, is_varlen)
             launch_args = (lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left, window_right,
                            softcap, head_dim_pad)
+            dkdv_strides = [s for t in (q, k, v, grad_out, dk, dv) for s in seq_strides(t, False)]
+            if gluon_fused and flash_bwd_hopper.fused_supports(head_dim_pad, softcap):
+                flash_bwd_hopper.launch_fused(q, k, v, grad_out, dq, dk, dv, *launch_args, dkdv_strides, strides_lse,
+                                              deterministic=deterministic)
+                return dq, dk, dv
+            # else the two kernels, deterministic whatever was asked
             flash_bwd_dq_hopper.launch_dq(q, k, v, grad_out, dq, *launch_args,
                                        [s for t in (q, k, v, grad_out, dq) for s in seq_strides(t, False)],
                                        strides_lse)
-            flash_bwd_hopper.launch_dkdv(q, k, v, grad_out, dk, dv, *launch_args,
-                                         [s for t in (q, k, v, grad_out, dk, dv) for s in seq_strides(t, False)],
-                                         strides_lse)
+            flash_bwd_hopper.launch_dkdv(q, k, v, grad_out, dk, dv, *launch_args, dkdv_strides, strides_lse)
             return dq, dk, dv
     mask = table_mask(window_right)
     if deterministic:  # the dQ kernel also writes delta and lse_log2

@@ -16,6 +16,10 @@ dK += dS^T Q, P^T and dS^T in registers as the A operands.
 Each product's register operand is waited for before its registers are reused. The semantics are
 flash_bwd.py's: bottom-right causal, windows, softcap, GQA, the lse gradient (through delta); keys
 past seqlen_k and rows past seqlen_q (zeros read by TMA) get p = 0 and so dS = 0.
+
+Fused (DQ_MODE ordered or unordered, launch_fused; not the default): a consumer also forms its share of
+the query tile's dQ, dS K, from dS^T stored to shared memory, and adds it into an fp32 accumulator with
+one TMA bulk reduction (dq_reduce_hopper.py): 5 products per tile instead of the two kernels' 7.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .flash_fwd_hopper import _mma_layout, _rows_descriptor
 from .launch import ensure_allocator
-from .tile_ops import query_range, tanh, visible
+from .dq_reduce_hopper import add_dq_share, tma_view
+from .tile_ops import last_key_block, query_range, tanh, visible
 
 CONSUMER_WARPS = gl.constexpr(4)
 CONSUMER_KEYS = gl.constexpr(64)
@@ -37,6 +42,13 @@ CONSUMER_KEYS = gl.constexpr(64)
 # both consumers then take the same 64 keys and each accumulates one half of dK's and dV's columns,
 # both computing the whole S^T and dP^T (1.5x the matrix products of the 128-key program).
 SPLIT_HEAD_DIM_ABOVE = 128
+# Where dQ goes (DQ_MODE). SEPARATE: flash_bwd_dq_hopper.py's kernel recomputes S and dP for it (7 tile
+# products per query tile and key block). ORDERED and UNORDERED: each consumer also forms its share dS K
+# and reduces it into an fp32 accumulator (5 products), in a fixed key-block order behind a semaphore per
+# query tile (ORDERED: deterministic) or in arrival order.
+DQ_SEPARATE = gl.constexpr(0)
+DQ_ORDERED = gl.constexpr(1)
+DQ_UNORDERED = gl.constexpr(2)
 
 
 @gluon.jit
@@ -75,17 +87,11 @@ def _dkdv_load_partition(q_base, do_base, k_base, v_base, stride_qh, stride_qs, 
         mbarrier.wait(q_empty.index(stage), free_phase, pred=i >= NUM_STAGES)
         mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [head, m0, 0], q_ready.index(stage),
-                                        _tma_view(q_smem.index(stage)))
+                                        tma_view(q_smem.index(stage)))
         mbarrier.wait(do_empty.index(stage), free_phase, pred=i >= NUM_STAGES)
         mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(do_desc, [head, m0, 0], do_ready.index(stage),
-                                        _tma_view(do_smem.index(stage)))
-
-
-@gluon.jit
-def _tma_view(tile):
-    """A (rows, cols) shared-memory tile as the (1, rows, cols) box of a heads descriptor."""
-    return tile.reshape([1, tile.shape[0], tile.shape[1]])
+                                        tma_view(do_smem.index(stage)))
 
 
 @gluon.jit
@@ -100,11 +106,13 @@ def distinct_registers(x):
 def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks, stride_dvs, lse_group,
                             delta_group, stride_lse_h, q_smem, do_smem, k_smem, v_smem, kv_bars, done_bar, q_ready,
                             do_ready, q_empty, do_empty, n0, start, un_lo, un_hi, tiles_per_head, seqlen_q, seqlen_k,
-                            softmax_scale, qk_scale, softcap_log2, window_left, window_right,
+                            softmax_scale, qk_scale, softcap_log2, window_left, window_right, ds_smem, dq_smem,
+                            dq_group, stride_dqs, stride_dqh, semaphore_group, q_tiles,
                             GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
-                            BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, LEFT_BOUNDED: gl.constexpr,
-                            RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr, SPLIT_HEAD_DIM: gl.constexpr,
-                            KV_SMEM: gl.constexpr):
+                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                            LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+                            SPLIT_HEAD_DIM: gl.constexpr, KV_SMEM: gl.constexpr, DQ_MODE: gl.constexpr,
+                            DQ_TMA: gl.constexpr):
     # The consumer's keys and its columns of dK and dV.
     TILE: gl.constexpr = 0 if SPLIT_HEAD_DIM else CONSUMER
     OUT_DIM: gl.constexpr = HEAD_DIM_PAD // 2 if SPLIT_HEAD_DIM else HEAD_DIM_PAD
@@ -123,6 +131,13 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
     dk = gl.zeros([CONSUMER_KEYS, OUT_DIM], gl.float32, DKV_LAYOUT)
     dv = gl.zeros([CONSUMER_KEYS, OUT_DIM], gl.float32, DKV_LAYOUT)
     st_zero = gl.zeros([CONSUMER_KEYS, BLOCK_M], gl.float32, ST_LAYOUT)
+    if DQ_MODE != DQ_SEPARATE:
+        gl.static_assert((not SPLIT_HEAD_DIM) & (BLOCK_M == 64))  # dQ's wgmma is 64 rows by HEAD_DIM_PAD
+        dq_zero = gl.zeros([BLOCK_M, HEAD_DIM_PAD], gl.float32, DKV_LAYOUT)
+        ds_tile = ds_smem.index(CONSUMER)
+        dq_stage = dq_smem.index(CONSUMER)
+        dq_desc = _heads_descriptor(dq_group, GROUP, seqlen_q, stride_dqh, stride_dqs, BLOCK_M, HEAD_DIM_PAD,
+                                    HEAD_DIM_PAD, DQ_TMA)
 
     mbarrier.wait(kv_bars.index(TILE), 0)
     for i in range(GROUP * tiles_per_head):
@@ -169,10 +184,28 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
         ds_t = p_t * dp_t
         if HAS_SOFTCAP:
             ds_t = ds_t * (1.0 - tanh_t * tanh_t)
-        ds_op = gl.convert_layout(ds_t.to(dtype), A_LAYOUT)
-        dk = warpgroup_mma(ds_op, q_tile.slice(OUT_COL, OUT_DIM, dim=1), dk, is_async=True)
-        dk, ds_op = warpgroup_mma_wait(0, deps=[dk, ds_op])
-        mbarrier.arrive(q_empty.index(stage), count=1)
+        if DQ_MODE == DQ_SEPARATE:
+            ds_op = gl.convert_layout(ds_t.to(dtype), A_LAYOUT)
+            dk = warpgroup_mma(ds_op, q_tile.slice(OUT_COL, OUT_DIM, dim=1), dk, is_async=True)
+            dk, ds_op = warpgroup_mma_wait(0, deps=[dk, ds_op])
+            mbarrier.arrive(q_empty.index(stage), count=1)
+        else:
+            # dS^T goes through shared memory: as stored it is dK's A operand, and its permuted view
+            # (dS, BLOCK_M x keys, MN-major) dQ's; the previous tile's products that read it are done.
+            ds_tile.store(ds_t.to(dtype))
+            fence_async_shared()
+            dk = warpgroup_mma(ds_tile, q_tile, dk, is_async=True)
+            dq = warpgroup_mma(ds_tile.permute((1, 0)), k_tile, dq_zero, use_acc=False, is_async=True)
+            dk = warpgroup_mma_wait(1, deps=[dk])
+            mbarrier.arrive(q_empty.index(stage), count=1)
+            dq = warpgroup_mma_wait(0, deps=[dq])
+            # This consumer's place among the tile's contributors: 2 per key block, counted down from the
+            # last block that sees the tile (the first to reach it: the blocks above walk fewer tiles
+            # before it), consumer 0 first.
+            rank = 2 * (last_key_block(m0, seqlen_q, seqlen_k, window_right, BLOCK_M, BLOCK_N, RIGHT_BOUNDED)
+                        - n0 // BLOCK_N) + CONSUMER
+            add_dq_share(dq, dq_stage, dq_desc, head, m0, semaphore_group + head * q_tiles + m0 // BLOCK_M, rank,
+                         DQ_MODE == DQ_ORDERED, CONSUMER_WARPS * 32, ROW_VECTOR)
 
     # K and V are read by no product any more (with a split head_dim: by neither consumer, once both
     # have arrived): their tiles stage this consumer's dK and dV.
@@ -193,13 +226,14 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
 
 @gluon.jit
 def _attn_bwd_dkdv_hopper_kernel(
-    Q, K, V, DO, DK, DV, LSE_LOG2, DELTA,
+    Q, K, V, DO, DK, DV, LSE_LOG2, DELTA, DQ_ACC, DQ_SEMAPHORES,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
+    stride_dqb, stride_dqs, stride_dqh,
     stride_lse_b, stride_lse_h,
     seqlen_q, seqlen_k,
     softmax_scale, qk_scale, softcap_log2, window_left, window_right,
@@ -207,11 +241,16 @@ def _attn_bwd_dkdv_hopper_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     SPLIT_HEAD_DIM: gl.constexpr, QO_SMEM: gl.constexpr, QO_TMA: gl.constexpr, KV_SMEM: gl.constexpr,
+    DQ_MODE: gl.constexpr, DS_SMEM: gl.constexpr, DQ_SMEM: gl.constexpr, DQ_TMA: gl.constexpr,
 ):
     KV_TILES: gl.constexpr = 1 if SPLIT_HEAD_DIM else 2
     gl.static_assert(BLOCK_N == KV_TILES * CONSUMER_KEYS)
     dtype: gl.constexpr = Q.dtype.element_ty
     n0 = gl.program_id(0) * BLOCK_N
+    if DQ_MODE == DQ_ORDERED:
+        # Key blocks last first: a contributor waits only for higher blocks, which the grid then starts
+        # earlier (FlashAttention-3's deterministic backward relies on the same launch order).
+        n0 = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_N
     kv_head = gl.program_id(1).to(gl.int64)
     batch = gl.program_id(2).to(gl.int64)
     head0 = kv_head * GROUP
@@ -223,10 +262,20 @@ def _attn_bwd_dkdv_hopper_kernel(
     dv_base = DV + batch * stride_dvb + kv_head * stride_dvh
     lse_group = LSE_LOG2 + batch * stride_lse_b + head0 * stride_lse_h
     delta_group = DELTA + batch * stride_lse_b + head0 * stride_lse_h
+    # Fused: the group's dQ accumulator, and its semaphores, one per (batch, query head, query tile)
+    q_tiles = (seqlen_q + BLOCK_M - 1) // BLOCK_M
+    dq_group = DQ_ACC + batch * stride_dqb + head0 * stride_dqh
+    semaphore_group = DQ_SEMAPHORES + (batch * gl.num_programs(1) + kv_head) * GROUP * q_tiles
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM_PAD], QO_SMEM)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM_PAD], QO_SMEM)
     k_smem = gl.allocate_shared_memory(dtype, [KV_TILES, CONSUMER_KEYS, HEAD_DIM_PAD], KV_SMEM)
     v_smem = gl.allocate_shared_memory(dtype, [KV_TILES, CONSUMER_KEYS, HEAD_DIM_PAD], KV_SMEM)
+    if DQ_MODE == DQ_SEPARATE:
+        ds_smem = v_smem  # not read
+        dq_smem = v_smem
+    else:  # each consumer's dS^T tile and dQ share
+        ds_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_KEYS, BLOCK_M], DS_SMEM)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM_PAD], DQ_SMEM)
     kv_bars = gl.allocate_shared_memory(gl.int64, [KV_TILES, 1], mbarrier.MBarrierLayout())
     done_bars = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -249,14 +298,16 @@ def _attn_bwd_dkdv_hopper_kernel(
                                    stride_lse_h, q_smem, do_smem, k_smem, v_smem, kv_bars, done_bars.index(0),
                                    q_ready, do_ready, q_empty, do_empty, n0, start, un_lo, un_hi, tiles_per_head,
                                    seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2, window_left,
-                                   window_right, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, NUM_STAGES, LEFT_BOUNDED,
-                                   RIGHT_BOUNDED, HAS_SOFTCAP, SPLIT_HEAD_DIM, KV_SMEM)),
+                                   window_right, ds_smem, dq_smem, dq_group, stride_dqs, stride_dqh, semaphore_group,
+                                   q_tiles, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, NUM_STAGES, LEFT_BOUNDED,
+                                   RIGHT_BOUNDED, HAS_SOFTCAP, SPLIT_HEAD_DIM, KV_SMEM, DQ_MODE, DQ_TMA)),
         (_dkdv_consume_partition, (1, dk_base, dv_base, stride_dks, stride_dvs, lse_group, delta_group,
                                    stride_lse_h, q_smem, do_smem, k_smem, v_smem, kv_bars, done_bars.index(0),
                                    q_ready, do_ready, q_empty, do_empty, n0, start, un_lo, un_hi, tiles_per_head,
                                    seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2, window_left,
-                                   window_right, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, NUM_STAGES, LEFT_BOUNDED,
-                                   RIGHT_BOUNDED, HAS_SOFTCAP, SPLIT_HEAD_DIM, KV_SMEM)),
+                                   window_right, ds_smem, dq_smem, dq_group, stride_dqs, stride_dqh, semaphore_group,
+                                   q_tiles, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, NUM_STAGES, LEFT_BOUNDED,
+                                   RIGHT_BOUNDED, HAS_SOFTCAP, SPLIT_HEAD_DIM, KV_SMEM, DQ_MODE, DQ_TMA)),
         (_dkdv_load_partition, (q_base, do_base, k_base, v_base, stride_qh, stride_qs, stride_doh, stride_dos,
                                 stride_ks, stride_vs, seqlen_q, seqlen_k, q_smem, do_smem, k_smem, v_smem, kv_bars,
                                 q_ready, do_ready, q_empty, do_empty, n0, start, tiles_per_head, GROUP, HEAD_DIM,
@@ -271,6 +322,11 @@ def _attn_bwd_dkdv_hopper_kernel(
 # reloaded after it); softcap's tanh tile (64 x BLOCK_M more) needs BLOCK_M = 32.
 CONFIGS = {64: (64, 2), 128: (64, 2), 256: (64, 2)}
 SOFTCAP_BLOCK_M = {64: 64, 128: 32, 256: 32}
+
+
+# Fused (launch_fused), BLOCK_M is dQ's wgmma M: 64, with softcap too. Shared memory at head_dim 128: the
+# Q/dO ring (64 KB), K and V (64 KB), the dS^T tiles (16 KB) and the two fp32 dQ stages (64 KB).
+FUSED_BLOCK_M = 64
 
 
 def config(head_dim_pad, softcap):
@@ -310,25 +366,70 @@ def shared_layouts(block_m, head_dim_pad, dtype):
             gl.NVMMASharedLayout.get_default_for([CONSUMER_KEYS.value, head_dim_pad], gl_dtype))
 
 
+def fused_layouts(block_m, head_dim_pad, dtype):
+    """NVMMA layouts of the fused kernel's tiles: a consumer's (keys, BLOCK_M) dS^T (dK's and, permuted,
+    dQ's A operand), its fp32 dQ stage, and that stage as the box of the accumulator's heads descriptor."""
+    gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return (gl.NVMMASharedLayout.get_default_for([CONSUMER_KEYS.value, block_m], gl_dtype),
+            gl.NVMMASharedLayout.get_default_for([block_m, head_dim_pad], gl.float32),
+            gl.NVMMASharedLayout.get_default_for([1, block_m, head_dim_pad], gl.float32))
+
+
 def launch_dkdv(q, k, v, grad_out, dk, dv, lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left,
-                window_right, softcap, head_dim_pad, strides, strides_lse, block_m=None, num_stages=None):
+                window_right, softcap, head_dim_pad, strides, strides_lse, block_m=None, num_stages=None,
+                dq_acc=None, dq_semaphores=None):
     """Launch the dK/dV kernel on dense (batch, seqlen, heads, head_dim) inputs the caller has validated;
     ``strides`` are (batch, seq, head) strides of q, k, v, grad_out, dk, dv; lse_log2 and delta as
-    flash_bwd's preprocess wrote them."""
+    flash_bwd's preprocess wrote them. With ``dq_acc`` (fp32 zeros, (batch, seqlen_q, heads,
+    head_dim_pad), contiguous) the kernel also adds dQ / softmax_scale into it: in key-block order behind
+    ``dq_semaphores`` (int32 zeros, one per (batch, query head, FUSED_BLOCK_M query tile)), or in arrival
+    order where they are None."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     default_m, default_stages = config(head_dim_pad, softcap)
+    if dq_acc is not None:
+        default_m = FUSED_BLOCK_M
     block_m, num_stages = block_m or default_m, num_stages or default_stages
     qo_smem, qo_tma, kv_smem = shared_layouts(block_m, head_dim_pad, q.dtype)
     ensure_allocator(q.device)  # the in-kernel TMA descriptors' scratch
     keys = block_n(head_dim_pad)
+    mode = DQ_SEPARATE if dq_acc is None else DQ_UNORDERED if dq_semaphores is None else DQ_ORDERED
+    # DQ_MODE decides whether the dQ pointers are read; placeholders of their types where they are not.
+    placeholders = (delta if dq_acc is None else dq_acc,
+                    delta.view(torch.int32) if dq_semaphores is None else dq_semaphores)
+    # Key blocks on the grid's fastest axis: DQ_ORDERED's contributors wait for blocks started earlier.
     grid = (triton.cdiv(seqlen_k, keys), heads_kv, batch)
+    ds_smem, dq_smem, dq_tma = fused_layouts(block_m, head_dim_pad, q.dtype)
     _attn_bwd_dkdv_hopper_kernel[grid](
-        q, k, v, grad_out, dk, dv, lse_log2, delta, *strides, *strides_lse, seqlen_q, seqlen_k,
+        q, k, v, grad_out, dk, dv, lse_log2, delta, *placeholders, *strides,
+        *(dq_acc.stride()[:3] if dq_acc is not None else (0, 0, 0)), *strides_lse, seqlen_q, seqlen_k,
         softmax_scale, qk_scale, softcap_log2, window_left, window_right,
         GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_M=block_m, BLOCK_N=keys, NUM_STAGES=num_stages,
         LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
         SPLIT_HEAD_DIM=split_head_dim(head_dim_pad), QO_SMEM=qo_smem, QO_TMA=qo_tma, KV_SMEM=kv_smem,
-        num_warps=CONSUMER_WARPS.value,
+        DQ_MODE=mode, DS_SMEM=ds_smem, DQ_SMEM=dq_smem, DQ_TMA=dq_tma, num_warps=CONSUMER_WARPS.value,
     )
+
+
+def fused_supports(head_dim_pad, softcap):
+    """Whether the dK/dV kernel can also form dQ here: not where the consumers split the head_dim (each
+    would own half of dQ's columns), nor with softcap past head_dim 64, where its tanh tile does not fit
+    the registers beside the four accumulators at BLOCK_M = 64 (ptxas spilled 1.3 KB at 128)."""
+    return not split_head_dim(head_dim_pad) and (softcap == 0.0 or head_dim_pad <= 64)
+
+
+def launch_fused(q, k, v, grad_out, dq, dk, dv, lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left,
+                 window_right, softcap, head_dim_pad, strides, strides_lse, deterministic=True):
+    """dQ, dK and dV from the dK/dV kernel alone (where fused_supports): the dQ shares summed in fp32 in a
+    fixed order (``deterministic``) or in arrival order, then scaled into ``dq``. Arguments as
+    launch_dkdv's, ``strides`` without dq's."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    dq_acc = torch.zeros(batch, seqlen_q, heads_q, head_dim_pad, dtype=torch.float32, device=q.device)
+    semaphores = None
+    if deterministic:
+        semaphores = torch.zeros(batch * heads_q * triton.cdiv(seqlen_q, FUSED_BLOCK_M), dtype=torch.int32,
+                                 device=q.device)
+    launch_dkdv(q, k, v, grad_out, dk, dv, lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left,
+                window_right, softcap, head_dim_pad, strides, strides_lse, dq_acc=dq_acc, dq_semaphores=semaphores)
+    return dq.copy_(dq_acc[..., :head_dim].mul_(softmax_scale))

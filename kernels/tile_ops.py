@@ -101,6 +101,19 @@ def query_range(n0, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @triton.jit
+def last_key_block(m0, seqlen_q, seqlen_k, window_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   RIGHT_BOUNDED: tl.constexpr):
+    """Index of the last BLOCK_N-key block whose query_range holds the query tile at row m0 (the blocks
+    holding a tile are consecutive up to this one: query_range's start and end never decrease from block
+    to block). Right-bounded, a block holds the tile while its first key, less the bound, is before the
+    tile's end (shifted by seqlen_k - seqlen_q)."""
+    last = tl.cdiv(seqlen_k, BLOCK_N) - 1
+    if RIGHT_BOUNDED:
+        last = tl.minimum(last, (m0 + BLOCK_M - 1 + seqlen_k - seqlen_q + window_right) // BLOCK_N)
+    return last
+
+
+@triton.jit
 def visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right,
             LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr):
     """Bool tile: query ``rows`` sees key ``cols`` (broadcast 2-D index tensors; either layout)."""

@@ -1,14 +1,23 @@
 """The Hopper Gluon backward (dQ and dK/dV kernels) beside the tl backward and SDPA cuDNN (one H200 run).
 
---check first compares dq/dk/dv of every dK/dV BLOCK_M candidate (and of the whole Gluon path
-through flash_attn_func, lse gradient included) with fp64 autograd on odd shapes, outputs
-NaN-poisoned, by flash-attn's rule: at most twice the tl backward's error. Then, for every
+--variants picks the Gluon forms: two-kernel (dQ kernel + dK/dV kernel, every BLOCK_M candidate),
+fused (dQ formed in the dK/dV kernel, each share added by a TMA reduction, ordered by semaphores:
+deterministic) and fused-nondet (the same in arrival order). A fused variant's first call runs in a
+child process under a timeout first (--smoke): one that hangs or fails there is reported and left out
+of the rest of the run.
+
+--check first compares dq/dk/dv of every variant (and of the whole Gluon path through
+flash_attn_func, lse gradient included) with fp64 autograd on odd shapes, outputs
+NaN-poisoned, by flash-attn's rule: at most twice the tl backward's error; fused must also give
+bit-identical gradients on a second run. Then, for every
 head_dim / causal / seqlen cell (batch * seqlen = --tokens, heads * head_dim = 2048, 8 heads at
 head_dim 256), it times the backward alone (out, lse and dO given) with do_bench: TFLOP/s at 2.5x the
 forward's FLOPs, and the Gluon path's three launches (preprocess, dQ, dK/dV) alone in ms. The
 markdown table comes last; the cells go to --out as JSON.
 
     python scripts/bench_gluon_backward.py --check --head-dims 64 128 256 --seqlens 1024 4096 16384
+    python scripts/bench_gluon_backward.py --check --variants two-kernel fused fused-nondet --head-dims 128 \
+        --seqlens 4096 16384
 """
 
 from __future__ import annotations
@@ -17,6 +26,8 @@ import argparse
 import contextlib
 import functools
 import json
+import subprocess
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -58,21 +69,66 @@ def window_bounds(causal, window):
     return window[0], 0 if causal else window[1]
 
 
-def backward(q, k, v, out, lse, grad_out, causal, window, softcap, gluon, block_m=None, grad_lse=None):
-    """(dq, dk, dv) of the deterministic backward, Gluon dK/dV or tl, from a given forward."""
+VARIANTS = ("two-kernel", "fused", "fused-nondet")
+SMOKE_TIMEOUT_S = 180
+
+
+def backward(q, k, v, out, lse, grad_out, causal, window, softcap, gluon, block_m=None, grad_lse=None,
+             variant="two-kernel"):
+    """(dq, dk, dv) of the backward, a Gluon ``variant`` (VARIANTS) or tl, from a given forward."""
     window_left, window_right = window_bounds(causal, window)
     with gluon_candidate(block_m):
         return flash_bwd.attention_backward(grad_out, grad_lse, q, k, v, out, lse, q.shape[-1] ** -0.5,
-                                            window_left, window_right, softcap, deterministic=True, gluon=gluon)
+                                            window_left, window_right, softcap,
+                                            deterministic=variant != "fused-nondet", gluon=gluon,
+                                            gluon_fused=variant != "two-kernel")
+
+
+def smoke(variant):
+    """One small call of ``variant`` per mask (causal GQA, window, full) at head_dim 128, synchronised:
+    run in a child process, so that a kernel that never finishes costs a timeout, not the run."""
+    for seqlen_q, seqlen_k, heads_kv, causal, window, softcap in ((300, 333, 2, True, (-1, -1), 0.0),
+                                                                   (257, 190, 4, False, (40, 7), 0.0),
+                                                                   (129, 1000, 4, False, (-1, -1), 0.0)):
+        q = torch.randn(2, seqlen_q, 4, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(2, seqlen_k, heads_kv, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        window_left, window_right = window_bounds(causal, window)
+        out, lse = attention_forward(q, k, v, 128 ** -0.5, window_left, window_right, softcap)
+        grads = backward(q, k, v, out, lse, torch.randn_like(q), causal, window, softcap, True, variant=variant)
+        torch.cuda.synchronize()
+        assert all(bool(torch.isfinite(g).all()) for g in grads), "non-finite gradients"
+    print(f"smoke {variant}: ok", flush=True)
+
+
+def smoke_variants(variants):
+    """The variants whose smoke call finished in a child process (fused ones; two-kernel is trusted)."""
+    kept = []
+    for variant in variants:
+        if variant == "two-kernel":
+            kept.append(variant)
+            continue
+        try:
+            done = subprocess.run([sys.executable, __file__, "--smoke", variant], capture_output=True, text=True,
+                                  timeout=SMOKE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            print(f"smoke {variant}: hang (no result in {SMOKE_TIMEOUT_S} s), left out", flush=True)
+            continue
+        if done.returncode != 0:
+            print(f"smoke {variant}: FAIL, left out: {(done.stdout + done.stderr)[-1500:]}", flush=True)
+            continue
+        print(done.stdout.strip(), flush=True)
+        kept.append(variant)
+    return kept
 
 
 def max_error(got, ref):
     return (got.double() - ref).abs().nan_to_num(float("inf")).max().item()
 
 
-def check_candidates():
-    """Every candidate's gradients against fp64 autograd, with outputs NaN-poisoned (a freed buffer
-    handed back by torch's allocator can hold the right answer in rows a kernel never writes)."""
+def check_candidates(variants):
+    """Every variant's (and BLOCK_M candidate's) gradients against fp64 autograd, with outputs
+    NaN-poisoned (a freed buffer handed back by torch's allocator can hold the right answer in rows
+    a kernel never writes); the deterministic fused variant twice, bit for bit."""
     launch.POISON_OUTPUTS = True
     failures = 0
     try:
@@ -96,22 +152,33 @@ def check_candidates():
             label = (f"s{seqlen_q}x{seqlen_k} h{heads_q}:{heads_kv} d{head_dim} causal={causal} w={window} "
                      f"cap={softcap}")
             covered = pad_head_dim(head_dim) in flash_bwd_hopper.CONFIGS
-            runs = [(f"m{block_m or 'default'}", functools.partial(backward, q, k, v, out, lse, grad_out, causal,
-                                                                   window, softcap, True, block_m, grad_lse))
-                    for block_m in (CANDIDATES[pad_head_dim(head_dim)] if covered else [None])]
-            runs.append(("flash_attn_func", functools.partial(gluon_path_gradients, q, k, v, grad_out, grad_lse,
-                                                              opts)))
-            for name, run in runs:
+            runs = []  # (name, whether a second run must match bit for bit, closure)
+            if "two-kernel" in variants:
+                runs += [(f"m{block_m or 'default'}", False,
+                          functools.partial(backward, q, k, v, out, lse, grad_out, causal, window, softcap, True,
+                                            block_m, grad_lse))
+                         for block_m in (CANDIDATES[pad_head_dim(head_dim)] if covered else [None])]
+                runs.append(("flash_attn_func", False,
+                             functools.partial(gluon_path_gradients, q, k, v, grad_out, grad_lse, opts)))
+            fused = flash_bwd_hopper.fused_supports(pad_head_dim(head_dim), softcap)
+            fallback = "" if fused else " (two-kernel fallback)"
+            runs += [(variant + fallback, variant == "fused",
+                      functools.partial(backward, q, k, v, out, lse, grad_out, causal, window, softcap, True,
+                                        grad_lse=grad_lse, variant=variant))
+                     for variant in variants if variant != "two-kernel"]
+            for name, deterministic, run in runs:
                 try:
                     grads = run()
+                    repeat_same = not deterministic or all(torch.equal(a, b) for a, b in zip(grads, run()))
                 except Exception as error:  # a candidate that does not compile or fit is reported, not fatal
                     failures += 1
                     print(f"check {label} {name}: {type(error).__name__}: {str(error)[:300]} FAIL")
                     continue
                 errors = [max_error(g, r) for g, r in zip(grads, refs)]
-                ok = all(e <= 2 * t + 1e-5 for e, t in zip(errors, tl_errors))
+                ok = all(e <= 2 * t + 1e-5 for e, t in zip(errors, tl_errors)) and repeat_same
                 failures += not ok
                 text = ", ".join(f"{n} {e:.2e} (tl {t:.2e})" for n, e, t in zip(("dq", "dk", "dv"), errors, tl_errors))
+                text += "" if repeat_same else ", second run differs"
                 print(f"check {label} {name}{'' if covered else ' (tl fallback)'}: {text} {'ok' if ok else 'FAIL'}")
     finally:
         launch.POISON_OUTPUTS = False
@@ -165,9 +232,14 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--out", default="bench_gluon_backward.json")
     parser.add_argument("--check", action="store_true", help="first check every candidate on odd shapes")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--smoke", choices=VARIANTS[1:], help=argparse.SUPPRESS)  # the child of smoke_variants
     args = parser.parse_args(argv)
+    if args.smoke:
+        return smoke(args.smoke)
+    variants = smoke_variants(args.variants)
     if args.check:
-        print(f"check failures: {check_candidates()}", flush=True)
+        print(f"check failures: {check_candidates(variants)}", flush=True)
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     cells = []
     for head_dim in args.head_dims:
@@ -189,10 +261,13 @@ def main(argv=None):
                     timings["cudnn"] = sdpa_backward(q, k, v, grad_out, causal)
                 except Exception as error:
                     cell["cudnn_error"] = f"{type(error).__name__}: {str(error)[:300]}"
-                for block_m in CANDIDATES[head_dim_pad]:
-                    name = f"m{block_m or 'default'}"
+                runs = [(f"m{block_m or 'default'}", block_m, "two-kernel") for block_m in CANDIDATES[head_dim_pad]
+                        if "two-kernel" in variants]
+                runs += [(variant, None, variant) for variant in variants if variant != "two-kernel"
+                         and flash_bwd_hopper.fused_supports(head_dim_pad, 0.0)]
+                for name, block_m, variant in runs:
                     run = functools.partial(backward, q, k, v, out, lse, grad_out, causal, (-1, -1), 0.0, True,
-                                            block_m)
+                                            block_m, variant=variant)
                     try:
                         grads = run()
                     except Exception as error:  # a candidate that does not compile or fit is reported, not fatal
@@ -206,7 +281,7 @@ def main(argv=None):
                     ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
                     target = cell["gluon"][name] if name in cell["gluon"] else cell
                     target[f"{name}_tflops" if target is cell else "tflops"] = flops / ms / 1e9
-                if head_dim_pad in flash_bwd_hopper.CONFIGS:
+                if head_dim_pad in flash_bwd_hopper.CONFIGS and "two-kernel" in variants:
                     try:
                         cell["gluon_ms"] = {name: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
                                             for name, fn in gluon_launches(q, k, v, out, lse, grad_out, causal).items()}
@@ -218,8 +293,8 @@ def main(argv=None):
                 torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(cells, f, indent=1)
-    print("| head_dim | causal | seqlen | cuDNN | tl | gluon candidates (TFLOP/s, max diff vs tl) | best/cuDNN "
-          "| best/tl | gluon ms: preprocess / dQ / dK,dV |")
+    print("| head_dim | causal | seqlen | cuDNN | tl | gluon variants (TFLOP/s, max diff vs tl) | best/cuDNN "
+          "| best/tl | two-kernel ms: preprocess / dQ / dK,dV |")
     print("|---|---|---|---|---|---|---|---|---|")
     for cell in cells:
         cands = {n: c for n, c in cell["gluon"].items() if "tflops" in c}

@@ -29,7 +29,7 @@ from flashformer.kernels.tile_schedule import q_buffers
 FP32_POINTERS = {"LSE", "DELTA", "LSE_LOG2", "DLSE", "LSE_PART", "O_PART", "DQ_ACC", "LOSSES", "TOKEN_SCALE",
                  "ALIBI_SLOPES"}
 INT64_POINTERS = {"TARGETS", "DROPOUT_SEED"}
-INT32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K", "BLOCK_TABLE"}
+INT32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K", "BLOCK_TABLE", "DQ_SEMAPHORES"}
 TMA_LOAD = r"cp\.async\.bulk\.tensor\.\w+\.shared::cluster\.global"
 TMA_STORE = r"cp\.async\.bulk\.tensor\.\w+\.global\.shared"
 FLOAT_SCALARS = {"qk_scale", "softcap_log2", "softmax_scale", "softcap", "dropout_rescale"}
@@ -107,16 +107,21 @@ def gluon_forward_constexprs(head_dim, causal=True, window=False, softcap=False,
                 Q_BUFFERS=q_sets if persistent else 1)
 
 
-def gluon_backward_constexprs(head_dim, causal=True, window=False, softcap=False, group=1, block_m=None):
+def gluon_backward_constexprs(head_dim, causal=True, window=False, softcap=False, group=1, block_m=None,
+                              dq_mode=flash_bwd_hopper.DQ_SEPARATE.value):
+    """dq_mode: flash_bwd_hopper's DQ_MODE; a fused one (dQ formed in the kernel) takes FUSED_BLOCK_M."""
     head_dim_pad = pad_head_dim(head_dim)
     default_m, num_stages = flash_bwd_hopper.config(head_dim_pad, 1.0 if softcap else 0.0)
+    if dq_mode != flash_bwd_hopper.DQ_SEPARATE.value:
+        default_m = flash_bwd_hopper.FUSED_BLOCK_M
     block_m = block_m or default_m
     qo_smem, qo_tma, kv_smem = flash_bwd_hopper.shared_layouts(block_m, head_dim_pad, torch.bfloat16)
+    ds_smem, dq_smem, dq_tma = flash_bwd_hopper.fused_layouts(block_m, head_dim_pad, torch.bfloat16)
     return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m,
                 BLOCK_N=flash_bwd_hopper.block_n(head_dim_pad), NUM_STAGES=num_stages, LEFT_BOUNDED=window,
                 RIGHT_BOUNDED=causal or window, HAS_SOFTCAP=softcap,
                 SPLIT_HEAD_DIM=flash_bwd_hopper.split_head_dim(head_dim_pad), QO_SMEM=qo_smem, QO_TMA=qo_tma,
-                KV_SMEM=kv_smem)
+                KV_SMEM=kv_smem, DQ_MODE=dq_mode, DS_SMEM=ds_smem, DQ_SMEM=dq_smem, DQ_TMA=dq_tma)
 
 
 def gluon_dq_constexprs(head_dim, causal=True, window=False, softcap=False, group=1):
@@ -133,6 +138,7 @@ GLUON_FORWARD = flash_fwd_hopper._attn_fwd_hopper_kernel
 GLUON_DQ = flash_bwd_dq_hopper._attn_bwd_dq_hopper_kernel
 GLUON_DKDV = flash_bwd_hopper._attn_bwd_dkdv_hopper_kernel
 GLUON_WARPS = flash_fwd_hopper.CONSUMER_WARPS.value
+ORDERED, UNORDERED = flash_bwd_hopper.DQ_ORDERED.value, flash_bwd_hopper.DQ_UNORDERED.value
 CASES = {
     "gluon-fwd-d128-causal": (GLUON_FORWARD, gluon_forward_constexprs(128), flash_fwd_hopper.CONSUMER_WARPS.value, 1),
     "gluon-fwd-d128-full": (GLUON_FORWARD, gluon_forward_constexprs(128, causal=False), flash_fwd_hopper.CONSUMER_WARPS.value, 1),
@@ -166,6 +172,28 @@ CASES = {
     "gluon-bwd_dkdv-d256-full-softcap": (GLUON_DKDV, gluon_backward_constexprs(256, causal=False, softcap=True),
                                          GLUON_WARPS, 1),
     "gluon-bwd_dkdv-d192-window": (GLUON_DKDV, gluon_backward_constexprs(192, window=True), GLUON_WARPS, 1),
+    # the dK/dV kernel that also forms dQ (launch_fused), ordered (deterministic) and unordered
+    "gluon-bwd_fused-d128-causal-gqa": (GLUON_DKDV, gluon_backward_constexprs(128, group=4, dq_mode=ORDERED),
+                                        GLUON_WARPS, 1),
+    "gluon-bwd_fused-d128-full": (GLUON_DKDV, gluon_backward_constexprs(128, causal=False, dq_mode=ORDERED),
+                                  GLUON_WARPS, 1),
+    "gluon-bwd_fused-d64-causal": (GLUON_DKDV, gluon_backward_constexprs(64, dq_mode=ORDERED), GLUON_WARPS, 1),
+    "gluon-bwd_fused-d64-full-gqa": (GLUON_DKDV, gluon_backward_constexprs(64, causal=False, group=2,
+                                                                           dq_mode=ORDERED), GLUON_WARPS, 1),
+    "gluon-bwd_fused-d64-window-softcap-gqa": (GLUON_DKDV, gluon_backward_constexprs(64, window=True, softcap=True,
+                                                                                     group=2, dq_mode=ORDERED),
+                                               GLUON_WARPS, 1),
+    "gluon-bwd_fused_unordered-d80-window": (GLUON_DKDV, gluon_backward_constexprs(80, window=True, dq_mode=UNORDERED),
+                                             GLUON_WARPS, 1),
+    "gluon-bwd_fused_unordered-d128-causal": (GLUON_DKDV, gluon_backward_constexprs(128, dq_mode=UNORDERED),
+                                              GLUON_WARPS, 1),
+    "gluon-bwd_fused_unordered-d128-full-gqa": (GLUON_DKDV, gluon_backward_constexprs(128, causal=False, group=4,
+                                                                                      dq_mode=UNORDERED),
+                                                GLUON_WARPS, 1),
+    "gluon-bwd_fused_unordered-d64-causal": (GLUON_DKDV, gluon_backward_constexprs(64, dq_mode=UNORDERED),
+                                             GLUON_WARPS, 1),
+    "gluon-bwd_fused_unordered-d64-full": (GLUON_DKDV, gluon_backward_constexprs(64, causal=False,
+                                                                                 dq_mode=UNORDERED), GLUON_WARPS, 1),
     "gluon-bwd_dq-d128-causal-gqa": (GLUON_DQ, gluon_dq_constexprs(128, group=4), GLUON_WARPS, 1),
     "gluon-bwd_dq-d128-window-softcap": (GLUON_DQ, gluon_dq_constexprs(128, window=True, softcap=True), GLUON_WARPS, 1),
     "gluon-bwd_dq-d64-full": (GLUON_DQ, gluon_dq_constexprs(64, causal=False), GLUON_WARPS, 1),
@@ -248,6 +276,17 @@ def main(selected):
         registers, spill_bytes = resource_usage(compiled)
         report[name] = {"wgmma": "wgmma.mma_async" in ptx, "tma": "cp.async.bulk.tensor" in ptx,
                         "tma_reduce": "cp.reduce.async.bulk.tensor" in ptx,
+                        # a TMA reduce-add, and a descriptor of fp32 elements (tensor map type 7) for it
+                        "tma_reduce_add": bool(re.search(r"cp\.reduce\.async\.bulk\.tensor\.[\w:.]*\.add\b", ptx)),
+                        "f32_tensor_map": bool(re.search(r"tensormap\.replace\.tile\.elemtype\S*\s[^;]*,\s*0x7;",
+                                                         ptx)),
+                        # element-wise fp32 adds (atom or red, any scope, vector or not; the semaphores' are u32)
+                        "f32_global_atomics": sum(".add" in op and "f32" in op
+                                                  for op in re.findall(r"\b(?:atom|red)\.[\w.:]+", ptx)),
+                        # the ordering of DQ_ORDERED: acquire-loads of the semaphore, release-adds to it
+                        "acquire_release": "ld.acquire.gpu" in ptx and "atom.release.gpu" in ptx,
+                        # local memory in the PTX itself (ptxas's own spills are spill_bytes)
+                        "local_memory": bool(re.search(r"\b(?:ld|st)\.local\b", ptx)),
                         # wgmma.wait_group N with N >= 1: a product left in flight while the program goes on
                         "async_wgmma_wait": bool(re.search(r"wgmma\.wait_group\.sync\.aligned [1-9]", ptx)),
                         # the register counts the partitions ask for (empty: no setmaxnreg)

@@ -59,6 +59,7 @@ LAYERS = [
     ("kernels: forward", ["flashformer.kernels.flash_fwd"]),
     ("kernels: Hopper backward in Gluon: dQ", ["flashformer.kernels.flash_bwd_dq_hopper"]),
     ("kernels: Hopper backward in Gluon: dK/dV", ["flashformer.kernels.flash_bwd_hopper"]),
+    ("kernels: Hopper backward in Gluon: the dQ share's bulk reduction", ["flashformer.kernels.dq_reduce_hopper"]),
     ("kernels: Hopper forward in Gluon", ["flashformer.kernels.flash_fwd_hopper"]),
     ("kernels: the persistent forward's tile schedule", ["flashformer.kernels.tile_schedule"]),
     ("kernels: tile-shape policy, launch mechanics", ["flashformer.kernels.tuning", "flashformer.kernels.launch"]),

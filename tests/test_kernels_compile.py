@@ -61,23 +61,30 @@ def test_register_capped_candidates_fit_two_programs_per_sm(report):
 
 
 def test_nondeterministic_backward_reduces_dq_through_tma(report):
-    """deterministic=False adds dQ shares with TMA bulk reductions (cp.reduce.async.bulk), not
-    element-wise atomics; the deterministic kernels issue none."""
+    """deterministic=False (and the fused Gluon backward) add dQ shares with TMA bulk reductions
+    (cp.reduce.async.bulk), not element-wise atomics; the deterministic kernels issue none."""
     for name, case in report.items():
-        assert case.get("tma_reduce", False) == name.startswith("bwd_fused"), (name, case)
+        assert case.get("tma_reduce", False) == name.startswith(("bwd_fused", "gluon-bwd_fused")), (name, case)
 
 
 # The Gluon dK/dV kernel at BLOCK_M = 64 and padded head_dim 128 or 256 (flash_bwd_hopper.CONFIGS): its
 # four accumulators take 192 of a consumer's 240 registers, and ptxas spills a few scalars, stored
 # before the query loop and reloaded after it (about one reload per query tile); at 256 also the
 # 64-bit shared-memory descriptors of the 16 k-steps of S^T and dP^T (reloaded once per query tile).
+# The fused Gluon backward (dQ formed in the dK/dV kernel) keeps a few more scalars beside its accumulators at
+# head_dim 128 (the dQ share's stage and descriptor, the semaphore's rank): stored before the query loop,
+# each reloaded once per query tile (six to eight 4-byte reloads per tile; no store in the loop); at head_dim
+# 64 with softcap a scalar or two.
 # The persistent forward carries its tile loop's state (tile, ring counters, buffer) across the key loop:
 # ptxas keeps a value or two of it in local memory at 160-232 registers per consumer, reloaded once per
 # key tile at most.
 GLUON_SPILL_BOUND = {"gluon-bwd_dkdv-d128-causal-gqa": 128, "gluon-bwd_dkdv-d128-full": 128,
                      "gluon-bwd_dkdv-d80-window": 128, "gluon-bwd_dkdv-d256-causal-gqa": 640,
                      "gluon-bwd_dkdv-d192-window": 640, "gluon-bwd_dkdv-d256-full-softcap": 128,
-                     "gluon-fwd-d128-persistent-causal": 64, "gluon-fwd-d64-c3-persistent-full": 64}
+                     "gluon-fwd-d128-persistent-causal": 64, "gluon-fwd-d64-c3-persistent-full": 64,
+                     "gluon-bwd_fused-d128-causal-gqa": 512, "gluon-bwd_fused-d128-full": 512,
+                     "gluon-bwd_fused_unordered-d128-causal": 512, "gluon-bwd_fused_unordered-d128-full-gqa": 512,
+                     "gluon-bwd_fused_unordered-d80-window": 512, "gluon-bwd_fused-d64-window-softcap-gqa": 64}
 
 
 @needs_gluon_triton
@@ -121,3 +128,22 @@ def test_persistent_gluon_forward_loops_over_tiles(report):
         for depth in ("tma_load_loop_depth", "tma_store_loop_depth"):
             assert report[persistent][depth] == report[one_tile][depth] + 1, (persistent, one_tile, depth)
         assert report[one_tile]["tma_store_loop_depth"] == 0, report[one_tile]
+
+
+@needs_gluon_triton
+def test_fused_gluon_bwd_reduces_dq_shares_in_bulk(report):
+    """The fused Gluon backward (flash_bwd_hopper.launch_fused) adds each consumer's dQ share with one TMA
+    reduce-add through an fp32 descriptor, never with element-wise fp32 atomics, and no local memory in
+    its PTX; ordered (deterministic) it acquires and releases its semaphores, unordered it does not. The
+    two-kernel dK/dV kernel reduces nothing. Both forms at head_dim 64 and 128, causal and not."""
+    fused = {name: case for name, case in report.items() if name.startswith("gluon-bwd_fused")}
+    shapes = {(name.startswith("gluon-bwd_fused_unordered"), name.split("-")[2], "causal" in name) for name in fused}
+    assert shapes >= {(unordered, d, causal) for unordered in (False, True) for d in ("d64", "d128")
+                      for causal in (False, True)}, shapes
+    for name, case in fused.items():
+        assert case["tma_reduce_add"] and case["f32_tensor_map"], (name, case)
+        assert case["f32_global_atomics"] == 0 and not case["local_memory"], (name, case)
+        assert case["shared_bytes"] <= 227 * 1024, (name, case)
+        assert case["acquire_release"] == (not name.startswith("gluon-bwd_fused_unordered")), (name, case)
+    dkdv = {name: case for name, case in report.items() if name.startswith("gluon-bwd_dkdv")}
+    assert dkdv and not any(case["tma_reduce"] or case["acquire_release"] for case in dkdv.values()), dkdv
