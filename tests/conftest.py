@@ -7,6 +7,7 @@ session also runs on one CPU thread.
 """
 
 import os
+import sys
 import zlib
 
 import pytest
@@ -34,6 +35,13 @@ def pytest_xdist_auto_num_workers(config):
     holds a CUDA context, and there the tests wait on the GPU, not on a core."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return min(cores, 8) if torch.cuda.is_available() else cores
+
+
+def pytest_runtest_logreport(report):
+    """Name each failure the moment it is reported: a run that a time limit cuts short (a GPU session's
+    call) never reaches pytest's closing summary, so without this its failures go unnamed."""
+    if report.failed and "PYTEST_XDIST_WORKER" not in os.environ:  # xdist's workers report to the controller
+        print(f"\nFAILED {report.nodeid} ({report.when})", file=sys.stderr, flush=True)
 
 
 @pytest.fixture

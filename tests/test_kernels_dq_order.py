@@ -5,7 +5,7 @@ the tile, counted down from tile_ops.last_key_block (the order in which they rea
 Triton's interpreter, query_range and last_key_block must give every contributor of a tile a distinct
 rank 0, 1, ..., in descending key-block order (a gap would leave a waiter spinning forever), and the
 contributors must be exactly the key blocks that see the tile under the mask (bottom-right causal,
-windows), enumerated here by brute force.
+windows), enumerated here by brute force. On a GPU the same functions run compiled.
 """
 
 import pytest
@@ -58,11 +58,13 @@ CASES = [(300, 500, -1, -1), (1000, 1000, -1, 0), (513, 200, -1, 0), (200, 777, 
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k,window_left,window_right", CASES)
-def test_contributors_rank_consecutively_from_the_last_key_block(seqlen_q, seqlen_k, window_left, window_right):
+def test_contributors_rank_consecutively_from_the_last_key_block(seqlen_q, seqlen_k, window_left, window_right,
+                                                                 device):
     tiles, blocks = triton.cdiv(seqlen_q, BLOCK_M), triton.cdiv(seqlen_k, BLOCK_N)
-    ranks = torch.full((blocks, tiles), -1, dtype=torch.int32)
+    ranks = torch.full((blocks, tiles), -1, dtype=torch.int32, device=device)
     _contributor_ranks[(blocks,)](ranks, seqlen_q, seqlen_k, window_left, window_right, tiles, BLOCK_M=BLOCK_M,
                                   BLOCK_N=BLOCK_N, LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0)
+    ranks = ranks.cpu()
     walked = ranks >= 0
     assert torch.equal(walked, visible_pairs(seqlen_q, seqlen_k, window_left, window_right))
     assert walked.any()
