@@ -3,7 +3,8 @@
 # Each stage has its own time limit so that one slow stage cannot eat the lease; results come back
 # as $OUT/results.tgz (and $OUT/tuned_configs.json after the tune stage).
 # Usage on the device machine: bash scripts/h200_check.sh [stage ...]   (default: all stages)
-# Stages: quick compile slow tune descriptors decode generate attention varlen train train-chunked memory pi
+# Stages: readme quick compile slow tune descriptors decode generate attention varlen first-call fused-bwd train
+# train-chunked memory pi
 # Each stage's limit fits one 10-minute device call with its neighbours: pi beside (half of) slow, quick + tune +
 # attention + varlen + decode when narrowed. Two instances may run at once on a machine of two GPUs
 # (CUDA_VISIBLE_DEVICES=0 / 1, the second started a few seconds later), each with its own RES (results
@@ -35,6 +36,15 @@ for stage in "${stages[@]}"; do
             # generation's CUDA-graph path (the rest of that file needs the tokenizers package)
             timeout 120 python3 -m pytest tests/test_generate.py -k "cuda_graph or device_length" -q \
               -p no:cacheprovider -W ignore 2>&1 | tee -a "$RES/quick.log" | tail -2 ;;
+    readme) # the README's test command as written; SIGINT at the limit, so a cut-short run still prints its
+            # counts (tests/conftest.py names each failure as it is reported)
+            timeout -s INT -k 30 "${README_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider > "$RES/readme.log" 2>&1
+            grep -a "^FAILED\|passed\|failed" "$RES/readme.log" | tail -40 ;;
+    first-call) timeout 420 python3 scripts/bench_first_call.py --out "$RES/first_call.json" 2>&1 \
+              | tee "$RES/first_call.log" | grep "^|" ;;
+    fused-bwd) timeout 300 python3 scripts/bench_gluon_backward.py --variants two-kernel fused fused-nondet \
+              --head-dims 128 --seqlens 4096 16384 --out "$RES/gluon_fused_backward.json" 2>&1 \
+              | tee "$RES/fused_bwd.log" | grep "^|\|smoke" ;;
     compile) FLASHFORMER_AUTOTUNE=0 timeout 60 python3 -m pytest tests/test_kernels_flash.py -k compile -q \
               -p no:cacheprovider -W ignore 2>&1 | tail -2 ;;  # also part of quick
     slow)   # SIGINT at the limit: pytest stops and prints its counts. -v names every result as it lands:
