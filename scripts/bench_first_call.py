@@ -1,12 +1,15 @@
 """A fresh process's first attention step at shapes outside the offline table: its wall time, compiles
-included, then its speed beside the nearest tuned shape's (one GPU run).
+included (on an empty cache, and again after another shape's run), then its speed beside the nearest
+tuned shape's (one GPU run).
 
 Each shape runs in a child process of its own with an empty Triton cache (TRITON_CACHE_DIR in a new
 temporary directory), so its first forward + backward compiles every kernel it launches, as a user's first
 training step does. The child then times the shape and its nearest tuned shape (same head_dim and mask
-family, the power-of-two length at or above it, which picks its tiles, the same number of tokens) with do_bench. TFLOP/s
-count the (query, key) pairs each mask attends, so a sliding window's figures are comparable to the
-causal shape beside it only as a rate, not as work.
+family, the power-of-two length at or above it, which picks its tiles, the same number of tokens) with
+do_bench. TFLOP/s count the (query, key) pairs each mask attends, so a sliding window's figures are
+comparable to the causal shape beside it only as a rate, not as work. A second cache, filled by a
+process that ran the tuned shape, then times the shape's first step as a user's machine sees it after
+earlier runs (launchers and other specialisations built; this shape's kernels not).
 
     python3 scripts/bench_first_call.py
     python3 scripts/bench_first_call.py --shapes 23x704x128:causal 5x2500x128:window256 --out first_call.json
@@ -75,8 +78,8 @@ def nearest_tuned(batch, seqlen):
     return max(1, batch * seqlen // tuned), tuned
 
 
-def time_shape(batch, seqlen, head_dim, options):
-    """(first step's wall seconds, steady forward + backward TFLOP/s) of one shape, in this process."""
+def time_shape(batch, seqlen, head_dim, options, steady=True):
+    """(first step's wall seconds, steady forward + backward TFLOP/s or None) of one shape, in this process."""
     import triton
 
     from flashformer.kernels import flash_attn_func
@@ -90,6 +93,8 @@ def time_shape(batch, seqlen, head_dim, options):
     flash_attn_func(q, k, v, **options).backward(grad_out)
     torch.cuda.synchronize()
     first = time.perf_counter() - start
+    if not steady:
+        return first, None
 
     def step():
         flash_attn_func(q, k, v, **options).backward(grad_out)
@@ -118,30 +123,52 @@ def child(spec):
                       "tuned_first_step_s": tuned_first_s, "tuned_tflops": tuned_tflops}))
 
 
-def run_fresh(spec, timeout_s):
-    """The child's result for one shape, run with an empty Triton cache."""
-    with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, TRITON_CACHE_DIR=cache)
-        try:
-            done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", spec], env=env,
-                                  capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return {"shape": spec, "error": f"not done within --timeout {timeout_s:g} s"}
+def warm(spec):
+    """The first step of one shape only, so that its compiles land in the Triton cache."""
+    torch.ones(1, device="cuda").sum().item()
+    print(json.dumps({"shape": spec, "first_step_s": time_shape(*parse_shape(spec), steady=False)[0]}))
+
+
+def run_child(flag, spec, cache, timeout_s):
+    """The JSON line of a child process (``flag`` SPEC) whose Triton cache is ``cache``, or an error row."""
+    try:
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), flag, spec],
+                              env=dict(os.environ, TRITON_CACHE_DIR=cache), capture_output=True, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"shape": spec, "error": f"not done within --timeout {timeout_s:g} s"}
     if done.returncode != 0:
         return {"shape": spec, "error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else
                 f"exit {done.returncode}"}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def run_fresh(spec, timeout_s, warm_cache=True):
+    """One shape's row: its child run on an empty Triton cache and, with ``warm_cache``, its first step
+    again in a fresh process whose cache holds another shape's compiles (its tuned shape's, from a
+    process before it): a user's machine after earlier runs, where the launchers and the kernels of
+    other specialisations are already built."""
+    with tempfile.TemporaryDirectory() as cache:
+        row = run_child("--child", spec, cache, timeout_s)
+    if warm_cache and "error" not in row:
+        with tempfile.TemporaryDirectory() as cache:
+            warmed = run_child("--child-warm", row["tuned_shape"], cache, timeout_s)
+            again = warmed if "error" in warmed else run_child("--child-warm", spec, cache, timeout_s)
+        row["first_step_after_other_shape_s"] = again.get("first_step_s")
+    return row
+
+
 def markdown_table(rows):
-    lines = ["| shape | first step (s, compiles included) | TFLOP/s | nearest tuned shape | its TFLOP/s | ratio |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| shape | first step (s), empty cache | after another shape's run | TFLOP/s | nearest tuned shape "
+             "| its TFLOP/s | ratio |", "|---|---|---|---|---|---|---|"]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['shape']} | error: {row['error'][:80]} | | | | |")
+            lines.append(f"| {row['shape']} | error: {row['error'][:80]} | | | | | |")
             continue
-        lines.append(f"| {row['shape']} | {row['first_step_s']:.1f} | {row['tflops']:.0f} | {row['tuned_shape']} | "
-                     f"{row['tuned_tflops']:.0f} | {row['tflops'] / row['tuned_tflops']:.2f} |")
+        after = row.get("first_step_after_other_shape_s")
+        lines.append(f"| {row['shape']} | {row['first_step_s']:.1f} | {'-' if after is None else f'{after:.1f}'} | "
+                     f"{row['tflops']:.0f} | {row['tuned_shape']} | {row['tuned_tflops']:.0f} | "
+                     f"{row['tflops'] / row['tuned_tflops']:.2f} |")
     return "\n".join(lines)
 
 
@@ -150,10 +177,15 @@ def main(argv=None):
     parser.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, metavar="BxSxD[:MASK]")
     parser.add_argument("--out", default="bench_first_call.json")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per shape's child process")
+    parser.add_argument("--no-warm-cache", action="store_true",
+                        help="skip each shape's second first step (cache of another shape's run)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--child-warm", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         return child(args.child)
+    if args.child_warm:
+        return warm(args.child_warm)
     for spec in args.shapes:
         try:
             parse_shape(spec)  # a bad spec fails before any child starts
@@ -167,7 +199,7 @@ def main(argv=None):
 
     rows, provenance = [], benchmark_provenance()
     for spec in tqdm(args.shapes, desc="shapes"):
-        rows.append(run_fresh(spec, args.timeout))
+        rows.append(run_fresh(spec, args.timeout, warm_cache=not args.no_warm_cache))
         tqdm.write(json.dumps(rows[-1]))
         with open(args.out, "w") as f:  # after every shape: a run cut short keeps what it measured
             json.dump({**provenance, "rows": rows}, f, indent=1)
