@@ -29,9 +29,9 @@ from flashformer.kernels import interface, launch  # noqa: E402
 def patch_each_launch_once():
     """Triton 3.6's interpreter patches triton.language's builtins when a kernel launches, then again at every
     call of a @triton.jit helper (tile_ops.mma, online_softmax_step, ...), although the launch's patches still
-    hold: the re-patching (inspect.getmembers over tl, tl.tensor, tl.math) took an eighth of an interpreted
-    kernel test's time. Here a helper call patches only the language modules this launch has not patched
-    yet; what runs is the same interpreted code."""
+    hold: the re-patching (inspect.getmembers over tl, tl.tensor, tl.math) took over a quarter of the
+    interpreted kernel tests' CPU time. Here a helper call patches only the language modules this launch has
+    not patched yet; what runs is the same interpreted code."""
     import inspect
 
     import triton.language as tl
