@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 from typing import Literal
 
@@ -20,7 +21,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import save_on_cpu
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
@@ -236,7 +236,10 @@ def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Ten
     """Clip the global gradient norm (over all ranks' shards) to ``max_norm``; return the norm before clipping,
     a 0-dim tensor on the gradients' device (reading it waits for the step, so callers read it when they log)."""
     norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-    if isinstance(norm, DTensor):
+    # Only FSDP2's sharded gradients give a DTensor norm, and fully_shard has imported DTensor then: other runs
+    # skip its import (over a second of every process's start-up).
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(norm, dtensor.DTensor):
         norm = norm.full_tensor()
     return norm
 

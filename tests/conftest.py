@@ -22,7 +22,54 @@ if not torch.cuda.is_available():
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-from flashformer.kernels import interface, launch  # noqa: E402  (after TRITON_INTERPRET is set)
+import triton  # noqa: E402  (after TRITON_INTERPRET is set)
+
+from flashformer.kernels import interface, launch  # noqa: E402
+
+
+def patch_each_launch_once():
+    """Triton 3.6's interpreter patches triton.language's builtins when a kernel launches, then again at every
+    call of a @triton.jit helper (tile_ops.mma, online_softmax_step, ...), although the launch's patches still
+    hold: the re-patching (inspect.getmembers over tl, tl.tensor, tl.math) took over a quarter of the
+    interpreted kernel tests' CPU time. Here a helper call patches only the language modules this launch has
+    not patched yet; what runs is the same interpreted code."""
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patched = set()  # ids of the language modules patched in the running launch
+
+    def language_modules(fn):
+        return {id(value) for value in fn.__globals__.values() if inspect.ismodule(value) and value in (tl, tl.core)}
+
+    launch_grid = interpreter.GridExecutor.__call__
+
+    def launch_patching_once(self, *args, **kwargs):
+        patched.update(language_modules(self.fn))  # what the launch itself patches
+        try:
+            return launch_grid(self, *args, **kwargs)
+        finally:
+            patched.clear()
+
+    def call_helper(self, *args, **kwargs):
+        modules = language_modules(self.fn)
+        if not modules <= patched:
+            interpreter._patch_lang(self.fn)
+            patched.update(modules)
+        try:
+            return self.rewrite()(*args, **kwargs)
+        except Exception as error:
+            raise interpreter.InterpreterError(repr(error)) from error
+
+    interpreter.GridExecutor.__call__ = launch_patching_once
+    interpreter.InterpretedFunction.__call__ = call_helper
+
+
+# Only on the Triton whose interpreter was read for this (its helper call is exactly the lines above, plus
+# the re-patching); another version runs its interpreter unchanged.
+if os.environ.get("TRITON_INTERPRET") == "1" and triton.__version__.startswith("3.6."):
+    patch_each_launch_once()
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The Triton implementations every kernel test runs over: the portable tl kernels everywhere, and on an

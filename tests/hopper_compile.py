@@ -5,17 +5,16 @@ CPU. Run as a child process without TRITON_INTERPRET (under the interpreter trit
 interpreted functions, which cannot be compiled).
 """
 
+import contextlib
+import io
 import json
-import os
 import re
-import subprocess
 import sys
-import tempfile
 
 import torch
 import triton
+from triton import knobs
 from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 from triton.experimental.gluon._runtime import GluonASTSource
@@ -37,7 +36,7 @@ FLOAT_SCALARS = {"qk_scale", "softcap_log2", "softmax_scale", "softcap", "dropou
 
 def compile_for_hopper(kernel, constexprs, num_warps, num_stages, maxnreg=None, dtype="bf16"):
     """Compile ``kernel`` (a tl or a Gluon kernel) for sm_90 with the given constexprs; pointers named
-    in CAPS, other args i32."""
+    in CAPS, other args i32. Returns the compiled kernel and its ptxas -v log."""
     names = kernel.arg_names
     signature, constants = {}, {}
     for index, name in enumerate(names):
@@ -51,21 +50,21 @@ def compile_for_hopper(kernel, constexprs, num_warps, num_stages, maxnreg=None, 
             signature[name] = "fp32" if name in FLOAT_SCALARS else "i32"
     source_type = GluonASTSource if kernel.is_gluon() else ASTSource
     source = source_type(fn=kernel, signature=signature, constexprs=constants)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages, "maxnreg": maxnreg})
+    # Triton runs ptxas -v itself and prints its log under dump_ptxas_log: read there, the registers and
+    # spills cost no second ptxas run. always_compile: a kernel from Triton's cache would print no log.
+    ptxas_log = io.StringIO()
+    with knobs.nvidia.scope(), knobs.compilation.scope(), contextlib.redirect_stdout(ptxas_log):
+        knobs.nvidia.dump_ptxas_log = True
+        knobs.compilation.always_compile = True
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": num_warps, "num_stages": num_stages, "maxnreg": maxnreg})
+    return compiled, ptxas_log.getvalue()
 
 
-def resource_usage(compiled):
-    """Registers per thread and spilled bytes, from the ptxas that Triton itself runs for sm_90 (ptxas -v):
-    Triton 3.9 ships two, and only its newer one reads the PTX version it emits for Hopper."""
-    ptxas = get_ptxas(90).path
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx_file:
-        ptx_file.write(compiled.asm["ptx"])
-        ptx_file.flush()
-        info = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", ptx_file.name, "-o", os.devnull],
-                              capture_output=True, text=True, check=True).stderr
-    registers = int(re.search(r"Used (\d+) registers", info).group(1))
-    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", info))
+def resource_usage(ptxas_log):
+    """Registers per thread and spilled bytes, from the log of the ptxas -v that compiled the kernel."""
+    registers = int(re.search(r"Used (\d+) registers", ptxas_log).group(1))
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", ptxas_log))
     return registers, spills
 
 
@@ -268,12 +267,12 @@ def main(selected):
     for name in selected or [name for name in CASES if gluon_runs or not name.startswith("gluon-")]:
         kernel, constexprs, *options = CASES[name]
         try:
-            compiled = compile_for_hopper(kernel, constexprs, *options)
+            compiled, ptxas_log = compile_for_hopper(kernel, constexprs, *options)
         except Exception as error:  # report every case, then let the test say which failed
             report[name] = {"error": f"{type(error).__name__}: {str(error)[:2000]}"}
             continue
         ptx = compiled.asm["ptx"]
-        registers, spill_bytes = resource_usage(compiled)
+        registers, spill_bytes = resource_usage(ptxas_log)
         report[name] = {"wgmma": "wgmma.mma_async" in ptx, "tma": "cp.async.bulk.tensor" in ptx,
                         "tma_reduce": "cp.reduce.async.bulk.tensor" in ptx,
                         # a TMA reduce-add, and a descriptor of fp32 elements (tensor map type 7) for it
