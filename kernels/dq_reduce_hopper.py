@@ -59,15 +59,16 @@ def _release_after_bulk_writes(pointers):
 
 
 @gluon.jit
-def add_dq_share(dq, stage, dq_desc, head, m0, semaphore, rank, ORDERED: gl.constexpr, THREADS: gl.constexpr,
+def add_dq_share(dq, stage, dq_desc, head, m0, col, semaphore, rank, ORDERED: gl.constexpr, THREADS: gl.constexpr,
                  ONE_PER_THREAD: gl.constexpr):
-    """Add a consumer's dQ share into rows m0.. of query ``head`` of the accumulator behind ``dq_desc``.
+    """Add a consumer's dQ share into rows m0.. and columns col.. of query ``head`` of the accumulator
+    behind ``dq_desc``.
 
     Args:
-        dq: the share, fp32 registers (BLOCK_M x HEAD_DIM_PAD).
+        dq: the share, fp32 registers (BLOCK_M x the box's width: HEAD_DIM_PAD, or half of it).
         stage: the consumer's fp32 shared tile of that shape; its previous share may still be in flight.
         dq_desc: heads descriptor of the accumulator, (heads, seqlen_q, HEAD_DIM_PAD), box (1, BLOCK_M,
-            HEAD_DIM_PAD).
+            the share's width).
         semaphore, rank: ORDERED only: the tile's counter and this contributor's place among its
             contributors. Each of the consumer's THREADS threads waits (acquire) until the counter
             reaches THREADS x rank, and after its reductions have landed adds 1 (release); the TMA
@@ -81,6 +82,6 @@ def add_dq_share(dq, stage, dq_desc, head, m0, semaphore, rank, ORDERED: gl.cons
     if ORDERED:
         counters = semaphore + gl.zeros([THREADS], gl.int32, ONE_PER_THREAD)
         _wait_until_at_least(counters, gl.full([THREADS], rank * THREADS, gl.int32, ONE_PER_THREAD))
-    async_reduce_add_shared_to_global(dq_desc, [head, m0, 0], tma_view(stage))
+    async_reduce_add_shared_to_global(dq_desc, [head, m0, col], tma_view(stage))
     if ORDERED:
         _release_after_bulk_writes(counters)
