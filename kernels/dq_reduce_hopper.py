@@ -6,6 +6,8 @@ cp.reduce.async.bulk.tensor ... .add), instead of 64 x head_dim scalar atomics.
 Ordered (deterministic): one int32 semaphore per (batch, query head, query tile) admits the tile's
 contributors one at a time in a fixed order, so every element's fp32 sum runs in the same order on every
 run. Gluon 3.6's hopper tma module has copies only; the reduction is its IR op (ttng.async_tma_reduce).
+Also here: the heads descriptors (and their tiles' views) through which the dK/dV kernel's TMA copies and
+reductions see every head of a GQA group.
 """
 
 from __future__ import annotations
@@ -24,6 +26,16 @@ def async_reduce_add_shared_to_global(tensor_desc, coord, src, _semantic=None):
     rewritten after tma.store_wait."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def heads_descriptor(base, heads, rows, stride_heads, stride_rows, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     HEAD_DIM_PAD: gl.constexpr, LAYOUT: gl.constexpr):
+    """TMA view of ``heads`` consecutive heads, (heads, rows, HEAD_DIM) from ``base``, in (1, BLOCK,
+    HEAD_DIM_PAD) tiles that read zeros past the ends: one descriptor serves every query head of a GQA
+    group (a descriptor rebuilt per head would be rewritten while TMA copies may still read it)."""
+    return tma.make_tensor_descriptor(base, [heads, rows, HEAD_DIM], [stride_heads, stride_rows, 1],
+                                      [1, BLOCK, HEAD_DIM_PAD], LAYOUT)
 
 
 @gluon.jit

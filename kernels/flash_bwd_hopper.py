@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .flash_fwd_hopper import _mma_layout, _rows_descriptor
 from .launch import ensure_allocator
-from .dq_reduce_hopper import add_dq_share, tma_view
+from .dq_reduce_hopper import add_dq_share, heads_descriptor, tma_view
 from .tile_ops import last_key_block, query_range, tanh, visible
 
 CONSUMER_WARPS = gl.constexpr(4)
@@ -55,24 +55,14 @@ DQ_UNORDERED = gl.constexpr(2)
 
 
 @gluon.jit
-def _heads_descriptor(base, heads, rows, stride_heads, stride_rows, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      HEAD_DIM_PAD: gl.constexpr, LAYOUT: gl.constexpr):
-    """TMA view of ``heads`` consecutive heads, (heads, rows, HEAD_DIM) from ``base``, in (1, BLOCK,
-    HEAD_DIM_PAD) tiles that read zeros past the ends: one descriptor serves every query head of a GQA
-    group (a descriptor rebuilt per head would be rewritten while TMA copies may still read it)."""
-    return tma.make_tensor_descriptor(base, [heads, rows, HEAD_DIM], [stride_heads, stride_rows, 1],
-                                      [1, BLOCK, HEAD_DIM_PAD], LAYOUT)
-
-
-@gluon.jit
 def _dkdv_load_partition(q_base, do_base, k_base, v_base, stride_qh, stride_qs, stride_doh, stride_dos, stride_ks,
                          stride_vs, seqlen_q, seqlen_k, q_smem, do_smem, k_smem, v_smem, kv_bars, q_ready, do_ready,
                          q_empty, do_empty, n0, start, tiles_per_head,
                          GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
                          BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_HEAD_DIM: gl.constexpr,
                          QO_TMA: gl.constexpr, KV_SMEM: gl.constexpr):
-    q_desc = _heads_descriptor(q_base, GROUP, seqlen_q, stride_qh, stride_qs, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, QO_TMA)
-    do_desc = _heads_descriptor(do_base, GROUP, seqlen_q, stride_doh, stride_dos, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
+    q_desc = heads_descriptor(q_base, GROUP, seqlen_q, stride_qh, stride_qs, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, QO_TMA)
+    do_desc = heads_descriptor(do_base, GROUP, seqlen_q, stride_doh, stride_dos, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
                                 QO_TMA)
     k_desc = _rows_descriptor(k_base, seqlen_k, stride_ks, CONSUMER_KEYS, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
     v_desc = _rows_descriptor(v_base, seqlen_k, stride_vs, CONSUMER_KEYS, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
@@ -144,7 +134,7 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
         dq_zero = gl.zeros([BLOCK_M, DQ_DIM], gl.float32, _mma_layout(DQ_DIM, CONSUMER_WARPS))
         ds_tile = ds_smem.index(CONSUMER)
         dq_stage = dq_smem.index(CONSUMER)
-        dq_desc = _heads_descriptor(dq_group, GROUP, seqlen_q, stride_dqh, stride_dqs, BLOCK_M, HEAD_DIM_PAD,
+        dq_desc = heads_descriptor(dq_group, GROUP, seqlen_q, stride_dqh, stride_dqs, BLOCK_M, HEAD_DIM_PAD,
                                     DQ_DIM, DQ_TMA)
         if DQ_SPLIT:  # both dS^T tiles stored, and both consumers' dQ products that read them done
             ds_ready = pair_bars.index(1)
