@@ -20,9 +20,8 @@ past seqlen_k and rows past seqlen_q (zeros read by TMA) get p = 0 and so dS = 0
 Fused (DQ_MODE ordered or unordered, launch_fused; not the default): a consumer also forms its share of
 the query tile's dQ, dS K, from dS^T stored to shared memory, and adds it into an fp32 accumulator with
 one TMA bulk reduction (dq_reduce_hopper.py): 5 products per tile instead of the two kernels' 7. With
-DQ_SPLIT (FlashAttention-3's layout) the consumers share their dS^T tiles instead, and each forms half of
-dQ's columns over all 128 keys: one 32 KB reduction per tile and key block instead of two of 32 KB
-(at head_dim 128), and half the dQ registers.
+DQ_SPLIT (FlashAttention-3's layout) the consumers share their dS^T tiles and each forms half of dQ's
+columns over all 128 keys: half the reduce traffic and half the dQ registers.
 """
 
 from __future__ import annotations
@@ -110,8 +109,7 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
     TILE: gl.constexpr = 0 if SPLIT_HEAD_DIM else CONSUMER
     OUT_DIM: gl.constexpr = HEAD_DIM_PAD // 2 if SPLIT_HEAD_DIM else HEAD_DIM_PAD
     OUT_COL: gl.constexpr = CONSUMER * OUT_DIM if SPLIT_HEAD_DIM else 0
-    # The consumer's columns of dQ, and the (dS^T, K) tile pairs it multiplies: its own, or with DQ_SPLIT
-    # both consumers' (all the block's keys).
+    # The consumer's dQ columns and (dS^T, K) tile pairs: its own, or with DQ_SPLIT both consumers'.
     DQ_DIM: gl.constexpr = HEAD_DIM_PAD // 2 if DQ_SPLIT else HEAD_DIM_PAD
     DQ_COL: gl.constexpr = CONSUMER * DQ_DIM if DQ_SPLIT else 0
     DQ_PARTS: gl.constexpr = 2 if DQ_SPLIT else 1
@@ -136,9 +134,8 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
         dq_stage = dq_smem.index(CONSUMER)
         dq_desc = heads_descriptor(dq_group, GROUP, seqlen_q, stride_dqh, stride_dqs, BLOCK_M, HEAD_DIM_PAD,
                                     DQ_DIM, DQ_TMA)
-        if DQ_SPLIT:  # both dS^T tiles stored, and both consumers' dQ products that read them done
-            ds_ready = pair_bars.index(1)
-            ds_free = pair_bars.index(2)
+        if DQ_SPLIT:  # both dS^T tiles stored; both consumers' dQ products that read them done
+            ds_ready, ds_free = pair_bars.index(1), pair_bars.index(2)
 
     mbarrier.wait(kv_bars.index(TILE), 0)
     for i in range(GROUP * tiles_per_head):
@@ -192,26 +189,23 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
             mbarrier.arrive(q_empty.index(stage), count=1)
         else:
             # dS^T goes through shared memory: as stored it is dK's A operand, and its permuted view
-            # (dS, BLOCK_M x keys, MN-major) dQ's; the previous tile's products that read it are done
-            # (with DQ_SPLIT the other consumer's too: it reads this tile as well).
+            # (dS, BLOCK_M x keys, MN-major) dQ's; the previous tile's products that read it (DQ_SPLIT: both
+            # consumers') are done.
             if DQ_SPLIT:
                 mbarrier.wait(ds_free, (i & 1) ^ 1, pred=i > 0)
             ds_tile.store(ds_t.to(dtype))
             fence_async_shared()
-            if DQ_SPLIT:
-                mbarrier.arrive(ds_ready, count=1)
             dk = warpgroup_mma(ds_tile, q_tile, dk, is_async=True)
             if DQ_SPLIT:
+                mbarrier.arrive(ds_ready, count=1)
                 mbarrier.wait(ds_ready, i & 1)
-            # DQ_SPLIT: both (dS^T, K) tile pairs, the first at the query tile's parity: with a tile index
-            # that varies, their wgmma descriptors are formed in the loop (ptxas spilled them hoisted: 852
-            # B instead of 440 at head_dim 128).
+            # DQ_SPLIT: the tile pairs from the query tile's parity on: a varying index keeps their wgmma
+            # descriptors in the loop (hoisted, ptxas spilled them: 852 B instead of 440 at head_dim 128).
             dq = dq_zero
             for part in gl.static_range(DQ_PARTS):
                 tile = (part + i) % 2 if DQ_SPLIT else CONSUMER
-                k_cols = k_smem.index(tile).slice(DQ_COL, DQ_DIM, dim=1) if DQ_SPLIT else k_tile
-                dq = warpgroup_mma(ds_smem.index(tile).permute((1, 0)), k_cols, dq, use_acc=part > 0,
-                                   is_async=True)
+                dq = warpgroup_mma(ds_smem.index(tile).permute((1, 0)), k_smem.index(tile).slice(DQ_COL, DQ_DIM, dim=1),
+                                   dq, use_acc=part > 0, is_async=True)
             dk = warpgroup_mma_wait(DQ_PARTS, deps=[dk])
             mbarrier.arrive(q_empty.index(stage), count=1)
             dq = warpgroup_mma_wait(0, deps=[dq])
@@ -219,8 +213,7 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
                 mbarrier.arrive(ds_free, count=1)
             # This consumer's place among the tile's contributors: 2 per key block, counted down from the
             # last block that sees the tile (the first to reach it: the blocks above walk fewer tiles
-            # before it), consumer 0 first. With DQ_SPLIT the consumers' halves are different columns:
-            # both take the block's first place, and the next block waits for both.
+            # before it), consumer 0 first; with DQ_SPLIT both halves (different columns) take the first.
             rank = 2 * (last_key_block(m0, seqlen_q, seqlen_k, window_right, BLOCK_M, BLOCK_N, RIGHT_BOUNDED)
                         - n0 // BLOCK_N) + (0 if DQ_SPLIT else CONSUMER)
             add_dq_share(dq, dq_stage, dq_desc, head, m0, DQ_COL, semaphore_group + head * q_tiles + m0 // BLOCK_M,
@@ -291,12 +284,10 @@ def _attn_bwd_dkdv_hopper_kernel(
     k_smem = gl.allocate_shared_memory(dtype, [KV_TILES, CONSUMER_KEYS, HEAD_DIM_PAD], KV_SMEM)
     v_smem = gl.allocate_shared_memory(dtype, [KV_TILES, CONSUMER_KEYS, HEAD_DIM_PAD], KV_SMEM)
     if DQ_MODE == DQ_SEPARATE:
-        ds_smem = v_smem  # not read
-        dq_smem = v_smem
+        ds_smem, dq_smem = v_smem, v_smem  # not read
     else:  # each consumer's dS^T tile and dQ share
         ds_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_KEYS, BLOCK_M], DS_SMEM)
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM_PAD // 2 if DQ_SPLIT else HEAD_DIM_PAD],
-                                            DQ_SMEM)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM_PAD // (2 if DQ_SPLIT else 1)], DQ_SMEM)
     kv_bars = gl.allocate_shared_memory(gl.int64, [KV_TILES, 1], mbarrier.MBarrierLayout())
     # Both consumers done with K and V; with DQ_SPLIT also the dS^T tiles' ready / free pair
     pair_bars = gl.allocate_shared_memory(gl.int64, [3 if DQ_SPLIT else 1, 1], mbarrier.MBarrierLayout())
@@ -316,28 +307,22 @@ def _attn_bwd_dkdv_hopper_kernel(
     start, un_lo, un_hi, end = query_range(n0, seqlen_q, seqlen_k, window_left, window_right,
                                            BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
     tiles_per_head = (end - start) // BLOCK_M
-    gl.warp_specialize([
-        (_dkdv_consume_partition, (0, dk_base, dv_base, stride_dks, stride_dvs, lse_group, delta_group,
-                                   stride_lse_h, q_smem, do_smem, k_smem, v_smem, kv_bars, pair_bars,
-                                   q_ready, do_ready, q_empty, do_empty, n0, start, un_lo, un_hi, tiles_per_head,
-                                   seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2, window_left,
-                                   window_right, ds_smem, dq_smem, dq_group, stride_dqs, stride_dqh, semaphore_group,
-                                   q_tiles, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, NUM_STAGES, LEFT_BOUNDED,
-                                   RIGHT_BOUNDED, HAS_SOFTCAP, SPLIT_HEAD_DIM, KV_SMEM, DQ_MODE, DQ_TMA,
-                                   DQ_SPLIT)),
-        (_dkdv_consume_partition, (1, dk_base, dv_base, stride_dks, stride_dvs, lse_group, delta_group,
-                                   stride_lse_h, q_smem, do_smem, k_smem, v_smem, kv_bars, pair_bars,
-                                   q_ready, do_ready, q_empty, do_empty, n0, start, un_lo, un_hi, tiles_per_head,
-                                   seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2, window_left,
-                                   window_right, ds_smem, dq_smem, dq_group, stride_dqs, stride_dqh, semaphore_group,
-                                   q_tiles, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, NUM_STAGES, LEFT_BOUNDED,
-                                   RIGHT_BOUNDED, HAS_SOFTCAP, SPLIT_HEAD_DIM, KV_SMEM, DQ_MODE, DQ_TMA,
-                                   DQ_SPLIT)),
-        (_dkdv_load_partition, (q_base, do_base, k_base, v_base, stride_qh, stride_qs, stride_doh, stride_dos,
-                                stride_ks, stride_vs, seqlen_q, seqlen_k, q_smem, do_smem, k_smem, v_smem, kv_bars,
-                                q_ready, do_ready, q_empty, do_empty, n0, start, tiles_per_head, GROUP, HEAD_DIM,
-                                HEAD_DIM_PAD, BLOCK_M, NUM_STAGES, SPLIT_HEAD_DIM, QO_TMA, KV_SMEM)),
-    ], [CONSUMER_WARPS, 1], [240, 24])
+    # Consumers 0 and 1, then the producer (a comprehension: `+` on partition tuples strips constexprs)
+    gl.warp_specialize(
+        [(_dkdv_load_partition, (q_base, do_base, k_base, v_base, stride_qh, stride_qs, stride_doh, stride_dos,
+                                 stride_ks, stride_vs, seqlen_q, seqlen_k, q_smem, do_smem, k_smem, v_smem, kv_bars,
+                                 q_ready, do_ready, q_empty, do_empty, n0, start, tiles_per_head, GROUP, HEAD_DIM,
+                                 HEAD_DIM_PAD, BLOCK_M, NUM_STAGES, SPLIT_HEAD_DIM, QO_TMA, KV_SMEM))
+         if c == 2 else
+         (_dkdv_consume_partition, (c, dk_base, dv_base, stride_dks, stride_dvs, lse_group, delta_group,
+                                    stride_lse_h, q_smem, do_smem, k_smem, v_smem, kv_bars, pair_bars, q_ready,
+                                    do_ready, q_empty, do_empty, n0, start, un_lo, un_hi, tiles_per_head, seqlen_q,
+                                    seqlen_k, softmax_scale, qk_scale, softcap_log2, window_left, window_right,
+                                    ds_smem, dq_smem, dq_group, stride_dqs, stride_dqh, semaphore_group, q_tiles,
+                                    GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, NUM_STAGES, LEFT_BOUNDED,
+                                    RIGHT_BOUNDED, HAS_SOFTCAP, SPLIT_HEAD_DIM, KV_SMEM, DQ_MODE, DQ_TMA, DQ_SPLIT))
+         for c in (0, 1, 2)],
+        [CONSUMER_WARPS, 1], [240, 24])
 
 
 # (BLOCK_M, NUM_STAGES) per padded head_dim, FlashAttention-3's tile: two stages of Q and dO tiles
@@ -397,10 +382,10 @@ def fused_layouts(block_m, head_dim_pad, dtype, split_dq=False):
     dQ's A operand), its fp32 dQ stage (half the head_dim wide with ``split_dq``), and that stage as the box
     of the accumulator's heads descriptor."""
     gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    dq_width = head_dim_pad // 2 if split_dq else head_dim_pad
+    dq_box = [block_m, head_dim_pad // 2 if split_dq else head_dim_pad]
     return (gl.NVMMASharedLayout.get_default_for([CONSUMER_KEYS.value, block_m], gl_dtype),
-            gl.NVMMASharedLayout.get_default_for([block_m, dq_width], gl.float32),
-            gl.NVMMASharedLayout.get_default_for([1, block_m, dq_width], gl.float32))
+            gl.NVMMASharedLayout.get_default_for(dq_box, gl.float32),
+            gl.NVMMASharedLayout.get_default_for([1, *dq_box], gl.float32))
 
 
 def launch_dkdv(q, k, v, grad_out, dk, dv, lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left,
@@ -411,8 +396,7 @@ def launch_dkdv(q, k, v, grad_out, dk, dv, lse_log2, delta, softmax_scale, qk_sc
     flash_bwd's preprocess wrote them. With ``dq_acc`` (fp32 zeros, (batch, seqlen_q, heads,
     head_dim_pad), contiguous) the kernel also adds dQ / softmax_scale into it: in key-block order behind
     ``dq_semaphores`` (int32 zeros, one per (batch, query head, FUSED_BLOCK_M query tile)), or in arrival
-    order where they are None; ``split_dq``: each consumer adds half of dQ's columns over the whole key
-    block (DQ_SPLIT)."""
+    order where they are None; with ``split_dq`` each consumer adds half of dQ's columns (DQ_SPLIT)."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     default_m, default_stages = config(head_dim_pad, softcap)
@@ -452,9 +436,8 @@ def fused_supports(head_dim_pad, softcap):
 def launch_fused(q, k, v, grad_out, dq, dk, dv, lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left,
                  window_right, softcap, head_dim_pad, strides, strides_lse, deterministic=True, split_dq=False):
     """dQ, dK and dV from the dK/dV kernel alone (where fused_supports): the dQ shares summed in fp32 in a
-    fixed order (``deterministic``) or in arrival order, then scaled into ``dq``; a share per consumer, or
-    with ``split_dq`` half of dQ's columns per consumer. Arguments as launch_dkdv's, ``strides`` without
-    dq's."""
+    fixed order (``deterministic``) or in arrival order, then scaled into ``dq``; with ``split_dq`` each
+    consumer adds half of dQ's columns. Arguments as launch_dkdv's, ``strides`` without dq's."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     dq_acc = torch.zeros(batch, seqlen_q, heads_q, head_dim_pad, dtype=torch.float32, device=q.device)
     semaphores = None
