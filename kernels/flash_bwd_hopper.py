@@ -19,9 +19,8 @@ past seqlen_k and rows past seqlen_q (zeros read by TMA) get p = 0 and so dS = 0
 
 Fused (DQ_MODE ordered or unordered, launch_fused; not the default): a consumer also forms its share of
 the query tile's dQ, dS K, from dS^T stored to shared memory, and adds it into an fp32 accumulator with
-one TMA bulk reduction (dq_reduce_hopper.py): 5 products per tile instead of the two kernels' 7. With
-DQ_SPLIT (FlashAttention-3's layout) the consumers share their dS^T tiles and each forms half of dQ's
-columns over all 128 keys: half the reduce traffic and half the dQ registers.
+one TMA bulk reduction (dq_reduce_hopper.py): 5 products per tile instead of the two kernels' 7 (with
+DQ_SPLIT, FlashAttention-3's layout: half of dQ's columns per consumer over both consumers' dS^T tiles).
 """
 
 from __future__ import annotations
@@ -137,7 +136,8 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
         if DQ_SPLIT:  # both dS^T tiles stored; both consumers' dQ products that read them done
             ds_ready, ds_free = pair_bars.index(1), pair_bars.index(2)
 
-    mbarrier.wait(kv_bars.index(TILE), 0)
+    for t in gl.static_range(DQ_PARTS):  # with DQ_SPLIT the dQ products read both K tiles
+        mbarrier.wait(kv_bars.index((TILE + t) % 2), 0)
     for i in range(GROUP * tiles_per_head):
         stage = i % NUM_STAGES
         phase = (i // NUM_STAGES) & 1
@@ -257,7 +257,7 @@ def _attn_bwd_dkdv_hopper_kernel(
     DQ_SPLIT: gl.constexpr,
 ):
     KV_TILES: gl.constexpr = 1 if SPLIT_HEAD_DIM else 2
-    gl.static_assert(BLOCK_N == KV_TILES * CONSUMER_KEYS)
+    gl.static_assert((BLOCK_N == KV_TILES * CONSUMER_KEYS) & ((DQ_MODE != DQ_SEPARATE) | (not DQ_SPLIT)))
     dtype: gl.constexpr = Q.dtype.element_ty
     n0 = gl.program_id(0) * BLOCK_N
     if DQ_MODE == DQ_ORDERED:
