@@ -6,6 +6,8 @@ cp.reduce.async.bulk.tensor ... .add), instead of 64 x head_dim scalar atomics.
 Ordered (deterministic): one int32 semaphore per (batch, query head, query tile) admits the tile's
 contributors one at a time in a fixed order, so every element's fp32 sum runs in the same order on every
 run. Gluon 3.6's hopper tma module has copies only; the reduction is its IR op (ttng.async_tma_reduce).
+Also here: the heads descriptors (and their tiles' views) through which the dK/dV kernel's TMA copies and
+reductions see every head of a GQA group.
 """
 
 from __future__ import annotations
@@ -24,6 +26,16 @@ def async_reduce_add_shared_to_global(tensor_desc, coord, src, _semantic=None):
     rewritten after tma.store_wait."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def heads_descriptor(base, heads, rows, stride_heads, stride_rows, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     HEAD_DIM_PAD: gl.constexpr, LAYOUT: gl.constexpr):
+    """TMA view of ``heads`` consecutive heads, (heads, rows, HEAD_DIM) from ``base``, in (1, BLOCK,
+    HEAD_DIM_PAD) tiles that read zeros past the ends: one descriptor serves every query head of a GQA
+    group (a descriptor rebuilt per head would be rewritten while TMA copies may still read it)."""
+    return tma.make_tensor_descriptor(base, [heads, rows, HEAD_DIM], [stride_heads, stride_rows, 1],
+                                      [1, BLOCK, HEAD_DIM_PAD], LAYOUT)
 
 
 @gluon.jit
@@ -59,15 +71,16 @@ def _release_after_bulk_writes(pointers):
 
 
 @gluon.jit
-def add_dq_share(dq, stage, dq_desc, head, m0, semaphore, rank, ORDERED: gl.constexpr, THREADS: gl.constexpr,
+def add_dq_share(dq, stage, dq_desc, head, m0, col, semaphore, rank, ORDERED: gl.constexpr, THREADS: gl.constexpr,
                  ONE_PER_THREAD: gl.constexpr):
-    """Add a consumer's dQ share into rows m0.. of query ``head`` of the accumulator behind ``dq_desc``.
+    """Add a consumer's dQ share into rows m0.. and columns col.. of query ``head`` of the accumulator
+    behind ``dq_desc``.
 
     Args:
-        dq: the share, fp32 registers (BLOCK_M x HEAD_DIM_PAD).
+        dq: the share, fp32 registers (BLOCK_M x the box's width: HEAD_DIM_PAD, or half of it).
         stage: the consumer's fp32 shared tile of that shape; its previous share may still be in flight.
         dq_desc: heads descriptor of the accumulator, (heads, seqlen_q, HEAD_DIM_PAD), box (1, BLOCK_M,
-            HEAD_DIM_PAD).
+            the share's width).
         semaphore, rank: ORDERED only: the tile's counter and this contributor's place among its
             contributors. Each of the consumer's THREADS threads waits (acquire) until the counter
             reaches THREADS x rank, and after its reductions have landed adds 1 (release); the TMA
@@ -81,6 +94,6 @@ def add_dq_share(dq, stage, dq_desc, head, m0, semaphore, rank, ORDERED: gl.cons
     if ORDERED:
         counters = semaphore + gl.zeros([THREADS], gl.int32, ONE_PER_THREAD)
         _wait_until_at_least(counters, gl.full([THREADS], rank * THREADS, gl.int32, ONE_PER_THREAD))
-    async_reduce_add_shared_to_global(dq_desc, [head, m0, 0], tma_view(stage))
+    async_reduce_add_shared_to_global(dq_desc, [head, m0, col], tma_view(stage))
     if ORDERED:
         _release_after_bulk_writes(counters)

@@ -19,7 +19,8 @@ past seqlen_k and rows past seqlen_q (zeros read by TMA) get p = 0 and so dS = 0
 
 Fused (DQ_MODE ordered or unordered, launch_fused; not the default): a consumer also forms its share of
 the query tile's dQ, dS K, from dS^T stored to shared memory, and adds it into an fp32 accumulator with
-one TMA bulk reduction (dq_reduce_hopper.py): 5 products per tile instead of the two kernels' 7.
+one TMA bulk reduction (dq_reduce_hopper.py): 5 products per tile instead of the two kernels' 7 (with
+DQ_SPLIT, FlashAttention-3's layout: half of dQ's columns per consumer over both consumers' dS^T tiles).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .flash_fwd_hopper import _mma_layout, _rows_descriptor
 from .launch import ensure_allocator
-from .dq_reduce_hopper import add_dq_share, tma_view
+from .dq_reduce_hopper import add_dq_share, heads_descriptor, tma_view
 from .tile_ops import last_key_block, query_range, tanh, visible
 
 CONSUMER_WARPS = gl.constexpr(4)
@@ -52,24 +53,14 @@ DQ_UNORDERED = gl.constexpr(2)
 
 
 @gluon.jit
-def _heads_descriptor(base, heads, rows, stride_heads, stride_rows, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      HEAD_DIM_PAD: gl.constexpr, LAYOUT: gl.constexpr):
-    """TMA view of ``heads`` consecutive heads, (heads, rows, HEAD_DIM) from ``base``, in (1, BLOCK,
-    HEAD_DIM_PAD) tiles that read zeros past the ends: one descriptor serves every query head of a GQA
-    group (a descriptor rebuilt per head would be rewritten while TMA copies may still read it)."""
-    return tma.make_tensor_descriptor(base, [heads, rows, HEAD_DIM], [stride_heads, stride_rows, 1],
-                                      [1, BLOCK, HEAD_DIM_PAD], LAYOUT)
-
-
-@gluon.jit
 def _dkdv_load_partition(q_base, do_base, k_base, v_base, stride_qh, stride_qs, stride_doh, stride_dos, stride_ks,
                          stride_vs, seqlen_q, seqlen_k, q_smem, do_smem, k_smem, v_smem, kv_bars, q_ready, do_ready,
                          q_empty, do_empty, n0, start, tiles_per_head,
                          GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
                          BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_HEAD_DIM: gl.constexpr,
                          QO_TMA: gl.constexpr, KV_SMEM: gl.constexpr):
-    q_desc = _heads_descriptor(q_base, GROUP, seqlen_q, stride_qh, stride_qs, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, QO_TMA)
-    do_desc = _heads_descriptor(do_base, GROUP, seqlen_q, stride_doh, stride_dos, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
+    q_desc = heads_descriptor(q_base, GROUP, seqlen_q, stride_qh, stride_qs, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, QO_TMA)
+    do_desc = heads_descriptor(do_base, GROUP, seqlen_q, stride_doh, stride_dos, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
                                 QO_TMA)
     k_desc = _rows_descriptor(k_base, seqlen_k, stride_ks, CONSUMER_KEYS, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
     v_desc = _rows_descriptor(v_base, seqlen_k, stride_vs, CONSUMER_KEYS, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
@@ -104,7 +95,7 @@ def distinct_registers(x):
 
 @gluon.jit
 def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks, stride_dvs, lse_group,
-                            delta_group, stride_lse_h, q_smem, do_smem, k_smem, v_smem, kv_bars, done_bar, q_ready,
+                            delta_group, stride_lse_h, q_smem, do_smem, k_smem, v_smem, kv_bars, pair_bars, q_ready,
                             do_ready, q_empty, do_empty, n0, start, un_lo, un_hi, tiles_per_head, seqlen_q, seqlen_k,
                             softmax_scale, qk_scale, softcap_log2, window_left, window_right, ds_smem, dq_smem,
                             dq_group, stride_dqs, stride_dqh, semaphore_group, q_tiles,
@@ -112,11 +103,15 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                             LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                             SPLIT_HEAD_DIM: gl.constexpr, KV_SMEM: gl.constexpr, DQ_MODE: gl.constexpr,
-                            DQ_TMA: gl.constexpr):
+                            DQ_TMA: gl.constexpr, DQ_SPLIT: gl.constexpr):
     # The consumer's keys and its columns of dK and dV.
     TILE: gl.constexpr = 0 if SPLIT_HEAD_DIM else CONSUMER
     OUT_DIM: gl.constexpr = HEAD_DIM_PAD // 2 if SPLIT_HEAD_DIM else HEAD_DIM_PAD
     OUT_COL: gl.constexpr = CONSUMER * OUT_DIM if SPLIT_HEAD_DIM else 0
+    # The consumer's dQ columns and (dS^T, K) tile pairs: its own, or with DQ_SPLIT both consumers'.
+    DQ_DIM: gl.constexpr = HEAD_DIM_PAD // 2 if DQ_SPLIT else HEAD_DIM_PAD
+    DQ_COL: gl.constexpr = CONSUMER * DQ_DIM if DQ_SPLIT else 0
+    DQ_PARTS: gl.constexpr = 2 if DQ_SPLIT else 1
     ST_LAYOUT: gl.constexpr = _mma_layout(BLOCK_M, CONSUMER_WARPS)
     DKV_LAYOUT: gl.constexpr = _mma_layout(OUT_DIM, CONSUMER_WARPS)
     A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=DKV_LAYOUT, k_width=2)
@@ -133,13 +128,16 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
     st_zero = gl.zeros([CONSUMER_KEYS, BLOCK_M], gl.float32, ST_LAYOUT)
     if DQ_MODE != DQ_SEPARATE:
         gl.static_assert((not SPLIT_HEAD_DIM) & (BLOCK_M == 64))  # dQ's wgmma is 64 rows by HEAD_DIM_PAD
-        dq_zero = gl.zeros([BLOCK_M, HEAD_DIM_PAD], gl.float32, DKV_LAYOUT)
+        dq_zero = gl.zeros([BLOCK_M, DQ_DIM], gl.float32, _mma_layout(DQ_DIM, CONSUMER_WARPS))
         ds_tile = ds_smem.index(CONSUMER)
         dq_stage = dq_smem.index(CONSUMER)
-        dq_desc = _heads_descriptor(dq_group, GROUP, seqlen_q, stride_dqh, stride_dqs, BLOCK_M, HEAD_DIM_PAD,
-                                    HEAD_DIM_PAD, DQ_TMA)
+        dq_desc = heads_descriptor(dq_group, GROUP, seqlen_q, stride_dqh, stride_dqs, BLOCK_M, HEAD_DIM_PAD,
+                                    DQ_DIM, DQ_TMA)
+        if DQ_SPLIT:  # both dS^T tiles stored; both consumers' dQ products that read them done
+            ds_ready, ds_free = pair_bars.index(1), pair_bars.index(2)
 
-    mbarrier.wait(kv_bars.index(TILE), 0)
+    for t in gl.static_range(DQ_PARTS):  # with DQ_SPLIT the dQ products read both K tiles
+        mbarrier.wait(kv_bars.index((TILE + t) % 2), 0)
     for i in range(GROUP * tiles_per_head):
         stage = i % NUM_STAGES
         phase = (i // NUM_STAGES) & 1
@@ -191,27 +189,41 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
             mbarrier.arrive(q_empty.index(stage), count=1)
         else:
             # dS^T goes through shared memory: as stored it is dK's A operand, and its permuted view
-            # (dS, BLOCK_M x keys, MN-major) dQ's; the previous tile's products that read it are done.
+            # (dS, BLOCK_M x keys, MN-major) dQ's; the previous tile's products that read it (DQ_SPLIT: both
+            # consumers') are done.
+            if DQ_SPLIT:
+                mbarrier.wait(ds_free, (i & 1) ^ 1, pred=i > 0)
             ds_tile.store(ds_t.to(dtype))
             fence_async_shared()
             dk = warpgroup_mma(ds_tile, q_tile, dk, is_async=True)
-            dq = warpgroup_mma(ds_tile.permute((1, 0)), k_tile, dq_zero, use_acc=False, is_async=True)
-            dk = warpgroup_mma_wait(1, deps=[dk])
+            if DQ_SPLIT:
+                mbarrier.arrive(ds_ready, count=1)
+                mbarrier.wait(ds_ready, i & 1)
+            # DQ_SPLIT: the tile pairs from the query tile's parity on: a varying index keeps their wgmma
+            # descriptors in the loop (hoisted, ptxas spilled them: 852 B instead of 440 at head_dim 128).
+            dq = dq_zero
+            for part in gl.static_range(DQ_PARTS):
+                tile = (part + i) % 2 if DQ_SPLIT else CONSUMER
+                dq = warpgroup_mma(ds_smem.index(tile).permute((1, 0)), k_smem.index(tile).slice(DQ_COL, DQ_DIM, dim=1),
+                                   dq, use_acc=part > 0, is_async=True)
+            dk = warpgroup_mma_wait(DQ_PARTS, deps=[dk])
             mbarrier.arrive(q_empty.index(stage), count=1)
             dq = warpgroup_mma_wait(0, deps=[dq])
+            if DQ_SPLIT:
+                mbarrier.arrive(ds_free, count=1)
             # This consumer's place among the tile's contributors: 2 per key block, counted down from the
             # last block that sees the tile (the first to reach it: the blocks above walk fewer tiles
-            # before it), consumer 0 first.
+            # before it), consumer 0 first; with DQ_SPLIT both halves (different columns) take the first.
             rank = 2 * (last_key_block(m0, seqlen_q, seqlen_k, window_right, BLOCK_M, BLOCK_N, RIGHT_BOUNDED)
-                        - n0 // BLOCK_N) + CONSUMER
-            add_dq_share(dq, dq_stage, dq_desc, head, m0, semaphore_group + head * q_tiles + m0 // BLOCK_M, rank,
-                         DQ_MODE == DQ_ORDERED, CONSUMER_WARPS * 32, ROW_VECTOR)
+                        - n0 // BLOCK_N) + (0 if DQ_SPLIT else CONSUMER)
+            add_dq_share(dq, dq_stage, dq_desc, head, m0, DQ_COL, semaphore_group + head * q_tiles + m0 // BLOCK_M,
+                         rank, DQ_MODE == DQ_ORDERED, CONSUMER_WARPS * 32, ROW_VECTOR)
 
-    # K and V are read by no product any more (with a split head_dim: by neither consumer, once both
-    # have arrived): their tiles stage this consumer's dK and dV.
-    if SPLIT_HEAD_DIM:
-        mbarrier.arrive(done_bar, count=1)
-        mbarrier.wait(done_bar, 0)
+    # K and V are read by no product any more (with a split head_dim or DQ_SPLIT: by neither consumer,
+    # once both have arrived): their tiles stage this consumer's dK and dV.
+    if SPLIT_HEAD_DIM | DQ_SPLIT:
+        mbarrier.arrive(pair_bars.index(0), count=1)
+        mbarrier.wait(pair_bars.index(0), 0)
     dk_out = k_tile.slice(OUT_COL, OUT_DIM, dim=1)
     dv_out = v_tile.slice(OUT_COL, OUT_DIM, dim=1)
     dk_out.store((dk * softmax_scale).to(dtype))
@@ -242,9 +254,10 @@ def _attn_bwd_dkdv_hopper_kernel(
     LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     SPLIT_HEAD_DIM: gl.constexpr, QO_SMEM: gl.constexpr, QO_TMA: gl.constexpr, KV_SMEM: gl.constexpr,
     DQ_MODE: gl.constexpr, DS_SMEM: gl.constexpr, DQ_SMEM: gl.constexpr, DQ_TMA: gl.constexpr,
+    DQ_SPLIT: gl.constexpr,
 ):
     KV_TILES: gl.constexpr = 1 if SPLIT_HEAD_DIM else 2
-    gl.static_assert(BLOCK_N == KV_TILES * CONSUMER_KEYS)
+    gl.static_assert((BLOCK_N == KV_TILES * CONSUMER_KEYS) & ((DQ_MODE != DQ_SEPARATE) | (not DQ_SPLIT)))
     dtype: gl.constexpr = Q.dtype.element_ty
     n0 = gl.program_id(0) * BLOCK_N
     if DQ_MODE == DQ_ORDERED:
@@ -271,20 +284,21 @@ def _attn_bwd_dkdv_hopper_kernel(
     k_smem = gl.allocate_shared_memory(dtype, [KV_TILES, CONSUMER_KEYS, HEAD_DIM_PAD], KV_SMEM)
     v_smem = gl.allocate_shared_memory(dtype, [KV_TILES, CONSUMER_KEYS, HEAD_DIM_PAD], KV_SMEM)
     if DQ_MODE == DQ_SEPARATE:
-        ds_smem = v_smem  # not read
-        dq_smem = v_smem
+        ds_smem, dq_smem = v_smem, v_smem  # not read
     else:  # each consumer's dS^T tile and dQ share
         ds_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_KEYS, BLOCK_M], DS_SMEM)
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM_PAD], DQ_SMEM)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM_PAD // (2 if DQ_SPLIT else 1)], DQ_SMEM)
     kv_bars = gl.allocate_shared_memory(gl.int64, [KV_TILES, 1], mbarrier.MBarrierLayout())
-    done_bars = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    # Both consumers done with K and V; with DQ_SPLIT also the dS^T tiles' ready / free pair
+    pair_bars = gl.allocate_shared_memory(gl.int64, [3 if DQ_SPLIT else 1, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     do_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(KV_TILES):
         mbarrier.init(kv_bars.index(c), count=1)
-    mbarrier.init(done_bars.index(0), count=2)
+    for b in gl.static_range(3 if DQ_SPLIT else 1):
+        mbarrier.init(pair_bars.index(b), count=2)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=1)
@@ -293,26 +307,22 @@ def _attn_bwd_dkdv_hopper_kernel(
     start, un_lo, un_hi, end = query_range(n0, seqlen_q, seqlen_k, window_left, window_right,
                                            BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
     tiles_per_head = (end - start) // BLOCK_M
-    gl.warp_specialize([
-        (_dkdv_consume_partition, (0, dk_base, dv_base, stride_dks, stride_dvs, lse_group, delta_group,
-                                   stride_lse_h, q_smem, do_smem, k_smem, v_smem, kv_bars, done_bars.index(0),
-                                   q_ready, do_ready, q_empty, do_empty, n0, start, un_lo, un_hi, tiles_per_head,
-                                   seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2, window_left,
-                                   window_right, ds_smem, dq_smem, dq_group, stride_dqs, stride_dqh, semaphore_group,
-                                   q_tiles, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, NUM_STAGES, LEFT_BOUNDED,
-                                   RIGHT_BOUNDED, HAS_SOFTCAP, SPLIT_HEAD_DIM, KV_SMEM, DQ_MODE, DQ_TMA)),
-        (_dkdv_consume_partition, (1, dk_base, dv_base, stride_dks, stride_dvs, lse_group, delta_group,
-                                   stride_lse_h, q_smem, do_smem, k_smem, v_smem, kv_bars, done_bars.index(0),
-                                   q_ready, do_ready, q_empty, do_empty, n0, start, un_lo, un_hi, tiles_per_head,
-                                   seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2, window_left,
-                                   window_right, ds_smem, dq_smem, dq_group, stride_dqs, stride_dqh, semaphore_group,
-                                   q_tiles, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, NUM_STAGES, LEFT_BOUNDED,
-                                   RIGHT_BOUNDED, HAS_SOFTCAP, SPLIT_HEAD_DIM, KV_SMEM, DQ_MODE, DQ_TMA)),
-        (_dkdv_load_partition, (q_base, do_base, k_base, v_base, stride_qh, stride_qs, stride_doh, stride_dos,
-                                stride_ks, stride_vs, seqlen_q, seqlen_k, q_smem, do_smem, k_smem, v_smem, kv_bars,
-                                q_ready, do_ready, q_empty, do_empty, n0, start, tiles_per_head, GROUP, HEAD_DIM,
-                                HEAD_DIM_PAD, BLOCK_M, NUM_STAGES, SPLIT_HEAD_DIM, QO_TMA, KV_SMEM)),
-    ], [CONSUMER_WARPS, 1], [240, 24])
+    # Consumers 0 and 1, then the producer (a comprehension: `+` on partition tuples strips constexprs)
+    gl.warp_specialize(
+        [(_dkdv_load_partition, (q_base, do_base, k_base, v_base, stride_qh, stride_qs, stride_doh, stride_dos,
+                                 stride_ks, stride_vs, seqlen_q, seqlen_k, q_smem, do_smem, k_smem, v_smem, kv_bars,
+                                 q_ready, do_ready, q_empty, do_empty, n0, start, tiles_per_head, GROUP, HEAD_DIM,
+                                 HEAD_DIM_PAD, BLOCK_M, NUM_STAGES, SPLIT_HEAD_DIM, QO_TMA, KV_SMEM))
+         if c == 2 else
+         (_dkdv_consume_partition, (c, dk_base, dv_base, stride_dks, stride_dvs, lse_group, delta_group,
+                                    stride_lse_h, q_smem, do_smem, k_smem, v_smem, kv_bars, pair_bars, q_ready,
+                                    do_ready, q_empty, do_empty, n0, start, un_lo, un_hi, tiles_per_head, seqlen_q,
+                                    seqlen_k, softmax_scale, qk_scale, softcap_log2, window_left, window_right,
+                                    ds_smem, dq_smem, dq_group, stride_dqs, stride_dqh, semaphore_group, q_tiles,
+                                    GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, NUM_STAGES, LEFT_BOUNDED,
+                                    RIGHT_BOUNDED, HAS_SOFTCAP, SPLIT_HEAD_DIM, KV_SMEM, DQ_MODE, DQ_TMA, DQ_SPLIT))
+         for c in (0, 1, 2)],
+        [CONSUMER_WARPS, 1], [240, 24])
 
 
 # (BLOCK_M, NUM_STAGES) per padded head_dim, FlashAttention-3's tile: two stages of Q and dO tiles
@@ -325,7 +335,8 @@ SOFTCAP_BLOCK_M = {64: 64, 128: 32, 256: 32}
 
 
 # Fused (launch_fused), BLOCK_M is dQ's wgmma M: 64, with softcap too. Shared memory at head_dim 128: the
-# Q/dO ring (64 KB), K and V (64 KB), the dS^T tiles (16 KB) and the two fp32 dQ stages (64 KB).
+# Q/dO ring (64 KB), K and V (64 KB), the dS^T tiles (16 KB) and the two fp32 dQ stages (64 KB; 32 KB of
+# half-width stages with split_dq).
 FUSED_BLOCK_M = 64
 
 
@@ -366,24 +377,26 @@ def shared_layouts(block_m, head_dim_pad, dtype):
             gl.NVMMASharedLayout.get_default_for([CONSUMER_KEYS.value, head_dim_pad], gl_dtype))
 
 
-def fused_layouts(block_m, head_dim_pad, dtype):
+def fused_layouts(block_m, head_dim_pad, dtype, split_dq=False):
     """NVMMA layouts of the fused kernel's tiles: a consumer's (keys, BLOCK_M) dS^T (dK's and, permuted,
-    dQ's A operand), its fp32 dQ stage, and that stage as the box of the accumulator's heads descriptor."""
+    dQ's A operand), its fp32 dQ stage (half the head_dim wide with ``split_dq``), and that stage as the box
+    of the accumulator's heads descriptor."""
     gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    dq_box = [block_m, head_dim_pad // 2 if split_dq else head_dim_pad]
     return (gl.NVMMASharedLayout.get_default_for([CONSUMER_KEYS.value, block_m], gl_dtype),
-            gl.NVMMASharedLayout.get_default_for([block_m, head_dim_pad], gl.float32),
-            gl.NVMMASharedLayout.get_default_for([1, block_m, head_dim_pad], gl.float32))
+            gl.NVMMASharedLayout.get_default_for(dq_box, gl.float32),
+            gl.NVMMASharedLayout.get_default_for([1, *dq_box], gl.float32))
 
 
 def launch_dkdv(q, k, v, grad_out, dk, dv, lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left,
                 window_right, softcap, head_dim_pad, strides, strides_lse, block_m=None, num_stages=None,
-                dq_acc=None, dq_semaphores=None):
+                dq_acc=None, dq_semaphores=None, split_dq=False):
     """Launch the dK/dV kernel on dense (batch, seqlen, heads, head_dim) inputs the caller has validated;
     ``strides`` are (batch, seq, head) strides of q, k, v, grad_out, dk, dv; lse_log2 and delta as
     flash_bwd's preprocess wrote them. With ``dq_acc`` (fp32 zeros, (batch, seqlen_q, heads,
     head_dim_pad), contiguous) the kernel also adds dQ / softmax_scale into it: in key-block order behind
     ``dq_semaphores`` (int32 zeros, one per (batch, query head, FUSED_BLOCK_M query tile)), or in arrival
-    order where they are None."""
+    order where they are None; with ``split_dq`` each consumer adds half of dQ's columns (DQ_SPLIT)."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     default_m, default_stages = config(head_dim_pad, softcap)
@@ -399,7 +412,7 @@ def launch_dkdv(q, k, v, grad_out, dk, dv, lse_log2, delta, softmax_scale, qk_sc
                     delta.view(torch.int32) if dq_semaphores is None else dq_semaphores)
     # Key blocks on the grid's fastest axis: DQ_ORDERED's contributors wait for blocks started earlier.
     grid = (triton.cdiv(seqlen_k, keys), heads_kv, batch)
-    ds_smem, dq_smem, dq_tma = fused_layouts(block_m, head_dim_pad, q.dtype)
+    ds_smem, dq_smem, dq_tma = fused_layouts(block_m, head_dim_pad, q.dtype, split_dq)
     _attn_bwd_dkdv_hopper_kernel[grid](
         q, k, v, grad_out, dk, dv, lse_log2, delta, *placeholders, *strides,
         *(dq_acc.stride()[:3] if dq_acc is not None else (0, 0, 0)), *strides_lse, seqlen_q, seqlen_k,
@@ -408,7 +421,8 @@ def launch_dkdv(q, k, v, grad_out, dk, dv, lse_log2, delta, softmax_scale, qk_sc
         BLOCK_M=block_m, BLOCK_N=keys, NUM_STAGES=num_stages,
         LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
         SPLIT_HEAD_DIM=split_head_dim(head_dim_pad), QO_SMEM=qo_smem, QO_TMA=qo_tma, KV_SMEM=kv_smem,
-        DQ_MODE=mode, DS_SMEM=ds_smem, DQ_SMEM=dq_smem, DQ_TMA=dq_tma, num_warps=CONSUMER_WARPS.value,
+        DQ_MODE=mode, DS_SMEM=ds_smem, DQ_SMEM=dq_smem, DQ_TMA=dq_tma, DQ_SPLIT=split_dq,
+        num_warps=CONSUMER_WARPS.value,
     )
 
 
@@ -420,10 +434,10 @@ def fused_supports(head_dim_pad, softcap):
 
 
 def launch_fused(q, k, v, grad_out, dq, dk, dv, lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left,
-                 window_right, softcap, head_dim_pad, strides, strides_lse, deterministic=True):
+                 window_right, softcap, head_dim_pad, strides, strides_lse, deterministic=True, split_dq=False):
     """dQ, dK and dV from the dK/dV kernel alone (where fused_supports): the dQ shares summed in fp32 in a
-    fixed order (``deterministic``) or in arrival order, then scaled into ``dq``. Arguments as
-    launch_dkdv's, ``strides`` without dq's."""
+    fixed order (``deterministic``) or in arrival order, then scaled into ``dq``; with ``split_dq`` each
+    consumer adds half of dQ's columns. Arguments as launch_dkdv's, ``strides`` without dq's."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     dq_acc = torch.zeros(batch, seqlen_q, heads_q, head_dim_pad, dtype=torch.float32, device=q.device)
     semaphores = None
@@ -431,5 +445,6 @@ def launch_fused(q, k, v, grad_out, dq, dk, dv, lse_log2, delta, softmax_scale, 
         semaphores = torch.zeros(batch * heads_q * triton.cdiv(seqlen_q, FUSED_BLOCK_M), dtype=torch.int32,
                                  device=q.device)
     launch_dkdv(q, k, v, grad_out, dk, dv, lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left,
-                window_right, softcap, head_dim_pad, strides, strides_lse, dq_acc=dq_acc, dq_semaphores=semaphores)
+                window_right, softcap, head_dim_pad, strides, strides_lse, dq_acc=dq_acc, dq_semaphores=semaphores,
+                split_dq=split_dq)
     return dq.copy_(dq_acc[..., :head_dim].mul_(softmax_scale))

@@ -2,13 +2,15 @@
 
 --variants picks the Gluon forms: two-kernel (dQ kernel + dK/dV kernel, every BLOCK_M candidate),
 fused (dQ formed in the dK/dV kernel, each share added by a TMA reduction, ordered by semaphores:
-deterministic) and fused-nondet (the same in arrival order). A fused variant's first call runs in a
+deterministic), fused-nondet (the same in arrival order), fused-split and fused-split-nondet (the same
+two with the consumers' dS^T shared and dQ's columns split between them: flash_bwd_hopper's DQ_SPLIT,
+half the reduce traffic). A fused variant's first call runs in a
 child process under a timeout first (--smoke): one that hangs or fails there is reported and left out
 of the rest of the run.
 
 --check first compares dq/dk/dv of every variant (and of the whole Gluon path through
 flash_attn_func, lse gradient included) with fp64 autograd on odd shapes, outputs
-NaN-poisoned, by flash-attn's rule: at most twice the tl backward's error; fused must also give
+NaN-poisoned, by flash-attn's rule: at most twice the tl backward's error; the ordered fused forms must also give
 bit-identical gradients on a second run. Then, for every
 head_dim / causal / seqlen cell (batch * seqlen = --tokens, heads * head_dim = 2048, 8 heads at
 head_dim 256), it times the backward alone (out, lse and dO given) with do_bench: TFLOP/s at 2.5x the
@@ -16,8 +18,8 @@ forward's FLOPs, and the Gluon path's three launches (preprocess, dQ, dK/dV) alo
 markdown table comes last; the cells go to --out as JSON.
 
     python scripts/bench_gluon_backward.py --check --head-dims 64 128 256 --seqlens 1024 4096 16384
-    python scripts/bench_gluon_backward.py --check --variants two-kernel fused fused-nondet --head-dims 128 \
-        --seqlens 4096 16384
+    python scripts/bench_gluon_backward.py --check --variants two-kernel fused fused-nondet fused-split \
+        fused-split-nondet --head-dims 128 --seqlens 4096 16384
 """
 
 from __future__ import annotations
@@ -52,24 +54,29 @@ CHECK_CASES = [(113, 203, 8, 2, 128, True, (-1, -1), 0.0), (239, 1, 8, 8, 64, Fa
 
 
 @contextlib.contextmanager
-def gluon_candidate(block_m):
+def gluon_candidate(block_m, split_dq=False):
     """Inside this block the Gluon backward takes every head_dim it has a config for (not only those
-    where it is the default), its dK/dV launch with BLOCK_M = ``block_m`` (None: its default)."""
+    where it is the default), its dK/dV launch with BLOCK_M = ``block_m`` (None: its default), its fused
+    launch with dQ's columns split between the consumers where ``split_dq``."""
     original, faster = flash_bwd_hopper.launch_dkdv, flash_bwd_hopper.FASTER_HEAD_DIMS
+    original_fused = flash_bwd_hopper.launch_fused
     flash_bwd_hopper.FASTER_HEAD_DIMS = tuple(flash_bwd_hopper.CONFIGS)
     if block_m is not None:
         flash_bwd_hopper.launch_dkdv = functools.partial(original, block_m=block_m)
+    if split_dq:
+        flash_bwd_hopper.launch_fused = functools.partial(original_fused, split_dq=True)
     try:
         yield
     finally:
         flash_bwd_hopper.launch_dkdv, flash_bwd_hopper.FASTER_HEAD_DIMS = original, faster
+        flash_bwd_hopper.launch_fused = original_fused
 
 
 def window_bounds(causal, window):
     return window[0], 0 if causal else window[1]
 
 
-VARIANTS = ("two-kernel", "fused", "fused-nondet")
+VARIANTS = ("two-kernel", "fused", "fused-nondet", "fused-split", "fused-split-nondet")
 SMOKE_TIMEOUT_S = 180
 
 
@@ -77,10 +84,10 @@ def backward(q, k, v, out, lse, grad_out, causal, window, softcap, gluon, block_
              variant="two-kernel"):
     """(dq, dk, dv) of the backward, a Gluon ``variant`` (VARIANTS) or tl, from a given forward."""
     window_left, window_right = window_bounds(causal, window)
-    with gluon_candidate(block_m):
+    with gluon_candidate(block_m, split_dq=variant.startswith("fused-split")):
         return flash_bwd.attention_backward(grad_out, grad_lse, q, k, v, out, lse, q.shape[-1] ** -0.5,
                                             window_left, window_right, softcap,
-                                            deterministic=variant != "fused-nondet", gluon=gluon,
+                                            deterministic=not variant.endswith("-nondet"), gluon=gluon,
                                             gluon_fused=variant != "two-kernel")
 
 
@@ -162,7 +169,7 @@ def check_candidates(variants):
                              functools.partial(gluon_path_gradients, q, k, v, grad_out, grad_lse, opts)))
             fused = flash_bwd_hopper.fused_supports(pad_head_dim(head_dim), softcap)
             fallback = "" if fused else " (two-kernel fallback)"
-            runs += [(variant + fallback, variant == "fused",
+            runs += [(variant + fallback, not variant.endswith("-nondet"),
                       functools.partial(backward, q, k, v, out, lse, grad_out, causal, window, softcap, True,
                                         grad_lse=grad_lse, variant=variant))
                      for variant in variants if variant != "two-kernel"]

@@ -42,8 +42,8 @@ for stage in "${stages[@]}"; do
             grep -a "^FAILED\|passed\|failed" "$RES/readme.log" | tail -40 ;;
     first-call) timeout 420 python3 scripts/bench_first_call.py --out "$RES/first_call.json" 2>&1 \
               | tee "$RES/first_call.log" | grep "^|" ;;
-    fused-bwd) timeout 300 python3 scripts/bench_gluon_backward.py --variants two-kernel fused fused-nondet \
-              --head-dims 128 --seqlens 4096 16384 --out "$RES/gluon_fused_backward.json" 2>&1 \
+    fused-bwd) timeout 480 python3 scripts/bench_gluon_backward.py --variants two-kernel fused fused-nondet \
+              fused-split fused-split-nondet --head-dims 128 --seqlens 4096 16384 --out "$RES/gluon_fused_backward.json" 2>&1 \
               | tee "$RES/fused_bwd.log" | grep "^|\|smoke" ;;
     compile) FLASHFORMER_AUTOTUNE=0 timeout 60 python3 -m pytest tests/test_kernels_flash.py -k compile -q \
               -p no:cacheprovider -W ignore 2>&1 | tail -2 ;;  # also part of quick

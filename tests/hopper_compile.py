@@ -107,20 +107,22 @@ def gluon_forward_constexprs(head_dim, causal=True, window=False, softcap=False,
 
 
 def gluon_backward_constexprs(head_dim, causal=True, window=False, softcap=False, group=1, block_m=None,
-                              dq_mode=flash_bwd_hopper.DQ_SEPARATE.value):
-    """dq_mode: flash_bwd_hopper's DQ_MODE; a fused one (dQ formed in the kernel) takes FUSED_BLOCK_M."""
+                              dq_mode=flash_bwd_hopper.DQ_SEPARATE.value, split_dq=False):
+    """dq_mode: flash_bwd_hopper's DQ_MODE; a fused one (dQ formed in the kernel) takes FUSED_BLOCK_M;
+    split_dq: its DQ_SPLIT."""
     head_dim_pad = pad_head_dim(head_dim)
     default_m, num_stages = flash_bwd_hopper.config(head_dim_pad, 1.0 if softcap else 0.0)
     if dq_mode != flash_bwd_hopper.DQ_SEPARATE.value:
         default_m = flash_bwd_hopper.FUSED_BLOCK_M
     block_m = block_m or default_m
     qo_smem, qo_tma, kv_smem = flash_bwd_hopper.shared_layouts(block_m, head_dim_pad, torch.bfloat16)
-    ds_smem, dq_smem, dq_tma = flash_bwd_hopper.fused_layouts(block_m, head_dim_pad, torch.bfloat16)
+    ds_smem, dq_smem, dq_tma = flash_bwd_hopper.fused_layouts(block_m, head_dim_pad, torch.bfloat16, split_dq)
     return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m,
                 BLOCK_N=flash_bwd_hopper.block_n(head_dim_pad), NUM_STAGES=num_stages, LEFT_BOUNDED=window,
                 RIGHT_BOUNDED=causal or window, HAS_SOFTCAP=softcap,
                 SPLIT_HEAD_DIM=flash_bwd_hopper.split_head_dim(head_dim_pad), QO_SMEM=qo_smem, QO_TMA=qo_tma,
-                KV_SMEM=kv_smem, DQ_MODE=dq_mode, DS_SMEM=ds_smem, DQ_SMEM=dq_smem, DQ_TMA=dq_tma)
+                KV_SMEM=kv_smem, DQ_MODE=dq_mode, DS_SMEM=ds_smem, DQ_SMEM=dq_smem, DQ_TMA=dq_tma,
+                DQ_SPLIT=split_dq)
 
 
 def gluon_dq_constexprs(head_dim, causal=True, window=False, softcap=False, group=1):
@@ -193,6 +195,30 @@ CASES = {
                                              GLUON_WARPS, 1),
     "gluon-bwd_fused_unordered-d64-full": (GLUON_DKDV, gluon_backward_constexprs(64, causal=False,
                                                                                  dq_mode=UNORDERED), GLUON_WARPS, 1),
+    # the same with the consumers' dS^T shared and dQ's columns split between them (DQ_SPLIT)
+    "gluon-bwd_fused_split-d128-causal": (GLUON_DKDV, gluon_backward_constexprs(128, dq_mode=ORDERED, split_dq=True),
+                                          GLUON_WARPS, 1),
+    "gluon-bwd_fused_split-d128-full-gqa": (GLUON_DKDV, gluon_backward_constexprs(128, causal=False, group=4,
+                                                                                  dq_mode=ORDERED, split_dq=True),
+                                            GLUON_WARPS, 1),
+    "gluon-bwd_fused_split-d64-causal-gqa": (GLUON_DKDV, gluon_backward_constexprs(64, group=2, dq_mode=ORDERED,
+                                                                                   split_dq=True), GLUON_WARPS, 1),
+    "gluon-bwd_fused_split-d64-full": (GLUON_DKDV, gluon_backward_constexprs(64, causal=False, dq_mode=ORDERED,
+                                                                             split_dq=True), GLUON_WARPS, 1),
+    "gluon-bwd_fused_split-d64-window-softcap-gqa": (
+        GLUON_DKDV, gluon_backward_constexprs(64, window=True, softcap=True, group=2, dq_mode=ORDERED, split_dq=True),
+        GLUON_WARPS, 1),
+    "gluon-bwd_fused_unordered_split-d128-causal-gqa": (
+        GLUON_DKDV, gluon_backward_constexprs(128, group=4, dq_mode=UNORDERED, split_dq=True), GLUON_WARPS, 1),
+    "gluon-bwd_fused_unordered_split-d128-full": (
+        GLUON_DKDV, gluon_backward_constexprs(128, causal=False, dq_mode=UNORDERED, split_dq=True), GLUON_WARPS, 1),
+    "gluon-bwd_fused_unordered_split-d64-causal": (
+        GLUON_DKDV, gluon_backward_constexprs(64, dq_mode=UNORDERED, split_dq=True), GLUON_WARPS, 1),
+    "gluon-bwd_fused_unordered_split-d64-full-gqa": (
+        GLUON_DKDV, gluon_backward_constexprs(64, causal=False, group=2, dq_mode=UNORDERED, split_dq=True),
+        GLUON_WARPS, 1),
+    "gluon-bwd_fused_unordered_split-d80-window": (
+        GLUON_DKDV, gluon_backward_constexprs(80, window=True, dq_mode=UNORDERED, split_dq=True), GLUON_WARPS, 1),
     "gluon-bwd_dq-d128-causal-gqa": (GLUON_DQ, gluon_dq_constexprs(128, group=4), GLUON_WARPS, 1),
     "gluon-bwd_dq-d128-window-softcap": (GLUON_DQ, gluon_dq_constexprs(128, window=True, softcap=True), GLUON_WARPS, 1),
     "gluon-bwd_dq-d64-full": (GLUON_DQ, gluon_dq_constexprs(64, causal=False), GLUON_WARPS, 1),

@@ -85,6 +85,13 @@ GLUON_SPILL_BOUND = {"gluon-bwd_dkdv-d128-causal-gqa": 128, "gluon-bwd_dkdv-d128
                      "gluon-bwd_fused-d128-causal-gqa": 512, "gluon-bwd_fused-d128-full": 512,
                      "gluon-bwd_fused_unordered-d128-causal": 512, "gluon-bwd_fused_unordered-d128-full-gqa": 512,
                      "gluon-bwd_fused_unordered-d80-window": 512, "gluon-bwd_fused-d64-window-softcap-gqa": 64}
+# The fused form with dQ's columns split between the consumers (DQ_SPLIT): the same kind of scalars, fewer
+# of them beside its 32-register dQ half (124-440 B at head_dim 128, against the shares' 268-504).
+GLUON_SPILL_BOUND.update({"gluon-bwd_fused_split-d128-causal": 448, "gluon-bwd_fused_split-d128-full-gqa": 288,
+                          "gluon-bwd_fused_unordered_split-d128-causal-gqa": 384,
+                          "gluon-bwd_fused_unordered_split-d128-full": 128,
+                          "gluon-bwd_fused_unordered_split-d80-window": 224,
+                          "gluon-bwd_fused_split-d64-window-softcap-gqa": 128})
 
 
 @needs_gluon_triton
@@ -147,3 +154,21 @@ def test_fused_gluon_bwd_reduces_dq_shares_in_bulk(report):
         assert case["acquire_release"] == (not name.startswith("gluon-bwd_fused_unordered")), (name, case)
     dkdv = {name: case for name, case in report.items() if name.startswith("gluon-bwd_dkdv")}
     assert dkdv and not any(case["tma_reduce"] or case["acquire_release"] for case in dkdv.values()), dkdv
+
+
+@needs_gluon_triton
+def test_split_fused_gluon_bwd_halves_the_dq_stages(report):
+    """DQ_SPLIT (flash_bwd_hopper.launch_fused(split_dq=True)): both consumers read both dS^T tiles and each
+    adds half of dQ's columns, so its fp32 stage is half as wide: the shared memory is the share form's less
+    two half stages (64 x head_dim_pad / 2 fp32 each) plus its two mbarriers at most, at head_dim 64 and
+    128, ordered and unordered, causal and not, with the share form's PTX checks (test above)."""
+    split = {name: case for name, case in report.items() if name.startswith("gluon-bwd_fused") and "split" in name}
+    shapes = {(name.startswith("gluon-bwd_fused_unordered"), name.split("-")[2], "causal" in name) for name in split}
+    assert shapes >= {(unordered, d, causal) for unordered in (False, True) for d in ("d64", "d128")
+                      for causal in (False, True)}, shapes
+    share_bytes = {name.split("-")[2]: case["shared_bytes"] for name, case in report.items()
+                   if name.startswith("gluon-bwd_fused") and "split" not in name}
+    for name, case in split.items():
+        head_dim_pad = {"d64": 64, "d80": 128, "d128": 128}[name.split("-")[2]]
+        saved = share_bytes[name.split("-")[2]] - case["shared_bytes"]
+        assert 2 * 64 * head_dim_pad // 2 * 4 - 64 <= saved <= 2 * 64 * head_dim_pad // 2 * 4, (name, saved)
