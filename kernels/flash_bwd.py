@@ -13,13 +13,13 @@ Two launches:
    dK and dV in registers (one loop, or three at head_dim <= 64: ONE_LOOP_DKDV_HEAD_DIM). Looping over
    the group inside the program (instead of atomics across programs) keeps GQA deterministic.
 
-On the Gluon path (sm_90) the deterministic backward is ``_bwd_preprocess``, then flash_bwd_hopper.py's
-dQ and dK/dV kernels, where they cover the inputs (dense, 16-bit); with gluon_fused the dK/dV kernel
-alone, forming dQ too (flash_bwd_hopper.launch_fused: TMA reductions of each dQ share, ordered by
-semaphores when deterministic).
+On the Gluon path (sm_90), where it covers the inputs (dense, 16-bit), the backward is ``_bwd_preprocess``,
+then flash_bwd_hopper.py's dQ and dK/dV kernels; with deterministic=False, where tuning measured it faster,
+the dK/dV kernel alone, forming dQ too (flash_bwd_hopper.launch_fused: TMA reductions of each dQ share in
+arrival order, its columns split between the consumers). Both beat the tl form below on the H200.
 
-With deterministic=False there is no dQ kernel: ``_bwd_preprocess`` computes the statistics, and the
-dK/dV program also forms each query tile's dQ share dS K and adds it to an fp32 buffer (a TMA
+Elsewhere, with deterministic=False there is no dQ kernel: ``_bwd_preprocess`` computes the statistics,
+and the dK/dV program also forms each query tile's dQ share dS K and adds it to an fp32 buffer (a TMA
 reduction on the GPU, pointer atomics in the interpreter), saving the dQ kernel's two recomputed
 products (5 tile matmuls instead of 7) at the price of a summation order that varies between runs.
 
@@ -42,7 +42,7 @@ from .reference import dropout_threshold
 from .sizes import next_power_of_2, pad_head_dim
 from .tile_ops import (alibi_bias, dropout_keep, key_range, load_alibi_slope_log2, load_dropout_key, mma, narrow,
                        program_tile, query_range, rows_descriptor, sequence_bounds, tanh, visible)
-from .tuning import pick_kernel, table_mask, tuned
+from .tuning import gluon_backward_form, pick_kernel, table_mask, tuned
 
 PREPROCESS_BLOCK = 64
 # The dK/dV kernel walks its query tiles in one loop (edge tiles masked under a branch) from this padded
@@ -350,7 +350,7 @@ def _preprocess(out, grad_out, lse, grad_lse, delta, lse_log2, cu_seqlens_q, bat
 def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, window_left, window_right,
                        softcap, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                        deterministic=True, alibi_slopes=None, dropout_p=0.0, dropout_seed=None, gluon=False,
-                       gluon_fused=False):
+                       gluon_form=None):
     """Launch the backward kernels; returns (dq, dk, dv) shaped like (q, k, v).
 
     Args:
@@ -361,11 +361,12 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
             (5 matmuls; TMA reductions on the GPU, whose order varies from run to run).
         alibi_slopes, dropout_p, dropout_seed: as given to attention_forward (the same seed
             regenerates its dropout mask).
-        gluon: with deterministic=True, run the Hopper Gluon kernels (flash_bwd_hopper.py: dQ, then
-            dK/dV, after the preprocess forms the row statistics) where they cover the inputs.
-        gluon_fused: with gluon, the dK/dV kernel alone also forms dQ (flash_bwd_hopper.launch_fused, 5
-            tile matmuls) where it covers the head_dim and softcap: its dQ shares reduced in a fixed order
-            (deterministic=True) or in arrival order (deterministic=False). Not the default.
+        gluon: run the Hopper Gluon kernels (flash_bwd_hopper.py) where they cover the inputs, after the
+            preprocess forms the row statistics; deterministic=False may then still take the two kernels.
+        gluon_form: with gluon, "two-kernel" (dQ, then dK/dV), "fused" (the dK/dV kernel alone also forms
+            dQ, flash_bwd_hopper.launch_fused: 5 tile matmuls, its dQ shares reduced in a fixed order when
+            deterministic, else in arrival order) or "fused-split" (the same with dQ's columns split between
+            the consumers); the fused forms where they cover the head_dim and softcap. None: tuning's choice.
     """
     is_varlen = cu_seqlens_q is not None
     q, k, v, out, grad_out = (as_descriptor_compatible(t) for t in (q, k, v, out, grad_out))
@@ -402,20 +403,20 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
     strides_qkv = (*seq_strides(q, is_varlen), *seq_strides(k, is_varlen), *seq_strides(v, is_varlen),
                    *seq_strides(grad_out, is_varlen))
 
-    if gluon and (deterministic or gluon_fused):
+    if gluon:
         from . import flash_bwd_dq_hopper, flash_bwd_hopper
 
         if flash_bwd_hopper.supports(q, cu_seqlens_q, head_dim_pad, alibi_slopes is not None, dropout_p > 0.0):
+            form = gluon_form or gluon_backward_form(head_dim_pad, seqlen_k, window_left, window_right, deterministic)
             _preprocess(out, grad_out, lse, grad_lse, delta, lse_log2, cu_seqlens_q, batch, seqlen_q, strides_lse,
                         head_dim, head_dim_pad, is_varlen)
             launch_args = (lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left, window_right,
                            softcap, head_dim_pad)
             dkdv_strides = [s for t in (q, k, v, grad_out, dk, dv) for s in seq_strides(t, False)]
-            if gluon_fused and flash_bwd_hopper.fused_supports(head_dim_pad, softcap):
+            if form != "two-kernel" and flash_bwd_hopper.fused_supports(head_dim_pad, softcap):
                 flash_bwd_hopper.launch_fused(q, k, v, grad_out, dq, dk, dv, *launch_args, dkdv_strides, strides_lse,
-                                              deterministic=deterministic)
+                                              deterministic=deterministic, split_dq=form == "fused-split")
                 return dq, dk, dv
-            # else the two kernels, deterministic whatever was asked
             flash_bwd_dq_hopper.launch_dq(q, k, v, grad_out, dq, *launch_args,
                                        [s for t in (q, k, v, grad_out, dq) for s in seq_strides(t, False)],
                                        strides_lse)

@@ -17,10 +17,10 @@ Each product's register operand is waited for before its registers are reused. T
 flash_bwd.py's: bottom-right causal, windows, softcap, GQA, the lse gradient (through delta); keys
 past seqlen_k and rows past seqlen_q (zeros read by TMA) get p = 0 and so dS = 0.
 
-Fused (DQ_MODE ordered or unordered, launch_fused; not the default): a consumer also forms its share of
-the query tile's dQ, dS K, from dS^T stored to shared memory, and adds it into an fp32 accumulator with
-one TMA bulk reduction (dq_reduce_hopper.py): 5 products per tile instead of the two kernels' 7 (with
-DQ_SPLIT, FlashAttention-3's layout: half of dQ's columns per consumer over both consumers' dS^T tiles).
+Fused (DQ_MODE, launch_fused; deterministic=False's form where tuning.gluon_backward_form has it): a consumer
+also forms its share of the query tile's dQ, dS K, from dS^T in shared memory, and adds it into an fp32
+accumulator with one TMA bulk reduction (dq_reduce_hopper.py): 5 products per tile instead of 7 (DQ_SPLIT,
+FlashAttention-3's layout: half of dQ's columns per consumer over both consumers' dS^T tiles).
 """
 
 from __future__ import annotations

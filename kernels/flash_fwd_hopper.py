@@ -18,7 +18,7 @@ The semantics are flash_fwd.py's (bottom-right causal, windows, softcap, GQA, ls
 that see no key give 0 and lse -inf); flash_fwd.py stays the portable, interpreter-tested statement of
 the algorithm. P stays in registers as the A operand of P V.
 
-PERSISTENT (not the default) launches one program per SM instead of one per query tile; each walks its
+PERSISTENT (where tuning.gluon_forward_config measured it faster) launches one program per SM instead of one per query tile; each walks its
 share of tile_schedule.py's order (longest tiles first) through the same partitions. The K/V ring and
 its phases run on across the tiles, so the producer streams the next tile's keys while the consumers
 finish this one, and two sets of Q blocks (where shared memory allows) let the next tile's queries load

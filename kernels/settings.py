@@ -19,6 +19,26 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 POISON_AT_IMPORT = os.environ.get("FLASHFORMER_POISON") == "1"
 
 
+def _major_minor(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
+
+
+def check_interpreter_numpy(triton_version: str, numpy_version: str) -> None:
+    """Triton before 3.8 interprets a loop bound by calling int() on a one-element array, which numpy 2.4
+    made an error: name the pin here rather than fail inside the first interpreted kernel."""
+    if _major_minor(triton_version) < (3, 8) and _major_minor(numpy_version) >= (2, 4):
+        raise RuntimeError(f"TRITON_INTERPRET=1 with triton {triton_version} needs numpy<2.4 (found "
+                           f"{numpy_version}): pip install \"numpy<2.4\", or triton>=3.8")
+
+
+if INTERPRETED:
+    import numpy
+    import triton
+
+    check_interpreter_numpy(triton.__version__, numpy.__version__)
+
+
 def forced_kernel() -> str:
     """FLASHFORMER_KERNEL, "auto" when unset."""
     return os.environ.get("FLASHFORMER_KERNEL", "auto")

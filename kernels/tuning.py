@@ -237,3 +237,25 @@ def gluon_forward_config(head_dim_pad, seqlen_k, causal):
         # ragged last block wastes a tenth of the work (two consumers 1.06-1.42x three there).
         consumers = 2
     return block_n, num_stages, consumers, persistent
+
+
+# Where the fused Gluon backward, its dQ shares reduced in arrival order with dQ's columns split between
+# the consumers ("fused-split"), beat the two Gluon kernels on the H200, as the shortest key length per
+# (padded head_dim, causal); the policy for deterministic=False only. At head_dim 128: 1.03-1.07x from 2k
+# keys without a mask, 1.04x from 8k causal (level at 4k, 0.92-0.98x at 1k). At head_dim 64 the tl
+# kernels beat every Gluon form; the ordered (deterministic) fused forms trail the two kernels everywhere.
+GLUON_UNORDERED_FUSED_FROM_SEQLEN = {(128, False): 2048, (128, True): 8192}
+
+
+def gluon_backward_form(head_dim_pad, seqlen_k, window_left, window_right, deterministic):
+    """The Gluon backward's form for one launch: "fused-split" or "two-kernel" (flash_bwd_hopper).
+
+    Args:
+        window_left, window_right: the launch's window bounds (-1: unbounded); only the measured masks,
+            none and causal (0 on the right), take the fused form.
+        deterministic: whether dQ must come out bit-identical run to run (the fused form's order varies).
+    """
+    if deterministic or window_left >= 0 or window_right > 0:
+        return "two-kernel"
+    from_seqlen = GLUON_UNORDERED_FUSED_FROM_SEQLEN.get((head_dim_pad, window_right == 0), float("inf"))
+    return "fused-split" if seqlen_k >= from_seqlen else "two-kernel"

@@ -54,22 +54,17 @@ CHECK_CASES = [(113, 203, 8, 2, 128, True, (-1, -1), 0.0), (239, 1, 8, 8, 64, Fa
 
 
 @contextlib.contextmanager
-def gluon_candidate(block_m, split_dq=False):
+def gluon_candidate(block_m):
     """Inside this block the Gluon backward takes every head_dim it has a config for (not only those
-    where it is the default), its dK/dV launch with BLOCK_M = ``block_m`` (None: its default), its fused
-    launch with dQ's columns split between the consumers where ``split_dq``."""
+    where it is the default), its dK/dV launch with BLOCK_M = ``block_m`` (None: its default)."""
     original, faster = flash_bwd_hopper.launch_dkdv, flash_bwd_hopper.FASTER_HEAD_DIMS
-    original_fused = flash_bwd_hopper.launch_fused
     flash_bwd_hopper.FASTER_HEAD_DIMS = tuple(flash_bwd_hopper.CONFIGS)
     if block_m is not None:
         flash_bwd_hopper.launch_dkdv = functools.partial(original, block_m=block_m)
-    if split_dq:
-        flash_bwd_hopper.launch_fused = functools.partial(original_fused, split_dq=True)
     try:
         yield
     finally:
         flash_bwd_hopper.launch_dkdv, flash_bwd_hopper.FASTER_HEAD_DIMS = original, faster
-        flash_bwd_hopper.launch_fused = original_fused
 
 
 def window_bounds(causal, window):
@@ -84,11 +79,11 @@ def backward(q, k, v, out, lse, grad_out, causal, window, softcap, gluon, block_
              variant="two-kernel"):
     """(dq, dk, dv) of the backward, a Gluon ``variant`` (VARIANTS) or tl, from a given forward."""
     window_left, window_right = window_bounds(causal, window)
-    with gluon_candidate(block_m, split_dq=variant.startswith("fused-split")):
+    with gluon_candidate(block_m):
         return flash_bwd.attention_backward(grad_out, grad_lse, q, k, v, out, lse, q.shape[-1] ** -0.5,
                                             window_left, window_right, softcap,
                                             deterministic=not variant.endswith("-nondet"), gluon=gluon,
-                                            gluon_fused=variant != "two-kernel")
+                                            gluon_form=variant.removesuffix("-nondet"))
 
 
 def smoke(variant):

@@ -8,12 +8,30 @@ import torch
 import triton
 from attention_checks import assert_matches_reference
 
-from flashformer.kernels import flash_attn_func, launch, tuning
+from flashformer.kernels import flash_attn_func, launch, settings, tuning
 
 
 @pytest.mark.parametrize("window_right,expected", [(0, "causal"), (4, "causal"), (-1, "full")])
 def test_windows_take_the_tiles_of_their_masks_family(window_right, expected):
     assert tuning.table_mask(window_right) == expected
+
+
+def test_only_deterministic_false_takes_the_unordered_gluon_backward():
+    # deterministic=True must stay bit-identical: the arrival-order dQ reduction is never its form
+    forms = {(pad, seqlen, left, right, det): tuning.gluon_backward_form(pad, seqlen, left, right, det)
+             for pad in (64, 128, 256) for seqlen in (1, 1024, 2048, 8192, 1 << 20)
+             for left, right in ((-1, -1), (-1, 0), (64, 0), (-1, 16)) for det in (True, False)}
+    assert {form for (*_, det), form in forms.items() if det} == {"two-kernel"}
+    unordered = {key[:4] for key, form in forms.items() if form == "fused-split"}
+    assert unordered and all(pad == 128 and left < 0 and right <= 0 for pad, _, left, right in unordered)
+    assert tuning.gluon_backward_form(128, 1 << 20, -1, -1, False) == "fused-split"
+
+
+def test_the_interpreter_names_the_numpy_pin_it_needs():
+    with pytest.raises(RuntimeError, match=r'TRITON_INTERPRET=1 with triton 3\.6\.0 needs numpy<2\.4 \(found 2\.4\.1\)'):
+        settings.check_interpreter_numpy("3.6.0", "2.4.1")
+    settings.check_interpreter_numpy("3.6.0", "2.3.5")
+    settings.check_interpreter_numpy("3.9.0", "2.4.6")
 
 
 def test_measured_config_takes_the_nearest_bucket_within_an_octave(tmp_path, monkeypatch):
