@@ -43,13 +43,17 @@ def torchrun(recipe: dict, tmp_path, *args, succeed: bool = True, processes: int
     return launch(command + ([] if "--resume" in args else [recipe_file(recipe, tmp_path)]), succeed)
 
 
-def torchrun_each(recipes: list[dict], tmp_path) -> subprocess.CompletedProcess:
-    """Train each recipe on two ranks, one after another in one launch (tests/train_runs_worker.py): the
-    launch's start-up, most of a tiny run's cost, is paid once."""
+def torchrun_each(runs: list, tmp_path, succeed: bool = True) -> subprocess.CompletedProcess:
+    """Train each run on two ranks, one after another in one launch (tests/train_runs_worker.py): the launch's
+    start-up, most of a tiny run's cost, is paid once. A run is a recipe, or the arguments of ``train``."""
+    from train_runs_worker import SEPARATOR
+
     worker = os.path.join(os.path.dirname(__file__), "train_runs_worker.py")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", worker,
-               *(recipe_file(recipe, tmp_path) for recipe in recipes)]
-    return launch(command, succeed=True, timeout=600)
+    args = []
+    for run in runs:
+        args += [*([SEPARATOR] if args else []), *([recipe_file(run, tmp_path)] if isinstance(run, dict) else run)]
+    return launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", worker,
+                   *args], succeed, timeout=600)
 
 
 def assert_same_losses(run_dir, reference_dir):
@@ -100,7 +104,17 @@ def test_ddp_and_fsdp_runs_match_one_process_and_fsdp_resumes(tmp_path, data_cac
     assert_same_losses(sharded, tmp_path / "fsdp-one")
 
 
-def test_ranks_skip_the_same_nonfinite_steps_and_stop_after_the_same_one(tmp_path, data_cache):
+def test_ranks_roll_back_together_then_skip_the_same_nonfinite_steps_and_stop_after_the_same_one(tmp_path,
+                                                                                                   data_cache):
+    """Two runs in one launch, each beside one process's: a rollback, then a run that stops."""
+    # lr=1e6 wrecks the weights after ckpt-4; every rank must roll back at the same step, to the same data.
+    base = tmp_path / "base"
+    train(load_train_config(tiny_recipe(base, data_cache, steps=4, batch_size=8, micro_batch_size=2, **CPU)))
+    rolled_one, rolled_two = tmp_path / "rolled-one", tmp_path / "rolled-two"
+    shutil.copytree(base, rolled_one)
+    shutil.copytree(base, rolled_two)
+    overrides = ["steps=8", "optim.lr=1e6", "max_nonfinite_skips=1", "max_rollbacks=1", "rollback_lr_scale=1e-9"]
+    train(load_train_config(None, overrides, resume_dir=str(rolled_one)))
     # lr=1e6 wrecks the weights in one step. One process and two (the same global batch) must skip the same
     # steps and stop at the same one; ranks that disagreed would step apart and hang in their collectives.
     fields = dict(steps=20, batch_size=8, log_every=5, max_nonfinite_skips=2, optim__lr=1e6, **CPU)
@@ -108,8 +122,20 @@ def test_ranks_skip_the_same_nonfinite_steps_and_stop_after_the_same_one(tmp_pat
     with pytest.raises(NonFiniteLossError, match=r"^step (\d+):") as stopped:
         train(load_train_config(tiny_recipe(one, data_cache, micro_batch_size=8, **fields)))
     two = tmp_path / "two"
-    result = torchrun(tiny_recipe(two, data_cache, micro_batch_size=2, parallel={"mode": "ddp"}, **fields), tmp_path,
-                      succeed=False)
+    # The stopping run last: a failed run ends the launch.
+    result = torchrun_each([["--resume", str(rolled_two), "parallel.mode=ddp", *overrides],
+                            tiny_recipe(two, data_cache, micro_batch_size=2, parallel={"mode": "ddp"}, **fields)],
+                           tmp_path, succeed=False)
+    assert (rolled_two / "ckpt-8").is_dir()  # the rollback's run finished, the failure is the second run's
+
+    assert result.stderr.count("rolled back to") == 1  # rank 0 says it
+    keys = ("step", "rollback", "diverged_at", "skipped_data_steps", "skipped_steps")
+    rollbacks = [[tuple(r[k] for k in keys) for r in read_metrics(run) if "rollback" in r]
+                 for run in (rolled_one, rolled_two)]
+    assert rollbacks[0] == rollbacks[1] and len(rollbacks[0]) == 1
+    assert_same_losses(rolled_two, rolled_one)
+    assert all(torch.isfinite(p).all() for p in from_pretrained(rolled_two / "ckpt-8").parameters())
+
     step = re.match(r"step (\d+):", str(stopped.value)).group(1)
     assert re.findall(r"error: step (\d+):", result.stderr) == [step, step], result.stderr[-3000:]  # both ranks
     skipped = [[(r["step"], r["skipped_steps"]) for r in read_metrics(run) if "skipped" in r] for run in (one, two)]
@@ -118,24 +144,6 @@ def test_ranks_skip_the_same_nonfinite_steps_and_stop_after_the_same_one(tmp_pat
     # skip in several streaks; it stops at the third non-finite step in a row.
     (before_last, _), (last, _) = skipped[0][-2:]
     assert last == before_last + 1 and int(step) == last + 1, (skipped, step)
-
-
-def test_ranks_roll_back_together_and_train_on_like_one_process(tmp_path, data_cache):
-    base = tmp_path / "base"
-    train(load_train_config(tiny_recipe(base, data_cache, steps=4, batch_size=8, micro_batch_size=2, **CPU)))
-    one, two = tmp_path / "one", tmp_path / "two"
-    shutil.copytree(base, one)
-    shutil.copytree(base, two)
-    # lr=1e6 wrecks the weights after ckpt-4; every rank must roll back at the same step, to the same data.
-    overrides = ["steps=8", "optim.lr=1e6", "max_nonfinite_skips=1", "max_rollbacks=1", "rollback_lr_scale=1e-9"]
-    train(load_train_config(None, overrides, resume_dir=str(one)))
-    result = torchrun({}, tmp_path, "--resume", str(two), "parallel.mode=ddp", *overrides)
-    assert result.stderr.count("rolled back to") == 1  # rank 0 says it
-    fields = ("step", "rollback", "diverged_at", "skipped_data_steps", "skipped_steps")
-    rollbacks = [[tuple(r[k] for k in fields) for r in read_metrics(run) if "rollback" in r] for run in (one, two)]
-    assert rollbacks[0] == rollbacks[1] and len(rollbacks[0]) == 1
-    assert_same_losses(two, one)
-    assert all(torch.isfinite(p).all() for p in from_pretrained(two / "ckpt-8").parameters())
 
 
 @pytest.mark.skipif(resource is None, reason="no setrlimit")
