@@ -285,12 +285,17 @@ CASES = {
 }
 
 
-def main(selected):
-    # The Gluon kernels run only on the Triton versions they were tested on (interface.hopper_gluon_available):
-    # on another Triton the tl kernels take their place, so only those must compile.
+def cases_to_compile():
+    """The names of the CASES this Triton runs. The Gluon kernels run only on the Triton versions they were tested
+    on (interface.hopper_gluon_available): on another Triton the tl kernels take their place, so only those must
+    compile."""
     gluon_runs = triton.__version__.startswith(GLUON_TRITON_VERSIONS)
+    return [name for name in CASES if gluon_runs or not name.startswith("gluon-")]
+
+
+def main(selected):
     report = {}
-    for name in selected or [name for name in CASES if gluon_runs or not name.startswith("gluon-")]:
+    for name in selected or cases_to_compile():
         kernel, constexprs, *options = CASES[name]
         try:
             compiled, ptxas_log = compile_for_hopper(kernel, constexprs, *options)

@@ -12,7 +12,7 @@ from flashformer.checkpoint import from_pretrained
 from flashformer.config import ConfigError
 from flashformer.train import Trainer, load_train_config, read_metrics, train
 from flashformer.train.model_setup import build_model
-from test_distributed import CPU, assert_same_losses, torchrun
+from test_distributed import CPU, assert_same_losses, torchrun, torchrun_each
 from test_train import data_cache, one_thread, tiny_recipe  # noqa: F401 (fixtures)
 
 # fp32 on both sides, but not bitwise: the ring merges each query's attention over K/V blocks through
@@ -42,34 +42,32 @@ def rewind_to_step_3(run_dir):
 FIELDS = dict(steps=6, eval_every=3, ckpt_every=3, batch_size=8, micro_batch_size=4, **CPU)
 
 
-def test_two_context_parallel_ranks_match_one_process_and_resume_as_data_parallel(tmp_path, data_cache):
+def test_two_context_parallel_ranks_match_one_process_on_whole_and_packed_rows_and_resume_as_data_parallel(
+        tmp_path, data_cache):
+    """Two runs in one launch: the stdlib's rows, and short documents (one a line: 2 to 40 bytes, against chunks
+    of 8 tokens) that cross chunk and rank boundaries in almost every row, where the ring keeps attention
+    inside each as the one process's varlen kernel does."""
     one = tmp_path / "one"
     train(load_train_config(tiny_recipe(one, data_cache, **FIELDS)))
-    cp = tmp_path / "cp"
-    result = torchrun(tiny_recipe(cp, data_cache, parallel={"context_parallel": 2}, **FIELDS), tmp_path)
-    assert "(1 data- x 2 context-parallel)" in result.stdout
-    assert_same_run(cp, one)
-    # The checkpoint holds the whole model: the same run continues with another layout (here 2 data-parallel
-    # ranks, each on whole rows).
-    rewind_to_step_3(cp)
-    torchrun({}, tmp_path, "--resume", str(cp), "parallel.context_parallel=1")
-    assert_same_run(cp, one)
-
-
-def test_packed_documents_under_context_parallelism_match_one_process(tmp_path):
-    """Short documents (one a line: 2 to 40 bytes, against chunks of 8 tokens) cross chunk and rank boundaries
-    in almost every row; the ring keeps attention inside each as the one process's varlen kernel does."""
     words = random.Random(0)
     lines = ["".join(words.choice("abcdef ghij\t") for _ in range(words.randint(1, 39))) for _ in range(400)]
     (tmp_path / "lines.txt").write_text("\n".join(lines) + "\n")
     data = dict(data__source="files", data__train_files=[str(tmp_path / "lines.txt")], data__text_sample_by="line",
                 data__packing="packed", data__cache_dir=str(tmp_path / "cache"))
     fields = {**FIELDS, "steps": 2, "eval_every": 2, "ckpt_every": 2}
-    one = tmp_path / "one"
-    train(load_train_config(tiny_recipe(one, None, **data, **fields)))
-    cp = tmp_path / "cp"
-    torchrun(tiny_recipe(cp, None, parallel={"context_parallel": 2}, **data, **fields), tmp_path)
-    assert_same_run(cp, one, "ckpt-2")
+    packed_one = tmp_path / "packed-one"
+    train(load_train_config(tiny_recipe(packed_one, None, **data, **fields)))
+    cp, packed_cp = tmp_path / "cp", tmp_path / "packed-cp"
+    result = torchrun_each([tiny_recipe(cp, data_cache, parallel={"context_parallel": 2}, **FIELDS),
+                            tiny_recipe(packed_cp, None, parallel={"context_parallel": 2}, **data, **fields)], tmp_path)
+    assert result.stdout.count("(1 data- x 2 context-parallel)") == 2  # rank 0's, once a run
+    assert_same_run(cp, one)
+    assert_same_run(packed_cp, packed_one, "ckpt-2")
+    # The checkpoint holds the whole model: the same run continues with another layout (here 2 data-parallel
+    # ranks, each on whole rows).
+    rewind_to_step_3(cp)
+    torchrun({}, tmp_path, "--resume", str(cp), "parallel.context_parallel=1")
+    assert_same_run(cp, one)
 
 
 def test_two_data_by_two_context_parallel_ranks_under_fsdp_match_one_process(tmp_path, data_cache):

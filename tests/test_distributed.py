@@ -17,7 +17,7 @@ from flashformer.checkpoint import from_pretrained
 from flashformer.cli import main as cli_main
 from flashformer.lora import read_adapter
 from flashformer.train import NonFiniteLossError, latest_checkpoint, load_train_config, read_metrics, train
-from test_train import SUBPROCESS_ENV, data_cache, one_thread, tiny_recipe  # noqa: F401 (fixtures)
+from test_train import SUBPROCESS_ENV, data_cache, one_thread, tiny_recipe, write_recipe  # noqa: F401 (fixtures)
 from test_train_reliability import file_size_limit, resource
 
 TOLERANCE = 1e-5  # fp32: the two runs sum the same numbers in a different order
@@ -27,15 +27,33 @@ TOLERANCE = 1e-5  # fp32: the two runs sum the same numbers in a different order
 CPU = dict(device="cpu")
 
 
-def torchrun(recipe: dict, tmp_path, *args, succeed: bool = True, processes: int = 2) -> subprocess.CompletedProcess:
-    config = tmp_path / f"{len(list(tmp_path.glob('*.yaml')))}.yaml"
-    config.write_text(yaml.safe_dump(recipe))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--standalone",
-               "-m", "flashformer.cli", "train", *args]
-    result = subprocess.run(command + ([] if "--resume" in args else [str(config)]), capture_output=True, text=True,
-                            env=SUBPROCESS_ENV, timeout=300)
+def recipe_file(recipe: dict, tmp_path) -> str:
+    return write_recipe(tmp_path / f"{len(list(tmp_path.glob('*.yaml')))}.yaml", recipe)
+
+
+def launch(command: list[str], succeed: bool, timeout: int = 300) -> subprocess.CompletedProcess:
+    result = subprocess.run(command, capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=timeout)
     assert (result.returncode == 0) == succeed, result.stdout[-3000:] + result.stderr[-3000:]
     return result
+
+
+def torchrun(recipe: dict, tmp_path, *args, succeed: bool = True, processes: int = 2) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--standalone",
+               "-m", "flashformer.cli", "train", *args]
+    return launch(command + ([] if "--resume" in args else [recipe_file(recipe, tmp_path)]), succeed)
+
+
+def torchrun_each(runs: list, tmp_path, succeed: bool = True) -> subprocess.CompletedProcess:
+    """Train each run on two ranks, one after another in one launch (tests/train_runs_worker.py): the launch's
+    start-up, most of a tiny run's cost, is paid once. A run is a recipe, or the arguments of ``train``."""
+    from train_runs_worker import SEPARATOR
+
+    worker = os.path.join(os.path.dirname(__file__), "train_runs_worker.py")
+    args = []
+    for run in runs:
+        args += [*([SEPARATOR] if args else []), *([recipe_file(run, tmp_path)] if isinstance(run, dict) else run)]
+    return launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", worker,
+                   *args], succeed, timeout=600)
 
 
 def assert_same_losses(run_dir, reference_dir):
@@ -48,33 +66,55 @@ def assert_same_losses(run_dir, reference_dir):
                 assert record[key] == pytest.approx(expected[key], rel=TOLERANCE, abs=TOLERANCE), (record, expected)
 
 
-def test_ddp_with_packed_documents_matches_one_process(tmp_path, data_cache):
-    # One process: 8 rows per micro batch. Two: 2 rows each, accumulated twice: the same 8 rows per step.
-    fields = dict(steps=6, eval_every=3, batch_size=8, data__packing="packed", data__stdlib_max_bytes=1_000_000,
+def test_ddp_and_fsdp_runs_match_one_process_and_fsdp_resumes(tmp_path, data_cache):
+    """Four two-rank runs in one launch, each against the one process's run with the same global batch: DDP
+    on packed documents, DDP + LoRA and FSDP with offloaded activation checkpointing, plain FSDP (then resumed)."""
+    # DDP, packed: one process takes 8 rows per micro batch; two take 2 rows each, accumulated twice: the same
+    # 8 rows per step.
+    packed = dict(steps=6, eval_every=3, batch_size=8, data__packing="packed", data__stdlib_max_bytes=1_000_000,
                   **CPU)
-    train(load_train_config(tiny_recipe(tmp_path / "one", data_cache, micro_batch_size=8, **fields)))
-    two = tiny_recipe(tmp_path / "two", data_cache, micro_batch_size=2, parallel={"mode": "ddp"}, **fields)
-    torchrun(two, tmp_path)
-    assert_same_losses(tmp_path / "two", tmp_path / "one")
-
-
-def test_fsdp_matches_one_process_and_resumes(tmp_path, data_cache):
-    # chunked_loss: the loss comes out of the sharded root module's forward (DDP above covers logits).
-    fields = dict(steps=6, eval_every=3, ckpt_every=3, batch_size=8, micro_batch_size=4, chunked_loss=True, **CPU)
-    train(load_train_config(tiny_recipe(tmp_path / "one", data_cache, **fields)))
+    train(load_train_config(tiny_recipe(tmp_path / "packed-one", data_cache, micro_batch_size=8, **packed)))
+    # DDP + LoRA, offloaded checkpointing, from a trained base.
+    base = tmp_path / "base"
+    train(load_train_config(tiny_recipe(base, data_cache, steps=4, ckpt_every=4, eval_every=4, **CPU)))
+    lora = dict(steps=4, eval_every=2, batch_size=8, init_from=str(base), activation_checkpointing="offload",
+                lora={"rank": 4, "targets": ["q", "v", "up"]}, **CPU)
+    train(load_train_config(tiny_recipe(tmp_path / "lora-one", data_cache, micro_batch_size=8, **lora)))
+    # FSDP, offloaded checkpointing, against one process without checkpointing.
+    offload = dict(steps=4, eval_every=2, batch_size=8, micro_batch_size=4, chunked_loss=True,
+                   activation_checkpointing="offload", **CPU)
+    train(load_train_config(tiny_recipe(tmp_path / "offload-one", data_cache,
+                                        **{**offload, "activation_checkpointing": False})))
+    # FSDP; chunked_loss: the loss comes out of the sharded root module's forward (DDP above covers logits).
+    fsdp = dict(steps=6, eval_every=3, ckpt_every=3, batch_size=8, micro_batch_size=4, chunked_loss=True, **CPU)
+    train(load_train_config(tiny_recipe(tmp_path / "fsdp-one", data_cache, **fsdp)))
     sharded = tmp_path / "fsdp"
-    torchrun(tiny_recipe(sharded, data_cache, parallel={"mode": "fsdp"}, **fields), tmp_path)
-    assert_same_losses(sharded, tmp_path / "one")
-    # As if the run had died after ckpt-3: the resumed processes must redo steps 4-6 identically.
+    torchrun_each([tiny_recipe(tmp_path / "packed", data_cache, micro_batch_size=2, parallel={"mode": "ddp"}, **packed),
+                   tiny_recipe(tmp_path / "lora", data_cache, micro_batch_size=2, parallel={"mode": "ddp"}, **lora),
+                   tiny_recipe(tmp_path / "offload", data_cache, parallel={"mode": "fsdp"}, **offload),
+                   tiny_recipe(sharded, data_cache, parallel={"mode": "fsdp"}, **fsdp)], tmp_path)
+    for run in ("packed", "lora", "offload", "fsdp"):
+        assert_same_losses(tmp_path / run, tmp_path / f"{run}-one")
+    # As if the FSDP run had died after ckpt-3: the resumed processes must redo steps 4-6 identically.
     shutil.rmtree(sharded / "ckpt-6")
     metrics = sharded / "metrics.jsonl"
     metrics.write_text("".join(line for line in metrics.read_text().splitlines(True) if json.loads(line)["step"] <= 3))
     torchrun({}, tmp_path, "--resume", str(sharded))
     assert (sharded / "ckpt-6").is_dir()
-    assert_same_losses(sharded, tmp_path / "one")
+    assert_same_losses(sharded, tmp_path / "fsdp-one")
 
 
-def test_ranks_skip_the_same_nonfinite_steps_and_stop_after_the_same_one(tmp_path, data_cache):
+def test_ranks_roll_back_together_then_skip_the_same_nonfinite_steps_and_stop_after_the_same_one(tmp_path,
+                                                                                                   data_cache):
+    """Two runs in one launch, each beside one process's: a rollback, then a run that stops."""
+    # lr=1e6 wrecks the weights after ckpt-4; every rank must roll back at the same step, to the same data.
+    base = tmp_path / "base"
+    train(load_train_config(tiny_recipe(base, data_cache, steps=4, batch_size=8, micro_batch_size=2, **CPU)))
+    rolled_one, rolled_two = tmp_path / "rolled-one", tmp_path / "rolled-two"
+    shutil.copytree(base, rolled_one)
+    shutil.copytree(base, rolled_two)
+    overrides = ["steps=8", "optim.lr=1e6", "max_nonfinite_skips=1", "max_rollbacks=1", "rollback_lr_scale=1e-9"]
+    train(load_train_config(None, overrides, resume_dir=str(rolled_one)))
     # lr=1e6 wrecks the weights in one step. One process and two (the same global batch) must skip the same
     # steps and stop at the same one; ranks that disagreed would step apart and hang in their collectives.
     fields = dict(steps=20, batch_size=8, log_every=5, max_nonfinite_skips=2, optim__lr=1e6, **CPU)
@@ -82,8 +122,20 @@ def test_ranks_skip_the_same_nonfinite_steps_and_stop_after_the_same_one(tmp_pat
     with pytest.raises(NonFiniteLossError, match=r"^step (\d+):") as stopped:
         train(load_train_config(tiny_recipe(one, data_cache, micro_batch_size=8, **fields)))
     two = tmp_path / "two"
-    result = torchrun(tiny_recipe(two, data_cache, micro_batch_size=2, parallel={"mode": "ddp"}, **fields), tmp_path,
-                      succeed=False)
+    # The stopping run last: a failed run ends the launch.
+    result = torchrun_each([["--resume", str(rolled_two), "parallel.mode=ddp", *overrides],
+                            tiny_recipe(two, data_cache, micro_batch_size=2, parallel={"mode": "ddp"}, **fields)],
+                           tmp_path, succeed=False)
+    assert (rolled_two / "ckpt-8").is_dir()  # the rollback's run finished, the failure is the second run's
+
+    assert result.stderr.count("rolled back to") == 1  # rank 0 says it
+    keys = ("step", "rollback", "diverged_at", "skipped_data_steps", "skipped_steps")
+    rollbacks = [[tuple(r[k] for k in keys) for r in read_metrics(run) if "rollback" in r]
+                 for run in (rolled_one, rolled_two)]
+    assert rollbacks[0] == rollbacks[1] and len(rollbacks[0]) == 1
+    assert_same_losses(rolled_two, rolled_one)
+    assert all(torch.isfinite(p).all() for p in from_pretrained(rolled_two / "ckpt-8").parameters())
+
     step = re.match(r"step (\d+):", str(stopped.value)).group(1)
     assert re.findall(r"error: step (\d+):", result.stderr) == [step, step], result.stderr[-3000:]  # both ranks
     skipped = [[(r["step"], r["skipped_steps"]) for r in read_metrics(run) if "skipped" in r] for run in (one, two)]
@@ -92,24 +144,6 @@ def test_ranks_skip_the_same_nonfinite_steps_and_stop_after_the_same_one(tmp_pat
     # skip in several streaks; it stops at the third non-finite step in a row.
     (before_last, _), (last, _) = skipped[0][-2:]
     assert last == before_last + 1 and int(step) == last + 1, (skipped, step)
-
-
-def test_ranks_roll_back_together_and_train_on_like_one_process(tmp_path, data_cache):
-    base = tmp_path / "base"
-    train(load_train_config(tiny_recipe(base, data_cache, steps=4, batch_size=8, micro_batch_size=2, **CPU)))
-    one, two = tmp_path / "one", tmp_path / "two"
-    shutil.copytree(base, one)
-    shutil.copytree(base, two)
-    # lr=1e6 wrecks the weights after ckpt-4; every rank must roll back at the same step, to the same data.
-    overrides = ["steps=8", "optim.lr=1e6", "max_nonfinite_skips=1", "max_rollbacks=1", "rollback_lr_scale=1e-9"]
-    train(load_train_config(None, overrides, resume_dir=str(one)))
-    result = torchrun({}, tmp_path, "--resume", str(two), "parallel.mode=ddp", *overrides)
-    assert result.stderr.count("rolled back to") == 1  # rank 0 says it
-    fields = ("step", "rollback", "diverged_at", "skipped_data_steps", "skipped_steps")
-    rollbacks = [[tuple(r[k] for k in fields) for r in read_metrics(run) if "rollback" in r] for run in (one, two)]
-    assert rollbacks[0] == rollbacks[1] and len(rollbacks[0]) == 1
-    assert_same_losses(two, one)
-    assert all(torch.isfinite(p).all() for p in from_pretrained(two / "ckpt-8").parameters())
 
 
 @pytest.mark.skipif(resource is None, reason="no setrlimit")
@@ -123,8 +157,9 @@ def test_a_checkpoint_rank_0_cannot_write_stops_every_rank_and_keeps_the_previou
     failed = subprocess.run(command, capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=180,
                             preexec_fn=file_size_limit(weights // 2))
     assert failed.returncode != 0, failed.stderr[-3000:]
-    # Each rank ends with its own line (rank 1's may follow rank 0's progress bar on one line): none hangs.
-    errors = re.findall(r"flashformer train: error: .*", failed.stderr)
+    # Each rank ends with its own error: none hangs. Both ranks write to one pipe, so rank 1's may follow rank
+    # 0's progress bar or its error on one line: each error ends where the next begins or at its line's end.
+    errors = re.findall(r"flashformer train: error: .*?(?=flashformer train: error: |$)", failed.stderr, re.M)
     assert len(errors) == 2, failed.stderr[-3000:]
     assert any(f"could not write {run / 'ckpt-8'}: File too large" in e for e in errors), errors
     assert any(f"rank 0 could not write {run / 'ckpt-8'}" in e for e in errors), errors
@@ -178,25 +213,6 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, dat
     assert "stopped at step" in stdout + stderr
     checkpoint = latest_checkpoint(str(run))
     assert checkpoint is not None and checkpoint.endswith(f"ckpt-{read_metrics(run)[-1]['step']}")
-
-
-def test_ddp_lora_with_offloaded_checkpointing_matches_one_process(tmp_path, data_cache):
-    base = tmp_path / "base"
-    train(load_train_config(tiny_recipe(base, data_cache, steps=4, ckpt_every=4, eval_every=4, **CPU)))
-    fields = dict(steps=4, eval_every=2, batch_size=8, init_from=str(base), activation_checkpointing="offload",
-                  lora={"rank": 4, "targets": ["q", "v", "up"]}, **CPU)
-    train(load_train_config(tiny_recipe(tmp_path / "one", data_cache, micro_batch_size=8, **fields)))
-    torchrun(tiny_recipe(tmp_path / "two", data_cache, micro_batch_size=2, parallel={"mode": "ddp"}, **fields),
-             tmp_path)
-    assert_same_losses(tmp_path / "two", tmp_path / "one")
-
-
-def test_fsdp_with_offloaded_checkpointing_matches_one_process(tmp_path, data_cache):
-    fields = dict(steps=4, eval_every=2, batch_size=8, micro_batch_size=4, chunked_loss=True,
-                  activation_checkpointing="offload", **CPU)
-    train(load_train_config(tiny_recipe(tmp_path / "one", data_cache, **{**fields, "activation_checkpointing": False})))
-    torchrun(tiny_recipe(tmp_path / "fsdp", data_cache, parallel={"mode": "fsdp"}, **fields), tmp_path)
-    assert_same_losses(tmp_path / "fsdp", tmp_path / "one")
 
 
 def test_fsdp_lora_matches_one_process_leaves_the_base_alone_and_resumes(tmp_path, data_cache):

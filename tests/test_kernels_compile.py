@@ -2,7 +2,7 @@
 
 CI has no GPU; the interpreter runs the kernels' logic but not Triton's compiler. This compiles
 each kernel family (dense / varlen, masks, GQA, head_dims 64-256, decode) down to a cubin with the
-ptxas that Triton ships, in a child process without TRITON_INTERPRET.
+ptxas that Triton ships, in child processes without TRITON_INTERPRET.
 """
 
 import json
@@ -13,6 +13,7 @@ import sys
 import pytest
 import triton
 
+from session_cache import built_once
 from flashformer.kernels.interface import GLUON_TRITON_VERSIONS
 
 HOPPER_MATRIX_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_fused", "decode-", "gluon-")
@@ -22,13 +23,31 @@ needs_gluon_triton = pytest.mark.skipif(not triton.__version__.startswith(GLUON_
                                                f"not {triton.__version__}")
 
 
-@pytest.fixture(scope="module")
-def report():
+def compile_report(directory):
+    """Run hopper_compile.py over its cases, one child per usable core, each on every n-th case (a compile keeps
+    one core busy for seconds: three minutes of one core in all); write their merged report."""
+    from hopper_compile import cases_to_compile  # here: it imports Triton's compiler, which CI's Triton may lack
+
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = os.path.join(os.path.dirname(__file__), "hopper_compile.py")
-    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    names = cases_to_compile()
+    # At most 8: each child's start-up (torch, triton) costs seconds of its own.
+    children = min(len(os.sched_getaffinity(0)), 8, len(names))
+    running = [subprocess.Popen([sys.executable, script, *names[i::children]], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True) for i in range(children)]
+    report = {}
+    for child in running:
+        stdout, stderr = child.communicate(timeout=900)
+        assert child.returncode == 0, stderr[-3000:]
+        report.update(json.loads(stdout.strip().splitlines()[-1]))
+    assert sorted(report) == sorted(names)
+    (directory / "report.json").write_text(json.dumps(report))
+
+
+@pytest.fixture(scope="session")
+def report(tmp_path_factory):
+    """The compile report, built once however xdist hands these tests to its workers (the others wait for it)."""
+    return json.loads((built_once(tmp_path_factory, "hopper-compile", compile_report) / "report.json").read_text())
 
 
 def test_every_kernel_compiles_for_sm90(report):
