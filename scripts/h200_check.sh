@@ -11,7 +11,7 @@
 # directory) and RESULTS (archive name). Narrowing knobs: TUNE_ARGS (default: --head-dims 64 128 256), ATTN_ARGS (default:
 # all impls, head dims 64 128 256), SLOW_FILTER (a pytest -k expression splitting the slow sweep across calls), SLOW_TIMEOUT,
 # DECODE_ARGS (default: --host-profile 200), TRAIN_ARGS (default: --seqlens 1024 4096 16384 --steps 50 --profile 5).
-# The interpreter test in `readme` needs numpy<2.4 under Triton 3.6, as the README pins: carry that wheel in
+# FIRST_CALL_ARGS (bench_first_call's --shapes and --timeout). The interpreter test in `readme` needs numpy<2.4 under Triton 3.6, as the README pins: carry that wheel in
 # .whl/ where the machine's numpy is newer.
 set -uo pipefail
 OUT="${OUT:-out}"; mkdir -p "$OUT"
@@ -42,7 +42,7 @@ for stage in "${stages[@]}"; do
             # counts (tests/conftest.py names each failure as it is reported)
             timeout -s INT -k 30 "${README_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider > "$RES/readme.log" 2>&1
             grep -a "^FAILED\|passed\|failed" "$RES/readme.log" | tail -40 ;;
-    first-call) timeout 420 python3 scripts/bench_first_call.py --out "$RES/first_call.json" 2>&1 \
+    first-call) timeout 420 python3 scripts/bench_first_call.py ${FIRST_CALL_ARGS:-} --out "$RES/first_call.json" 2>&1 \
               | tee "$RES/first_call.log" | grep "^|" ;;
     fused-bwd) timeout 480 python3 scripts/bench_gluon_backward.py --variants two-kernel fused fused-nondet \
               fused-split fused-split-nondet --head-dims 128 --seqlens 4096 16384 --out "$RES/gluon_fused_backward.json" 2>&1 \
