@@ -10,6 +10,8 @@ bytes per token. An out-of-memory error ends the run with exit code 1, naming th
     python scripts/bench_longctx_8b.py                              # 8B LoRA, 131072 tokens, offload
     python scripts/bench_longctx_8b.py --no-offload --tokens 65536
     python scripts/bench_longctx_8b.py --full                       # Llama-3.2-1B shape, full fine-tune, 262144
+    python scripts/bench_longctx_8b.py --full --config configs/models/llama-125m.yaml --set n_layer=2 \
+        --tokens 2097152 --warmup-steps 0 --steps 1                 # 125M's blocks at 2M tokens
     python scripts/bench_longctx_8b.py --device cpu --layers 2 --d-model 256 --heads 4 --kv-heads 2 \\
         --head-dim 64 --d-ff 512 --vocab 1024 --tokens 512           # CPU smoke test
 """
@@ -44,7 +46,11 @@ GB = 1e9
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--full", action="store_true",
-                        help="full fine-tune of configs/models/llama-1b.yaml (fp32 weights, bf16 autocast), no LoRA")
+                        help="full fine-tune of --config (fp32 weights, bf16 autocast), no LoRA")
+    parser.add_argument("--config", default=FULL_MODEL_CONFIG,
+                        help="ModelConfig YAML of the --full model (default: configs/models/llama-1b.yaml)")
+    parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                        help="overrides of the --full model's config, e.g. n_layer=2")
     parser.add_argument("--tokens", type=int, default=None, help="tokens per step (default 131072; 262144 with --full)")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--d-model", type=int, default=4096)
@@ -57,21 +63,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lora-targets", nargs="+", default=["q", "k", "v", "o"], choices=list(TARGET_MODULES))
     parser.add_argument("--offload", action=argparse.BooleanOptionalAction, default=True,
                         help="keep the checkpointed block inputs in pinned host memory")
-    parser.add_argument("--steps", type=int, default=2, help="timed steps after the warm-up step")
+    parser.add_argument("--warmup-steps", type=int, default=1,
+                        help="untimed steps first (compiles; 0 where one step is long enough to hide them)")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps after the warm-up steps")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--attn-backend", default="auto")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.tokens is None:
         args.tokens = 262144 if args.full else 131072
-    if args.tokens < 2 or args.steps < 1:
-        parser.error("--tokens must be >= 2 and --steps >= 1")
+    if args.tokens < 2 or args.steps < 1 or args.warmup_steps < 0:
+        parser.error("--tokens must be >= 2, --steps >= 1 and --warmup-steps >= 0")
+    if not args.full and (args.set or args.config != FULL_MODEL_CONFIG):
+        parser.error("--config and --set choose the --full model; the LoRA model's shape comes from --layers, "
+                     "--d-model, ...")
     return args
 
 
 def model_config(args) -> ModelConfig:
     if args.full:
-        return load_config(ModelConfig, FULL_MODEL_CONFIG, [f"max_seq_len={max(args.tokens, 131072)}"])
+        return load_config(ModelConfig, args.config, [f"max_seq_len={max(args.tokens, 131072)}", *args.set])
     return ModelConfig(family="llama", vocab_size=args.vocab, d_model=args.d_model, n_layer=args.layers,
                        n_head=args.heads, n_kv_head=args.kv_heads, head_dim=args.head_dim, d_ff=args.d_ff,
                        max_seq_len=args.tokens, rope_theta=500000.0, tie_embeddings=False)
@@ -126,7 +137,9 @@ def run(args, record: dict) -> None:
     checkpointing = "offload" if args.offload else True
     plan = memory_plan(config, args.tokens, lora, checkpointing, bf16_autocast=True)
     print(format_plan(plan), flush=True)
-    label = "llama-1b full fine-tune" if args.full else f"{config.n_layer}-layer LoRA rank {args.lora_rank}"
+    name = os.path.splitext(os.path.basename(args.config))[0]
+    label = (f"{name} full fine-tune, n_layer={config.n_layer}" if args.full
+             else f"{config.n_layer}-layer LoRA rank {args.lora_rank}")
     record.update(model=label, tokens=args.tokens, offload=args.offload, device=str(device),
                   estimated_peak_gb=plan["estimated_peak"] / GB)
     model = build_model(config, lora, device, args.attn_backend)
@@ -136,21 +149,23 @@ def run(args, record: dict) -> None:
     batch = Batch(ids[:, :-1], ids[:, 1:])
     step = dict(bf16=True, loss_chunk_size=default_chunk_size(config.vocab_size), max_grad_norm=1.0)
     record["weights_gb"] = _allocated(device)
-    record["phase"] = "warm-up step"
-    loss, _ = train_step(model, optimizer, [batch], **step)
+    for index in range(args.warmup_steps):
+        record["phase"] = f"warm-up step {index + 1} of {args.warmup_steps}"
+        loss, _ = train_step(model, optimizer, [batch], **step)
+        record["warmup_loss"] = loss.item()
     _synchronize(device)
-    static = _allocated(device)  # weights + optimizer state, gradients freed
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    record.update(static_gb=static, warmup_loss=loss.item())
     start = time.perf_counter()
     for index in range(args.steps):
         record["phase"] = f"timed step {index + 1} of {args.steps}"
         loss, _ = train_step(model, optimizer, [batch], **step)
     _synchronize(device)
     seconds = time.perf_counter() - start
+    static = _allocated(device)  # weights + optimizer state, gradients freed: what a step starts from
     peak = _peak(device)
-    record.update(phase="done", loss=loss.item(), peak_gb=peak, tokens_per_s=args.tokens * args.steps / seconds,
+    record.update(phase="done", loss=loss.item(), static_gb=static, peak_gb=peak,
+                  tokens_per_s=args.tokens * args.steps / seconds,
                   activation_bytes_per_token=None if peak is None else (peak - static) * GB / args.tokens)
 
 

@@ -210,6 +210,24 @@ def test_longctx_bench_runs_a_tiny_lora_step_and_reports_its_plan(tmp_path):
     assert "estimated device peak" in process.stdout
 
 
+def test_longctx_bench_full_fine_tunes_a_chosen_config_without_warm_up(capsys):
+    """--full --config --set: the model's YAML with overrides, trained fully; --warmup-steps 0 times the first
+    step. --set without --full is an error naming the flags."""
+    import json
+
+    bench = _load_script("bench_longctx_8b")
+    config = os.path.join(os.path.dirname(SCRIPTS), "configs", "models", "tiny-llama.yaml")
+    assert bench.main(["--device", "cpu", "--full", "--config", config, "--set", "n_layer=1", "--tokens", "64",
+                       "--warmup-steps", "0", "--steps", "1", "--no-offload"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(bench.RESULT_PREFIX))
+    record = json.loads(line[len(bench.RESULT_PREFIX):])
+    assert record["model"] == "tiny-llama full fine-tune, n_layer=1" and record["status"] == "ok"
+    assert "warmup_loss" not in record and record["loss"] > 0
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--set", "n_layer=1"])
+    assert "--config and --set choose the --full model" in capsys.readouterr().err
+
+
 def test_memory_plan_counts_parameters_exactly_and_offload_moves_block_inputs_to_the_host():
     from flashformer.config import load_config
     from flashformer.lora import LoRAConfig, apply_lora
