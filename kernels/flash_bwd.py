@@ -18,10 +18,10 @@ then flash_bwd_hopper.py's dQ and dK/dV kernels; with deterministic=False, where
 the dK/dV kernel alone, forming dQ too (flash_bwd_hopper.launch_fused: TMA reductions of each dQ share in
 arrival order, its columns split between the consumers). Both beat the tl form below on the H200.
 
-Elsewhere, with deterministic=False there is no dQ kernel: ``_bwd_preprocess`` computes the statistics,
-and the dK/dV program also forms each query tile's dQ share dS K and adds it to an fp32 buffer (a TMA
-reduction on the GPU, pointer atomics in the interpreter), saving the dQ kernel's two recomputed
-products (5 tile matmuls instead of 7) at the price of a summation order that varies between runs.
+Elsewhere, with deterministic=False (where tuning.tl_reduced_dq_pays) there is no dQ kernel: ``_bwd_preprocess``
+computes the statistics, and the dK/dV program also adds each query tile's dQ share dS K to an fp32 buffer
+(TMA reductions on the GPU, pointer atomics in the interpreter): 5 tile matmuls instead of the dQ kernel's
+7, at the price of a summation order that varies between runs.
 
 With s = qk * scale (or softcap * tanh(qk * scale / softcap)), plus ALiBi's bias (no gradient):
 dS = P * (dP - delta), and d qk = dS * scale (times 1 - tanh^2 with softcap). Dropout (the forward's
@@ -42,7 +42,7 @@ from .reference import dropout_threshold
 from .sizes import next_power_of_2, pad_head_dim
 from .tile_ops import (alibi_bias, dropout_keep, key_range, load_alibi_slope_log2, load_dropout_key, mma, narrow,
                        program_tile, query_range, rows_descriptor, sequence_bounds, tanh, visible)
-from .tuning import gluon_backward_form, pick_kernel, table_mask, tuned
+from .tuning import gluon_backward_form, pick_kernel, table_mask, tl_reduced_dq_pays, tuned
 
 PREPROCESS_BLOCK = 64
 # The dK/dV kernel walks its query tiles in one loop (edge tiles masked under a branch) from this padded
@@ -356,9 +356,9 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
     Args:
         grad_out: like out; grad_lse: like lse, or None when lse took no gradient.
         q, k, v, out, lse: as given to / returned by flash_fwd.attention_forward (dense or varlen).
-        deterministic: True: the dQ kernel recomputes the tiles (7 tile matmuls, bit-identical
-            results). False: the dK/dV kernel also adds each tile's dQ share into an fp32 buffer
-            (5 matmuls; TMA reductions on the GPU, whose order varies from run to run).
+        deterministic: True: the dQ kernel recomputes the tiles (7 tile matmuls, bit-identical results).
+            False: the dK/dV kernel also adds each tile's dQ share into an fp32 buffer (5 matmuls; TMA
+            reductions on the GPU, in varying order), where tuning.tl_reduced_dq_pays; else as True.
         alibi_slopes, dropout_p, dropout_seed: as given to attention_forward (the same seed
             regenerates its dropout mask).
         gluon: run the Hopper Gluon kernels (flash_bwd_hopper.py) where they cover the inputs, after the
@@ -422,7 +422,7 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
                                        strides_lse)
             flash_bwd_hopper.launch_dkdv(q, k, v, grad_out, dk, dv, *launch_args, dkdv_strides, strides_lse)
             return dq, dk, dv
-    mask = table_mask(window_right)
+    mask, deterministic = table_mask(window_right), deterministic or not tl_reduced_dq_pays(q.device, head_dim_pad)
     if deterministic:  # the dQ kernel also writes delta and lse_log2
         kernel, config = pick_kernel(q.device, "bwd_dq", _bwd_dq_kernel, _bwd_dq_tuned, head_dim_pad, mask,
                                      buckets[0])

@@ -259,3 +259,18 @@ def gluon_backward_form(head_dim_pad, seqlen_k, window_left, window_right, deter
         return "two-kernel"
     from_seqlen = GLUON_UNORDERED_FUSED_FROM_SEQLEN.get((head_dim_pad, window_right == 0), float("inf"))
     return "fused-split" if seqlen_k >= from_seqlen else "two-kernel"
+
+
+# Where deterministic=False's tl form (the dK/dV kernel also reducing dQ's fp32 shares into memory) ran
+# slower than the two deterministic kernels, as (compute capability major, padded head_dim): on the H200 at
+# head_dim 64, 0.65-0.81x of them from 512 to 16k tokens, causal and not. There deterministic=False takes
+# the two kernels, whose bit-identical result is one of the results it allows.
+TL_REDUCED_DQ_SLOWER = {(9, 64)}
+
+
+def tl_reduced_dq_pays(device: torch.device, head_dim_pad: int) -> bool:
+    """Whether deterministic=False should take the tl backward's reduced-dQ form on ``device`` (True
+    where it was not measured slower; the interpreter always takes it, so CI runs it)."""
+    if device.type != "cuda":
+        return True
+    return (torch.cuda.get_device_capability(device)[0], head_dim_pad) not in TL_REDUCED_DQ_SLOWER

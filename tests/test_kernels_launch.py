@@ -27,6 +27,22 @@ def test_only_deterministic_false_takes_the_unordered_gluon_backward():
     assert tuning.gluon_backward_form(128, 1 << 20, -1, -1, False) == "fused-split"
 
 
+def test_deterministic_false_keeps_the_reduced_dq_form_off_the_gpu_and_in_the_interpreter():
+    assert tuning.tl_reduced_dq_pays(torch.device("cpu"), 64) and tuning.tl_reduced_dq_pays(torch.device("cpu"), 128)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the two-kernel choice for deterministic=False is the H200's measurement")
+def test_deterministic_false_at_head_dim_64_on_hopper_takes_the_bit_identical_two_kernels():
+    q, k, v = (torch.randn(2, 1000, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad_out = torch.randn_like(q)
+    grads = [torch.autograd.grad(flash_attn_func(q, k, v, causal=True, deterministic=det), (q, k, v), grad_out)
+             for det in (False, False, True)]
+    assert not tuning.tl_reduced_dq_pays(q.device, 64)
+    for grad in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], grad))
+
+
 def test_the_interpreter_names_the_numpy_pin_it_needs():
     with pytest.raises(RuntimeError, match=r'TRITON_INTERPRET=1 with triton 3\.6\.0 needs numpy<2\.4 \(found 2\.4\.1\)'):
         settings.check_interpreter_numpy("3.6.0", "2.4.1")
