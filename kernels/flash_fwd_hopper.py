@@ -39,6 +39,12 @@ from .tile_ops import tanh, visible
 from .tile_schedule import program_tile, q_buffers, query_block, section_pairs, tile_coords
 from .tuning import GLUON_FORWARD_FROM_SEQLEN, gluon_forward_config
 
+# Integer arguments the Gluon attention kernels take unspecialised: lengths and window bounds appear only in
+# loop bounds, masks and TMA coordinates, so Triton's == 1 / divisible-by-16 variants would compile the
+# same kernel again for each new class of length (seconds each) and run no faster. CI's sm_90 compiles
+# build these unspecialised forms too.
+LENGTH_ARGS = ("seqlen_q", "seqlen_k", "window_left", "window_right")
+
 
 @gluon.constexpr_function
 def _mma_layout(n, num_warps):
@@ -332,7 +338,7 @@ def _consume_partition(CONSUMER: gl.constexpr, O, LSE, stride_ob, stride_os, str
         _store_out(o_desc, batch, row0, head, out, q_smem.index(CONSUMER), PERSISTENT)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=(*LENGTH_ARGS, "batch_size", "heads", "num_m_blocks", "section"))
 def _attn_fwd_hopper_kernel(
     Q, K, V, O, LSE,
     stride_qb, stride_qs, stride_qh,

@@ -8,7 +8,7 @@ import torch
 import triton
 from attention_checks import assert_matches_reference
 
-from flashformer.kernels import flash_attn_func, launch, settings, tuning
+from flashformer.kernels import flash_attn_func, interface, launch, settings, tuning
 
 
 @pytest.mark.parametrize("window_right,expected", [(0, "causal"), (4, "causal"), (-1, "full")])
@@ -41,6 +41,30 @@ def test_deterministic_false_at_head_dim_64_on_hopper_takes_the_bit_identical_tw
     assert not tuning.tl_reduced_dq_pays(q.device, 64)
     for grad in grads[1:]:
         assert all(torch.equal(a, b) for a, b in zip(grads[0], grad))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not interface.hopper_gluon_available(0),
+                    reason="the Gluon kernels compile on an sm_90 GPU")
+def test_a_new_length_of_another_divisibility_compiles_no_gluon_kernel_again():
+    from flashformer.kernels import flash_bwd_dq_hopper, flash_bwd_hopper, flash_fwd_hopper
+
+    kernels = (flash_fwd_hopper._attn_fwd_hopper_kernel, flash_bwd_hopper._attn_bwd_dkdv_hopper_kernel,
+               flash_bwd_dq_hopper._attn_bwd_dq_hopper_kernel)
+
+    def compiled():
+        return [sum(len(cache[0]) for cache in kernel.device_caches.values()) for kernel in kernels]
+
+    def step(seqlen):
+        q, k, v = (torch.randn(2, seqlen, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        torch.autograd.grad(flash_attn_func(q, k, v, causal=True), (q, k, v), torch.randn_like(q))
+
+    step(1001)
+    before = compiled()
+    assert all(before)
+    for seqlen in (1008, 1013, 1016):  # divisible by 16 or not, the same tiles (the 1024 bucket)
+        step(seqlen)
+    assert compiled() == before
 
 
 def test_the_interpreter_names_the_numpy_pin_it_needs():
