@@ -42,7 +42,7 @@ from .reference import dropout_threshold
 from .sizes import next_power_of_2, pad_head_dim
 from .tile_ops import (alibi_bias, dropout_keep, key_range, load_alibi_slope_log2, load_dropout_key, mma, narrow,
                        program_tile, query_range, rows_descriptor, sequence_bounds, tanh, visible)
-from .tuning import gluon_backward_form, pick_kernel, table_mask, tl_reduced_dq_pays, tuned
+from .tuning import checked_gluon_form, gluon_backward_form, pick_kernel, table_mask, tl_reduced_dq_pays, tuned
 
 PREPROCESS_BLOCK = 64
 # The dK/dV kernel walks its query tiles in one loop (edge tiles masked under a branch) from this padded
@@ -359,8 +359,7 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
         deterministic: True: the dQ kernel recomputes the tiles (7 tile matmuls, bit-identical results).
             False: the dK/dV kernel also adds each tile's dQ share into an fp32 buffer (5 matmuls; TMA
             reductions on the GPU, in varying order), where tuning.tl_reduced_dq_pays; else as True.
-        alibi_slopes, dropout_p, dropout_seed: as given to attention_forward (the same seed
-            regenerates its dropout mask).
+        alibi_slopes, dropout_p, dropout_seed: as given to attention_forward (the seed regenerates its mask).
         gluon: run the Hopper Gluon kernels (flash_bwd_hopper.py) where they cover the inputs, after the
             preprocess forms the row statistics; deterministic=False may then still take the two kernels.
         gluon_form: with gluon, "two-kernel" (dQ, then dK/dV), "fused" (the dK/dV kernel alone also forms
@@ -407,7 +406,8 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
         from . import flash_bwd_dq_hopper, flash_bwd_hopper
 
         if flash_bwd_hopper.supports(q, cu_seqlens_q, head_dim_pad, alibi_slopes is not None, dropout_p > 0.0):
-            form = gluon_form or gluon_backward_form(head_dim_pad, seqlen_k, window_left, window_right, deterministic)
+            form = checked_gluon_form(gluon_form) or gluon_backward_form(head_dim_pad, seqlen_k, window_left,
+                                                                          window_right, deterministic)
             _preprocess(out, grad_out, lse, grad_lse, delta, lse_log2, cu_seqlens_q, batch, seqlen_q, strides_lse,
                         head_dim, head_dim_pad, is_varlen)
             launch_args = (lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left, window_right,

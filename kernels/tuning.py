@@ -247,6 +247,16 @@ def gluon_forward_config(head_dim_pad, seqlen_k, causal):
 GLUON_UNORDERED_FUSED_FROM_SEQLEN = {(128, False): 2048, (128, True): 8192}
 
 
+GLUON_BACKWARD_FORMS = ("two-kernel", "fused", "fused-split")
+
+
+def checked_gluon_form(gluon_form):
+    """``gluon_form`` (None or one of GLUON_BACKWARD_FORMS), or a ValueError naming it."""
+    if gluon_form is not None and gluon_form not in GLUON_BACKWARD_FORMS:
+        raise ValueError(f"gluon_form must be None or one of {GLUON_BACKWARD_FORMS}, got {gluon_form!r}")
+    return gluon_form
+
+
 def gluon_backward_form(head_dim_pad, seqlen_k, window_left, window_right, deterministic):
     """The Gluon backward's form for one launch: "fused-split" or "two-kernel" (flash_bwd_hopper).
 

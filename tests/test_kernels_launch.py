@@ -27,6 +27,12 @@ def test_only_deterministic_false_takes_the_unordered_gluon_backward():
     assert tuning.gluon_backward_form(128, 1 << 20, -1, -1, False) == "fused-split"
 
 
+def test_a_misspelt_gluon_backward_form_is_refused_by_name():
+    assert tuning.checked_gluon_form(None) is None and tuning.checked_gluon_form("fused-split") == "fused-split"
+    with pytest.raises(ValueError, match=r"gluon_form must be None or one of .*got 'fused-splt'"):
+        tuning.checked_gluon_form("fused-splt")
+
+
 def test_deterministic_false_keeps_the_reduced_dq_form_off_the_gpu_and_in_the_interpreter():
     assert tuning.tl_reduced_dq_pays(torch.device("cpu"), 64) and tuning.tl_reduced_dq_pays(torch.device("cpu"), 128)
 
