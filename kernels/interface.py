@@ -136,8 +136,9 @@ _flash_attn_bwd = torch.library.custom_op("flashformer::flash_attn_bwd", _backwa
 @_flash_attn_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, max_seqlen_q, max_seqlen_k, softmax_scale,
       window_left, window_right, softcap, dropout_p, deterministic):
-    lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else (q.shape[0], q.shape[2], q.shape[1])
-    return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
+    from .flash_fwd import lse_shape
+
+    return torch.empty_like(q), q.new_empty(lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
 
 
 @_flash_attn_bwd.register_fake
