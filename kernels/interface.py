@@ -121,12 +121,15 @@ def _backward_impl(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: 
                    dropout_seed: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
                    softmax_scale: float, window_left: int, window_right: int, softcap: float, dropout_p: float,
                    deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .compile_ahead import wait_for_backward
     from .flash_bwd import attention_backward
 
+    gluon = kernel_impl(q.device) == "gluon"
+    wait_for_backward((q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, max_seqlen_q, max_seqlen_k,
+                       softmax_scale, window_left, window_right, softcap, dropout_p, deterministic), gluon)
     return attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, window_left, window_right,
                               softcap, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic,
-                              alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                              gluon=kernel_impl(q.device) == "gluon")
+                              alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed, gluon=gluon)
 
 
 _flash_attn_fwd = torch.library.custom_op("flashformer::flash_attn_fwd", _forward_impl, mutates_args=())
@@ -185,6 +188,11 @@ def triton_attention(*inputs):
     """(out, lse) through the Triton kernels; ``inputs`` as ``_forward_impl`` takes them."""
     if torch.compiler.is_compiling():
         return _flash_attn_fwd(*inputs)
+    q, k, v = inputs[:3]
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad) and q.is_cuda:
+        from .compile_ahead import submit_backward
+
+        submit_backward(inputs, kernel_impl(q.device) == "gluon")  # its kernels compile beside the forward's
     return _FlashAttention.apply(*inputs)
 
 
