@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .flash_fwd import log2_scales
-from .launch import (INTERPRETED, as_descriptor_compatible, dot_precision, ensure_allocator, new_output,
+from .launch import (INTERPRETED, as_descriptor_compatible, dot_precision, ensure_allocator, launcher, new_output,
                      seq_strides, seqs_pad, tile_grid, upcast_dot)
 from .reference import dropout_threshold
 from .sizes import next_power_of_2, pad_head_dim
@@ -338,7 +338,7 @@ _bwd_dq_tuned = tuned(_bwd_dq_kernel, "bwd_dq", extra_key=("HAS_ALIBI", "HAS_DRO
 def _preprocess(out, grad_out, lse, grad_lse, delta, lse_log2, cu_seqlens_q, batch, seqlen_q, strides_lse, head_dim,
                 head_dim_pad, is_varlen):
     """Launch ``_bwd_preprocess``: every row's delta and lse_log2."""
-    _bwd_preprocess[tile_grid(PREPROCESS_BLOCK, seqlen_q, out.shape[0], batch, out.shape[-2], is_varlen)](
+    launcher(_bwd_preprocess, tile_grid(PREPROCESS_BLOCK, seqlen_q, out.shape[0], batch, out.shape[-2], is_varlen))(
         out, grad_out, lse, grad_lse, delta, lse_log2, cu_seqlens_q,
         *seq_strides(out, is_varlen), *seq_strides(grad_out, is_varlen), *strides_lse,
         seqlen_q, batch,
@@ -426,7 +426,7 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
     if deterministic:  # the dQ kernel also writes delta and lse_log2
         kernel, config = pick_kernel(q.device, "bwd_dq", _bwd_dq_kernel, _bwd_dq_tuned, head_dim_pad, mask,
                                      buckets[0])
-        kernel[lambda meta: tile_grid(meta["BLOCK_M"], seqlen_q, q.shape[0], batch, heads_q, is_varlen)](
+        launcher(kernel, lambda meta: tile_grid(meta["BLOCK_M"], seqlen_q, q.shape[0], batch, heads_q, is_varlen))(
             q, k, v, grad_out, dq, lse_log2, delta, cu_seqlens_q, cu_seqlens_k, out, lse, grad_lse, *extras,
             *strides_qkv, *seq_strides(dq, is_varlen), *seq_strides(out, is_varlen), *strides_lse, stride_alibi,
             seqlen_q, seqlen_k, batch, *scalars, **common, HAS_DLSE=grad_lse is not None, **config,
@@ -437,7 +437,7 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
     dq_acc = None if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kind, tuned_kernel = ("bwd_dkdv", _bwd_dkdv_tuned) if deterministic else ("bwd_fused", _bwd_fused_tuned)
     kernel, config = pick_kernel(q.device, kind, _bwd_dkdv_kernel, tuned_kernel, head_dim_pad, mask, buckets[0])
-    kernel[lambda meta: tile_grid(meta["BLOCK_N"], seqlen_k, k.shape[0], batch, heads_kv, is_varlen)](
+    launcher(kernel, lambda meta: tile_grid(meta["BLOCK_N"], seqlen_k, k.shape[0], batch, heads_kv, is_varlen))(
         q, k, v, grad_out, dk, dv, dq_acc, lse_log2, delta, cu_seqlens_q, cu_seqlens_k, *extras,
         *strides_qkv, *seq_strides(dk, is_varlen), *seq_strides(dv, is_varlen),
         *(seq_strides(dq_acc, is_varlen) if dq_acc is not None else (0, 0, 0)), *strides_lse, stride_alibi,

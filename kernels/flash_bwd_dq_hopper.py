@@ -16,7 +16,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .flash_bwd_hopper import CONSUMER_WARPS, distinct_registers
 from .flash_fwd_hopper import LENGTH_ARGS, _mma_layout, _rows_descriptor
-from .launch import ensure_allocator
+from .launch import ensure_allocator, launcher
 from .tile_ops import key_range, tanh, visible
 
 
@@ -203,7 +203,7 @@ def launch_dq(q, k, v, grad_out, dq, lse_log2, delta, softmax_scale, qk_scale, s
     kv_smem = gl.NVMMASharedLayout.get_default_for([block_n, head_dim_pad], gl_dtype)
     ensure_allocator(q.device)
     grid = (triton.cdiv(seqlen_q, DQ_BLOCK_M), heads_q, batch)
-    _attn_bwd_dq_hopper_kernel[grid](
+    launcher(_attn_bwd_dq_hopper_kernel, grid)(
         q, k, v, grad_out, dq, lse_log2, delta, *strides, *strides_lse, seqlen_q, seqlen_k,
         softmax_scale, qk_scale, softcap_log2, window_left, window_right,
         GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,

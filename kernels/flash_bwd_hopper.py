@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 
 from .flash_fwd_hopper import LENGTH_ARGS, _mma_layout, _rows_descriptor
-from .launch import ensure_allocator
+from .launch import ensure_allocator, launcher
 from .dq_reduce_hopper import add_dq_share, heads_descriptor, tma_view
 from .tile_ops import last_key_block, query_range, tanh, visible
 
@@ -413,7 +413,7 @@ def launch_dkdv(q, k, v, grad_out, dk, dv, lse_log2, delta, softmax_scale, qk_sc
     # Key blocks on the grid's fastest axis: DQ_ORDERED's contributors wait for blocks started earlier.
     grid = (triton.cdiv(seqlen_k, keys), heads_kv, batch)
     ds_smem, dq_smem, dq_tma = fused_layouts(block_m, head_dim_pad, q.dtype, split_dq)
-    _attn_bwd_dkdv_hopper_kernel[grid](
+    launcher(_attn_bwd_dkdv_hopper_kernel, grid)(
         q, k, v, grad_out, dk, dv, lse_log2, delta, *placeholders, *strides,
         *(dq_acc.stride()[:3] if dq_acc is not None else (0, 0, 0)), *strides_lse, seqlen_q, seqlen_k,
         softmax_scale, qk_scale, softcap_log2, window_left, window_right,

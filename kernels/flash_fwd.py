@@ -143,6 +143,11 @@ def log2_scales(softmax_scale: float, softcap: float) -> tuple[float, float]:
     return softmax_scale * LOG2E, 1.0
 
 
+def lse_shape(q, is_varlen):
+    """The forward's lse shape for ``q``: (batch, heads_q, seqlen_q), or (heads_q, total_q) for varlen."""
+    return (q.shape[1], q.shape[0]) if is_varlen else (q.shape[0], q.shape[2], q.shape[1])
+
+
 def attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap,
                       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, gluon=False,
                       alibi_slopes=None, dropout_p=0.0, dropout_seed=None):
@@ -165,15 +170,14 @@ def attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap
     head_dim = q.shape[-1]
     heads_q, heads_kv = q.shape[-2], k.shape[-2]
     out = new_output(q)
+    lse = new_output(q, lse_shape(q, is_varlen), torch.float32)
     if is_varlen:
         batch = cu_seqlens_q.numel() - 1
         seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
-        lse = new_output(q, (heads_q, q.shape[0]), torch.float32)
         strides_lse = (0, lse.stride(0))
     else:
         batch, seqlen_q = q.shape[0], q.shape[1]
         seqlen_k = k.shape[1]
-        lse = new_output(q, (batch, heads_q, seqlen_q), torch.float32)
         strides_lse = lse.stride()[:2]
     if out.numel() == 0:
         return out, lse

@@ -121,12 +121,15 @@ def _backward_impl(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: 
                    dropout_seed: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
                    softmax_scale: float, window_left: int, window_right: int, softcap: float, dropout_p: float,
                    deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .compile_ahead import wait_for_backward
     from .flash_bwd import attention_backward
 
+    gluon = kernel_impl(q.device) == "gluon"
+    wait_for_backward((q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, max_seqlen_q, max_seqlen_k,
+                       softmax_scale, window_left, window_right, softcap, dropout_p, deterministic), gluon)
     return attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, window_left, window_right,
                               softcap, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic,
-                              alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                              gluon=kernel_impl(q.device) == "gluon")
+                              alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed, gluon=gluon)
 
 
 _flash_attn_fwd = torch.library.custom_op("flashformer::flash_attn_fwd", _forward_impl, mutates_args=())
@@ -136,8 +139,9 @@ _flash_attn_bwd = torch.library.custom_op("flashformer::flash_attn_bwd", _backwa
 @_flash_attn_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, max_seqlen_q, max_seqlen_k, softmax_scale,
       window_left, window_right, softcap, dropout_p, deterministic):
-    lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else (q.shape[0], q.shape[2], q.shape[1])
-    return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
+    from .flash_fwd import lse_shape
+
+    return torch.empty_like(q), q.new_empty(lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
 
 
 @_flash_attn_bwd.register_fake
@@ -184,6 +188,11 @@ def triton_attention(*inputs):
     """(out, lse) through the Triton kernels; ``inputs`` as ``_forward_impl`` takes them."""
     if torch.compiler.is_compiling():
         return _flash_attn_fwd(*inputs)
+    q, k, v = inputs[:3]
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad) and q.is_cuda:
+        from .compile_ahead import submit_backward
+
+        submit_backward(inputs, kernel_impl(q.device) == "gluon")  # its kernels compile beside the forward's
     return _FlashAttention.apply(*inputs)
 
 

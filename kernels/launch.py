@@ -1,11 +1,13 @@
 """Launch mechanics shared by the kernels: TMA scratch memory, output buffers (NaN-poisoned for tests),
-strides and grids, reused per-stream temporaries, and direct launches through Triton's C launcher.
+strides and grids, reused per-stream temporaries, direct launches through Triton's C launcher, and the
+compile-only mode in which a launch site compiles its kernel and launches nothing (compile_ahead.py).
 
 Which tile shapes a launch uses is tuning.py's choice.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 
@@ -15,6 +17,41 @@ from triton.runtime._allocation import _allocator, NullAllocator
 
 from .settings import INTERPRETED, POISON_AT_IMPORT
 from .sizes import cdiv, next_power_of_2
+
+
+_COMPILE_ONLY = threading.local()
+
+
+class WouldAutotune(RuntimeError):
+    """A launch in compile-only mode reached the autotuner, which would time configs on real launches."""
+
+
+@contextlib.contextmanager
+def compile_only():
+    """Within the block, on this thread, ``launcher`` compiles each kernel for its arguments and launches
+    nothing; the block gets the list of what the launches compiled (Triton's compiled kernels, or futures of
+    them under Triton's AsyncCompileMode)."""
+    previous = getattr(_COMPILE_ONLY, "compiled", None)
+    _COMPILE_ONLY.compiled = compiled = []
+    try:
+        yield compiled
+    finally:
+        _COMPILE_ONLY.compiled = previous
+
+
+def launcher(kernel, grid):
+    """``kernel[grid]``, or within compile_only() its compile for the same arguments (Triton's warmup).
+
+    Args:
+        kernel: a @triton.jit or @gluon.jit function; an autotuner raises WouldAutotune in compile-only mode.
+        grid: the launch grid, a tuple or a function of the meta-parameters.
+    """
+    compiled = getattr(_COMPILE_ONLY, "compiled", None)
+    if compiled is None:
+        return kernel[grid]
+    if isinstance(kernel, triton.runtime.Autotuner):
+        raise WouldAutotune(f"{kernel.base_fn.__name__} autotunes here")
+    return lambda *args, **meta: compiled.append(kernel.warmup(*args, grid=grid, **meta))
 
 
 def _torch_allocator(size, alignment, stream):

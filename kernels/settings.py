@@ -6,6 +6,8 @@
   call, so that a process (a test, a benchmark) can switch it.
 * ``FLASHFORMER_AUTOTUNE=0``: launches the offline table does not cover take a default config
   instead of the autotuner. Read per call.
+* ``FLASHFORMER_COMPILE_AHEAD=0``: a forward whose inputs need gradients no longer compiles its backward's
+  kernels in a background thread (compile_ahead.py). Read per call.
 * ``FLASHFORMER_POISON=1``: outputs start NaN-filled, so that a test catches any element a kernel
   forgets to write. Read once, at import: a decoding step allocates four outputs, and an environment
   lookup costs ~2 µs (launch.POISON_OUTPUTS is the switch afterwards).
@@ -47,3 +49,8 @@ def forced_kernel() -> str:
 def autotune_enabled() -> bool:
     """Whether FLASHFORMER_AUTOTUNE leaves the autotuner on (any value but "0")."""
     return os.environ.get("FLASHFORMER_AUTOTUNE", "1") != "0"
+
+
+def compile_ahead_enabled() -> bool:
+    """Whether FLASHFORMER_COMPILE_AHEAD leaves compile-ahead on (any value but "0")."""
+    return os.environ.get("FLASHFORMER_COMPILE_AHEAD", "1") != "0"

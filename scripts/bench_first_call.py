@@ -9,10 +9,13 @@ family, the power-of-two length at or above it, which picks its tiles, the same 
 do_bench. TFLOP/s count the (query, key) pairs each mask attends, so a sliding window's figures are
 comparable to the causal shape beside it only as a rate, not as work. A second cache, filled by a
 process that ran the tuned shape, then times the shape's first step as a user's machine sees it after
-earlier runs (launchers and other specialisations built; this shape's kernels not).
+earlier runs (launchers and other specialisations built; this shape's kernels not). With
+--without-compile-ahead a third process, on an empty cache too, times the first step with
+FLASHFORMER_COMPILE_AHEAD=0: the backward's kernels compiled in turn after the forward, not beside it.
 
     python3 scripts/bench_first_call.py
     python3 scripts/bench_first_call.py --shapes 23x704x128:causal 5x2500x128:window256 --out first_call.json
+    python3 scripts/bench_first_call.py --shapes 23x704x128:causal 2x5000x64:causal --without-compile-ahead
 
 Shapes are BATCHxSEQLENxHEAD_DIM[:MASK] with MASK one of full, causal (the default), windowW (causal
 with W keys to the left) or softcapC (causal, logits soft-capped at C); heads are 2048 / head_dim.
@@ -129,12 +132,13 @@ def warm(spec):
     print(json.dumps({"shape": spec, "first_step_s": time_shape(*parse_shape(spec), steady=False)[0]}))
 
 
-def run_child(flag, spec, cache, timeout_s):
-    """The JSON line of a child process (``flag`` SPEC) whose Triton cache is ``cache``, or an error row."""
+def run_child(flag, spec, cache, timeout_s, env=None):
+    """The JSON line of a child process (``flag`` SPEC) whose Triton cache is ``cache`` (``env``: more
+    environment variables), or an error row."""
     try:
         done = subprocess.run([sys.executable, os.path.abspath(__file__), flag, spec],
-                              env=dict(os.environ, TRITON_CACHE_DIR=cache), capture_output=True, text=True,
-                              timeout=timeout_s)
+                              env=dict(os.environ, **(env or {}), TRITON_CACHE_DIR=cache), capture_output=True,
+                              text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return {"shape": spec, "error": f"not done within --timeout {timeout_s:g} s"}
     if done.returncode != 0:
@@ -143,13 +147,18 @@ def run_child(flag, spec, cache, timeout_s):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def run_fresh(spec, timeout_s, warm_cache=True):
+def run_fresh(spec, timeout_s, warm_cache=True, without_compile_ahead=False):
     """One shape's row: its child run on an empty Triton cache and, with ``warm_cache``, its first step
     again in a fresh process whose cache holds another shape's compiles (its tuned shape's, from a
     process before it): a user's machine after earlier runs, where the launchers and the kernels of
-    other specialisations are already built."""
+    other specialisations are already built. ``without_compile_ahead``: also its first step on an empty
+    cache with FLASHFORMER_COMPILE_AHEAD=0."""
     with tempfile.TemporaryDirectory() as cache:
         row = run_child("--child", spec, cache, timeout_s)
+    if without_compile_ahead and "error" not in row:
+        with tempfile.TemporaryDirectory() as cache:
+            alone = run_child("--child-warm", spec, cache, timeout_s, env={"FLASHFORMER_COMPILE_AHEAD": "0"})
+        row["first_step_without_compile_ahead_s"] = alone.get("first_step_s")
     if warm_cache and "error" not in row:
         with tempfile.TemporaryDirectory() as cache:
             warmed = run_child("--child-warm", row["tuned_shape"], cache, timeout_s)
@@ -158,15 +167,20 @@ def run_fresh(spec, timeout_s, warm_cache=True):
     return row
 
 
+def _seconds(value):
+    return "-" if value is None else f"{value:.1f}"
+
+
 def markdown_table(rows):
-    lines = ["| shape | first step (s), empty cache | after another shape's run | TFLOP/s | nearest tuned shape "
-             "| its TFLOP/s | ratio |", "|---|---|---|---|---|---|---|"]
+    lines = ["| shape | first step (s), empty cache | without compile-ahead | after another shape's run | TFLOP/s "
+             "| nearest tuned shape | its TFLOP/s | ratio |", "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['shape']} | error: {row['error'][:80]} | | | | | |")
+            lines.append(f"| {row['shape']} | error: {row['error'][:80]} | | | | | | |")
             continue
-        after = row.get("first_step_after_other_shape_s")
-        lines.append(f"| {row['shape']} | {row['first_step_s']:.1f} | {'-' if after is None else f'{after:.1f}'} | "
+        lines.append(f"| {row['shape']} | {row['first_step_s']:.1f} | "
+                     f"{_seconds(row.get('first_step_without_compile_ahead_s'))} | "
+                     f"{_seconds(row.get('first_step_after_other_shape_s'))} | "
                      f"{row['tflops']:.0f} | {row['tuned_shape']} | {row['tuned_tflops']:.0f} | "
                      f"{row['tflops'] / row['tuned_tflops']:.2f} |")
     return "\n".join(lines)
@@ -179,6 +193,8 @@ def main(argv=None):
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per shape's child process")
     parser.add_argument("--no-warm-cache", action="store_true",
                         help="skip each shape's second first step (cache of another shape's run)")
+    parser.add_argument("--without-compile-ahead", action="store_true",
+                        help="also time each shape's first step, empty cache, with FLASHFORMER_COMPILE_AHEAD=0")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--child-warm", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -199,7 +215,8 @@ def main(argv=None):
 
     rows, provenance = [], benchmark_provenance()
     for spec in tqdm(args.shapes, desc="shapes"):
-        rows.append(run_fresh(spec, args.timeout, warm_cache=not args.no_warm_cache))
+        rows.append(run_fresh(spec, args.timeout, warm_cache=not args.no_warm_cache,
+                              without_compile_ahead=args.without_compile_ahead))
         tqdm.write(json.dumps(rows[-1]))
         with open(args.out, "w") as f:  # after every shape: a run cut short keeps what it measured
             json.dump({**provenance, "rows": rows}, f, indent=1)

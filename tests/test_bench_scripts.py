@@ -418,3 +418,12 @@ def test_first_call_shapes_parse_and_bad_ones_name_the_spec():
     assert first_call.nearest_tuned(23, 704) == (15, 1024)
     assert first_call.nearest_tuned(3, 3000) == (2, 4096) and first_call.nearest_tuned(4, 1024) == (4, 1024)
     assert first_call.nearest_tuned(1, 12000) == (1, 16384)
+
+
+def test_first_call_table_shows_the_step_without_compile_ahead_where_it_was_timed():
+    first_call = _load_script("bench_first_call")
+    row = {"shape": "23x704x128:causal", "first_step_s": 5.04, "tflops": 300.0, "tuned_shape": "15x1024x128:causal",
+           "tuned_tflops": 400.0}
+    table = first_call.markdown_table([{**row, "first_step_without_compile_ahead_s": 10.0}, row])
+    assert "| 23x704x128:causal | 5.0 | 10.0 | - | 300 |" in table
+    assert "| 23x704x128:causal | 5.0 | - | - | 300 |" in table

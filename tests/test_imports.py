@@ -54,6 +54,7 @@ LAYERS = [
     ("kernels: varlen over paged k/v", ["flashformer.kernels.varlen_kv"]),
     ("kernels: the kv-cache entry point", ["flashformer.kernels.kvcache"]),
     ("kernels: path choice, autograd", ["flashformer.kernels.interface"]),
+    ("kernels: the backward compiled during the forward", ["flashformer.kernels.compile_ahead"]),
     ("kernels: argument checks", ["flashformer.kernels.checks"]),
     ("kernels: backward, decoding", ["flashformer.kernels.flash_bwd", "flashformer.kernels.decode"]),
     ("kernels: forward", ["flashformer.kernels.flash_fwd"]),
