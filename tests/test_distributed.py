@@ -90,6 +90,12 @@ def two_rank_runs(directory, data_cache):
     # FSDP; chunked_loss: the loss comes out of the sharded root module's forward (DDP above covers logits).
     fsdp = dict(steps=6, eval_every=3, ckpt_every=3, batch_size=8, micro_batch_size=4, chunked_loss=True, **CPU)
     train(load_train_config(tiny_recipe(directory / "fsdp-one", data_cache, **fsdp)))
+    # FSDP + LoRA from a trained base; the frozen base's report comes from tests/lora_fsdp_worker.py.
+    lora_base = directory / "fsdp-lora-base"
+    train(load_train_config(tiny_recipe(lora_base, data_cache, steps=2, ckpt_every=2, eval_every=2, **CPU)))
+    fsdp_lora = dict(steps=4, eval_every=2, ckpt_every=2, batch_size=8, micro_batch_size=4, init_from=str(lora_base),
+                     lora={"rank": 4, "targets": ["q", "v", "up"]}, **CPU)
+    train(load_train_config(tiny_recipe(directory / "fsdp-lora-one", data_cache, **fsdp_lora)))
 
     # lr=1e6 wrecks the weights after ckpt-4; every rank must roll back at the same step, to the same data.
     rolled_base = directory / "rolled-base"
@@ -113,6 +119,11 @@ def two_rank_runs(directory, data_cache):
         tiny_recipe(directory / "fsdp", data_cache, parallel={"mode": "fsdp"}, **fsdp),
         # As if the FSDP run had died after ckpt-3: the resumed processes must redo steps 4-6 identically.
         rewind_args(directory / "fsdp", directory / "fsdp-resumed", 3), ["--resume", str(directory / "fsdp-resumed")],
+        [LORA_REPORT, recipe_file(tiny_recipe(directory / "fsdp-lora", data_cache, parallel={"mode": "fsdp"},
+                                              **fsdp_lora), directory), str(directory / "fsdp-lora-report.json")],
+        # As if the run had died after ckpt-2: the resumed processes redo steps 3-4 identically.
+        rewind_args(directory / "fsdp-lora", directory / "fsdp-lora-resumed", 2),
+        ["--resume", str(directory / "fsdp-lora-resumed")],
         ["--resume", str(rolled_two), "parallel.mode=ddp", *overrides],
         # The stopping run last: a failed run ends the launch.
         tiny_recipe(directory / "stop-two", data_cache, micro_batch_size=2, parallel={"mode": "ddp"}, **stopping),
@@ -123,7 +134,16 @@ def two_rank_runs(directory, data_cache):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_cache):
-    return built_once(tmp_path_factory, "two-rank-runs", lambda directory: two_rank_runs(directory, data_cache))
+    """two_rank_runs' directory, built once however xdist hands these tests to its workers. Not the directory
+    built_once renames into place: an adapter's checkpoint names its base by its path, which must not move."""
+    def build(done):
+        directory = done.parent / "two-rank-runs"
+        shutil.rmtree(directory, ignore_errors=True)  # what a failed build left
+        directory.mkdir()
+        two_rank_runs(directory, data_cache)
+
+    done = built_once(tmp_path_factory, "two-rank-runs-done", build)
+    return done.parent / "two-rank-runs"
 
 
 def test_ddp_and_fsdp_runs_match_one_process_and_fsdp_resumes(runs):
@@ -229,19 +249,9 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, dat
     assert checkpoint is not None and checkpoint.endswith(f"ckpt-{read_metrics(run)[-1]['step']}")
 
 
-def test_fsdp_lora_matches_one_process_leaves_the_base_alone_and_resumes(tmp_path, data_cache):
-    base = tmp_path / "base"
-    train(load_train_config(tiny_recipe(base, data_cache, steps=2, ckpt_every=2, eval_every=2, **CPU)))
-    fields = dict(steps=4, eval_every=2, ckpt_every=2, batch_size=8, micro_batch_size=4, init_from=str(base),
-                  lora={"rank": 4, "targets": ["q", "v", "up"]}, **CPU)
-    one, sharded = tmp_path / "one", tmp_path / "fsdp"
-    train(load_train_config(tiny_recipe(one, data_cache, **fields)))
-    report, resumed = tmp_path / "report.json", tmp_path / "fsdp-resumed"
-    recipe = recipe_file(tiny_recipe(sharded, data_cache, parallel={"mode": "fsdp"}, **fields), tmp_path)
-    # As if the run had died after ckpt-2: the resumed processes redo steps 3-4 identically.
-    torchrun_each([[LORA_REPORT, recipe, str(report)], rewind_args(sharded, resumed, 2), ["--resume", str(resumed)]],
-                  tmp_path)
-    found = json.loads(report.read_text())
+def test_fsdp_lora_matches_one_process_leaves_the_base_alone_and_resumes(runs, tmp_path):
+    one, sharded, resumed = runs / "fsdp-lora-one", runs / "fsdp-lora", runs / "fsdp-lora-resumed"
+    found = json.loads((runs / "fsdp-lora-report.json").read_text())
     # The base is sharded, has no gradients and no AdamW state, and comes out of training bit for bit.
     assert len(found["frozen"]) > 10 and not found["not_sharded"] and not found["with_grad"] and not found["changed"]
     adapters = [name for name in found["optimized"] if name.endswith(("lora_a", "lora_b"))]
