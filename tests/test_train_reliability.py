@@ -290,8 +290,9 @@ def test_a_second_run_beside_a_live_one_is_refused_and_the_lock_goes_with_the_pr
                              env=SUBPROCESS_ENV)
     try:
         wait_for_first_record(first, run)
+        # In this process: another process than the lock's holder, at once (the first trains on meanwhile).
         for args in (("train", config), ("train", "--resume", str(run))):
-            second = run_cli(*args, timeout=300)
+            second = run_here(*args)
             assert second.returncode == 2, second.stderr
             assert f"in use by another run: pid {first.pid} on this host" in second.stderr
             assert "Traceback" not in second.stderr
