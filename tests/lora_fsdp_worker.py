@@ -1,6 +1,5 @@
-"""A LoRA run under FSDP2, and what became of its frozen base: run by tests/test_distributed.py under torchrun.
-
-    torchrun --nproc_per_node 2 --standalone tests/lora_fsdp_worker.py RECIPE.yaml REPORT.json
+"""A LoRA run under FSDP2, and what became of its frozen base: a run of tests/train_runs_worker.py
+(``--lora-report RECIPE.yaml REPORT.json``), in a process group it has joined.
 
 Every rank trains the recipe (parallel.mode=fsdp) through the Trainer; then the ranks gather the whole
 model, and rank 0 writes as JSON which frozen parameters were not sharded, had a gradient, were in the
@@ -8,7 +7,6 @@ optimizer or its state, or differ from the base checkpoint the run adapted.
 """
 
 import json
-import sys
 
 import torch
 import torch.distributed as dist
@@ -39,7 +37,7 @@ def frozen_base_report(trainer: Trainer) -> dict:
     return report
 
 
-def main(recipe_path: str, report_path: str) -> None:
+def train_and_report(recipe_path: str, report_path: str) -> None:
     torch.set_num_threads(1)
     trainer = Trainer(load_train_config(recipe_path))
     try:
@@ -53,6 +51,3 @@ def main(recipe_path: str, report_path: str) -> None:
         trainer.close()
         shutdown_distributed()
 
-
-if __name__ == "__main__":
-    main(*sys.argv[1:])

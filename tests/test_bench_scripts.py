@@ -18,6 +18,7 @@ def _load_script(name):
     """scripts/ is not a package: load one file as a module without running its main()."""
     spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # where dataclasses look a script's own classes up
     spec.loader.exec_module(module)
     return module
 

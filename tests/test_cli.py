@@ -1,5 +1,7 @@
 """The command line's conventions: help and version on stdout, usage errors in one line with exit 2."""
 
+import contextlib
+import io
 import shutil
 import subprocess
 import sys
@@ -7,17 +9,26 @@ import sys
 import pytest
 import torch
 
+from flashformer.cli import main
 from flashformer.model import ModelConfig, Transformer
 
-CLI = [sys.executable, "-m", "flashformer.cli"]
 
-
-def run(*args, cwd=None):
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300, cwd=cwd)
+def run(*args) -> subprocess.CompletedProcess:
+    """The command's exit code and output, run in this process as ``python -m flashformer.cli`` runs it
+    (``sys.exit(main())``): a process of its own would cost seconds of start-up per test. The first test
+    checks that real process."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            code = main(list(args))
+        except SystemExit as exit:  # argparse's usage errors and --help
+            code = exit.code
+    return subprocess.CompletedProcess(args, code, stdout.getvalue(), stderr.getvalue())
 
 
 def test_help_lists_every_command_on_stdout():
-    done = run("--help")
+    done = subprocess.run([sys.executable, "-m", "flashformer.cli", "--help"], capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0 and done.stderr == ""
     for command in ("train", "generate", "tokenizer", "finetune-long"):
         assert f"  {command} " in done.stdout

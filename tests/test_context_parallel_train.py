@@ -1,9 +1,7 @@
 """``parallel.context_parallel``: real torchrun processes (gloo, CPU) whose ranks share each sequence
 (ring attention) reproduce one process's run: losses, evaluations, tokens counted and final weights."""
 
-import json
 import random
-import shutil
 
 import pytest
 import torch
@@ -14,6 +12,7 @@ from flashformer.train import Trainer, load_train_config, read_metrics, train
 from flashformer.train.model_setup import build_model
 from test_distributed import CPU, assert_same_losses, torchrun, torchrun_each
 from test_train import data_cache, one_thread, tiny_recipe  # noqa: F401 (fixtures)
+from train_runs_worker import rewind_args
 
 # fp32 on both sides, but not bitwise: the ring merges each query's attention over K/V blocks through
 # their log-sum-exp, the loss is summed per slice, and DDP averages the ranks' partial gradients, all in
@@ -32,13 +31,6 @@ def assert_same_run(run_dir, reference_dir, checkpoint="ckpt-6"):
         torch.testing.assert_close(ours[name], value, atol=WEIGHT_TOLERANCE, rtol=WEIGHT_TOLERANCE, msg=name)
 
 
-def rewind_to_step_3(run_dir):
-    """As if the run had died after ckpt-3."""
-    shutil.rmtree(run_dir / "ckpt-6")
-    metrics = run_dir / "metrics.jsonl"
-    metrics.write_text("".join(line for line in metrics.read_text().splitlines(True) if json.loads(line)["step"] <= 3))
-
-
 FIELDS = dict(steps=6, eval_every=3, ckpt_every=3, batch_size=8, micro_batch_size=4, **CPU)
 
 
@@ -46,7 +38,8 @@ def test_two_context_parallel_ranks_match_one_process_on_whole_and_packed_rows_a
         tmp_path, data_cache):
     """Two runs in one launch: the stdlib's rows, and short documents (one a line: 2 to 40 bytes, against chunks
     of 8 tokens) that cross chunk and rank boundaries in almost every row, where the ring keeps attention
-    inside each as the one process's varlen kernel does."""
+    inside each as the one process's varlen kernel does. Then, in the same launch, the first run resumed as
+    data parallel, and a run of more context-parallel ranks than the launch has (refused)."""
     one = tmp_path / "one"
     train(load_train_config(tiny_recipe(one, data_cache, **FIELDS)))
     words = random.Random(0)
@@ -57,17 +50,21 @@ def test_two_context_parallel_ranks_match_one_process_on_whole_and_packed_rows_a
     fields = {**FIELDS, "steps": 2, "eval_every": 2, "ckpt_every": 2}
     packed_one = tmp_path / "packed-one"
     train(load_train_config(tiny_recipe(packed_one, None, **data, **fields)))
-    cp, packed_cp = tmp_path / "cp", tmp_path / "packed-cp"
-    result = torchrun_each([tiny_recipe(cp, data_cache, parallel={"context_parallel": 2}, **FIELDS),
-                            tiny_recipe(packed_cp, None, parallel={"context_parallel": 2}, **data, **fields)], tmp_path)
+    cp, packed_cp, resumed = tmp_path / "cp", tmp_path / "packed-cp", tmp_path / "cp-resumed"
+    result = torchrun_each([
+        tiny_recipe(cp, data_cache, parallel={"context_parallel": 2}, **FIELDS),
+        tiny_recipe(packed_cp, None, parallel={"context_parallel": 2}, **data, **fields),
+        # The checkpoint holds the whole model: the same run continues with another layout (here 2 data-parallel
+        # ranks, each on whole rows), as if it had died after ckpt-3.
+        rewind_args(cp, resumed, 3), ["--resume", str(resumed), "parallel.context_parallel=1"],
+        # The refused run last: a failed run ends the launch.
+        tiny_recipe(tmp_path / "cp4", data_cache, parallel={"context_parallel": 4}, data__seq_len=32),
+    ], tmp_path, succeed=False)
     assert result.stdout.count("(1 data- x 2 context-parallel)") == 2  # rank 0's, once a run
     assert_same_run(cp, one)
     assert_same_run(packed_cp, packed_one, "ckpt-2")
-    # The checkpoint holds the whole model: the same run continues with another layout (here 2 data-parallel
-    # ranks, each on whole rows).
-    rewind_to_step_3(cp)
-    torchrun({}, tmp_path, "--resume", str(cp), "parallel.context_parallel=1")
-    assert_same_run(cp, one)
+    assert_same_run(resumed, one)
+    assert "parallel.context_parallel=4 needs torchrun with a multiple of 4 processes, got 2" in result.stderr
 
 
 def test_two_data_by_two_context_parallel_ranks_under_fsdp_match_one_process(tmp_path, data_cache):
@@ -97,9 +94,7 @@ def test_context_parallel_needs_torchrun_with_a_multiple_of_its_ranks(tmp_path, 
     cfg = load_train_config(tiny_recipe(tmp_path / "alone", data_cache, parallel={"context_parallel": 2}))
     with pytest.raises(ConfigError, match=r"parallel.context_parallel=2 needs torchrun .* got 1"):
         Trainer(cfg)
-    result = torchrun(tiny_recipe(tmp_path / "cp4", data_cache, parallel={"context_parallel": 4},
-                                  data__seq_len=32), tmp_path, succeed=False)
-    assert "parallel.context_parallel=4 needs torchrun with a multiple of 4 processes, got 2" in result.stderr
+    # Its torchrun half (two ranks where four are needed) runs last in the first test's launch.
 
 
 def test_context_parallel_refuses_softcaps(tmp_path, data_cache):

@@ -19,6 +19,8 @@ from flashformer.lora import read_adapter
 from flashformer.train import NonFiniteLossError, latest_checkpoint, load_train_config, read_metrics, train
 from test_train import SUBPROCESS_ENV, data_cache, one_thread, tiny_recipe, write_recipe  # noqa: F401 (fixtures)
 from test_train_reliability import file_size_limit, resource
+from session_cache import built_once
+from train_runs_worker import LORA_REPORT, rewind_args
 
 TOLERANCE = 1e-5  # fp32: the two runs sum the same numbers in a different order
 # Every run here trains on the CPU over gloo, as the tolerance above assumes: device "auto" would put
@@ -66,69 +68,100 @@ def assert_same_losses(run_dir, reference_dir):
                 assert record[key] == pytest.approx(expected[key], rel=TOLERANCE, abs=TOLERANCE), (record, expected)
 
 
-def test_ddp_and_fsdp_runs_match_one_process_and_fsdp_resumes(tmp_path, data_cache):
-    """Four two-rank runs in one launch, each against the one process's run with the same global batch: DDP
-    on packed documents, DDP + LoRA and FSDP with offloaded activation checkpointing, plain FSDP (then resumed)."""
+def two_rank_runs(directory, data_cache):
+    """The one-process runs of the tests below, then their two-rank runs in one launch; the launch's output and
+    the step the one-process diverging run stopped at go to files beside them."""
     # DDP, packed: one process takes 8 rows per micro batch; two take 2 rows each, accumulated twice: the same
     # 8 rows per step.
     packed = dict(steps=6, eval_every=3, batch_size=8, data__packing="packed", data__stdlib_max_bytes=1_000_000,
                   **CPU)
-    train(load_train_config(tiny_recipe(tmp_path / "packed-one", data_cache, micro_batch_size=8, **packed)))
+    train(load_train_config(tiny_recipe(directory / "packed-one", data_cache, micro_batch_size=8, **packed)))
     # DDP + LoRA, offloaded checkpointing, from a trained base.
-    base = tmp_path / "base"
+    base = directory / "base"
     train(load_train_config(tiny_recipe(base, data_cache, steps=4, ckpt_every=4, eval_every=4, **CPU)))
     lora = dict(steps=4, eval_every=2, batch_size=8, init_from=str(base), activation_checkpointing="offload",
                 lora={"rank": 4, "targets": ["q", "v", "up"]}, **CPU)
-    train(load_train_config(tiny_recipe(tmp_path / "lora-one", data_cache, micro_batch_size=8, **lora)))
+    train(load_train_config(tiny_recipe(directory / "lora-one", data_cache, micro_batch_size=8, **lora)))
     # FSDP, offloaded checkpointing, against one process without checkpointing.
     offload = dict(steps=4, eval_every=2, batch_size=8, micro_batch_size=4, chunked_loss=True,
                    activation_checkpointing="offload", **CPU)
-    train(load_train_config(tiny_recipe(tmp_path / "offload-one", data_cache,
+    train(load_train_config(tiny_recipe(directory / "offload-one", data_cache,
                                         **{**offload, "activation_checkpointing": False})))
     # FSDP; chunked_loss: the loss comes out of the sharded root module's forward (DDP above covers logits).
     fsdp = dict(steps=6, eval_every=3, ckpt_every=3, batch_size=8, micro_batch_size=4, chunked_loss=True, **CPU)
-    train(load_train_config(tiny_recipe(tmp_path / "fsdp-one", data_cache, **fsdp)))
-    sharded = tmp_path / "fsdp"
-    torchrun_each([tiny_recipe(tmp_path / "packed", data_cache, micro_batch_size=2, parallel={"mode": "ddp"}, **packed),
-                   tiny_recipe(tmp_path / "lora", data_cache, micro_batch_size=2, parallel={"mode": "ddp"}, **lora),
-                   tiny_recipe(tmp_path / "offload", data_cache, parallel={"mode": "fsdp"}, **offload),
-                   tiny_recipe(sharded, data_cache, parallel={"mode": "fsdp"}, **fsdp)], tmp_path)
-    for run in ("packed", "lora", "offload", "fsdp"):
-        assert_same_losses(tmp_path / run, tmp_path / f"{run}-one")
-    # As if the FSDP run had died after ckpt-3: the resumed processes must redo steps 4-6 identically.
-    shutil.rmtree(sharded / "ckpt-6")
-    metrics = sharded / "metrics.jsonl"
-    metrics.write_text("".join(line for line in metrics.read_text().splitlines(True) if json.loads(line)["step"] <= 3))
-    torchrun({}, tmp_path, "--resume", str(sharded))
-    assert (sharded / "ckpt-6").is_dir()
-    assert_same_losses(sharded, tmp_path / "fsdp-one")
+    train(load_train_config(tiny_recipe(directory / "fsdp-one", data_cache, **fsdp)))
+    # FSDP + LoRA from a trained base; the frozen base's report comes from tests/lora_fsdp_worker.py.
+    lora_base = directory / "fsdp-lora-base"
+    train(load_train_config(tiny_recipe(lora_base, data_cache, steps=2, ckpt_every=2, eval_every=2, **CPU)))
+    fsdp_lora = dict(steps=4, eval_every=2, ckpt_every=2, batch_size=8, micro_batch_size=4, init_from=str(lora_base),
+                     lora={"rank": 4, "targets": ["q", "v", "up"]}, **CPU)
+    train(load_train_config(tiny_recipe(directory / "fsdp-lora-one", data_cache, **fsdp_lora)))
 
-
-def test_ranks_roll_back_together_then_skip_the_same_nonfinite_steps_and_stop_after_the_same_one(tmp_path,
-                                                                                                   data_cache):
-    """Two runs in one launch, each beside one process's: a rollback, then a run that stops."""
     # lr=1e6 wrecks the weights after ckpt-4; every rank must roll back at the same step, to the same data.
-    base = tmp_path / "base"
-    train(load_train_config(tiny_recipe(base, data_cache, steps=4, batch_size=8, micro_batch_size=2, **CPU)))
-    rolled_one, rolled_two = tmp_path / "rolled-one", tmp_path / "rolled-two"
-    shutil.copytree(base, rolled_one)
-    shutil.copytree(base, rolled_two)
+    rolled_base = directory / "rolled-base"
+    train(load_train_config(tiny_recipe(rolled_base, data_cache, steps=4, batch_size=8, micro_batch_size=2, **CPU)))
+    rolled_one, rolled_two = directory / "rolled-one", directory / "rolled-two"
+    shutil.copytree(rolled_base, rolled_one)
+    shutil.copytree(rolled_base, rolled_two)
     overrides = ["steps=8", "optim.lr=1e6", "max_nonfinite_skips=1", "max_rollbacks=1", "rollback_lr_scale=1e-9"]
     train(load_train_config(None, overrides, resume_dir=str(rolled_one)))
     # lr=1e6 wrecks the weights in one step. One process and two (the same global batch) must skip the same
     # steps and stop at the same one; ranks that disagreed would step apart and hang in their collectives.
-    fields = dict(steps=20, batch_size=8, log_every=5, max_nonfinite_skips=2, optim__lr=1e6, **CPU)
-    one = tmp_path / "one"
+    stopping = dict(steps=20, batch_size=8, log_every=5, max_nonfinite_skips=2, optim__lr=1e6, **CPU)
     with pytest.raises(NonFiniteLossError, match=r"^step (\d+):") as stopped:
-        train(load_train_config(tiny_recipe(one, data_cache, micro_batch_size=8, **fields)))
-    two = tmp_path / "two"
-    # The stopping run last: a failed run ends the launch.
-    result = torchrun_each([["--resume", str(rolled_two), "parallel.mode=ddp", *overrides],
-                            tiny_recipe(two, data_cache, micro_batch_size=2, parallel={"mode": "ddp"}, **fields)],
-                           tmp_path, succeed=False)
-    assert (rolled_two / "ckpt-8").is_dir()  # the rollback's run finished, the failure is the second run's
+        train(load_train_config(tiny_recipe(directory / "stop-one", data_cache, micro_batch_size=8, **stopping)))
+    (directory / "stopped.txt").write_text(str(stopped.value))
 
-    assert result.stderr.count("rolled back to") == 1  # rank 0 says it
+    result = torchrun_each([
+        tiny_recipe(directory / "packed", data_cache, micro_batch_size=2, parallel={"mode": "ddp"}, **packed),
+        tiny_recipe(directory / "lora", data_cache, micro_batch_size=2, parallel={"mode": "ddp"}, **lora),
+        tiny_recipe(directory / "offload", data_cache, parallel={"mode": "fsdp"}, **offload),
+        tiny_recipe(directory / "fsdp", data_cache, parallel={"mode": "fsdp"}, **fsdp),
+        # As if the FSDP run had died after ckpt-3: the resumed processes must redo steps 4-6 identically.
+        rewind_args(directory / "fsdp", directory / "fsdp-resumed", 3), ["--resume", str(directory / "fsdp-resumed")],
+        [LORA_REPORT, recipe_file(tiny_recipe(directory / "fsdp-lora", data_cache, parallel={"mode": "fsdp"},
+                                              **fsdp_lora), directory), str(directory / "fsdp-lora-report.json")],
+        # As if the run had died after ckpt-2: the resumed processes redo steps 3-4 identically.
+        rewind_args(directory / "fsdp-lora", directory / "fsdp-lora-resumed", 2),
+        ["--resume", str(directory / "fsdp-lora-resumed")],
+        ["--resume", str(rolled_two), "parallel.mode=ddp", *overrides],
+        # The stopping run last: a failed run ends the launch.
+        tiny_recipe(directory / "stop-two", data_cache, micro_batch_size=2, parallel={"mode": "ddp"}, **stopping),
+    ], directory, succeed=False)
+    (directory / "stdout.txt").write_text(result.stdout)
+    (directory / "stderr.txt").write_text(result.stderr)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_cache):
+    """two_rank_runs' directory, built once however xdist hands these tests to its workers. Not the directory
+    built_once renames into place: an adapter's checkpoint names its base by its path, which must not move."""
+    def build(done):
+        directory = done.parent / "two-rank-runs"
+        shutil.rmtree(directory, ignore_errors=True)  # what a failed build left
+        directory.mkdir()
+        two_rank_runs(directory, data_cache)
+
+    done = built_once(tmp_path_factory, "two-rank-runs-done", build)
+    return done.parent / "two-rank-runs"
+
+
+def test_ddp_and_fsdp_runs_match_one_process_and_fsdp_resumes(runs):
+    """Two-rank runs beside the one process's run with the same global batch: DDP on packed documents, DDP + LoRA
+    and FSDP with offloaded activation checkpointing, plain FSDP (then resumed)."""
+    for run in ("packed", "lora", "offload", "fsdp"):
+        assert_same_losses(runs / run, runs / f"{run}-one")
+    assert (runs / "fsdp-resumed" / "ckpt-6").is_dir()
+    assert_same_losses(runs / "fsdp-resumed", runs / "fsdp-one")
+
+
+def test_ranks_roll_back_together_then_skip_the_same_nonfinite_steps_and_stop_after_the_same_one(runs):
+    """Two runs, each beside one process's: a rollback, then a run that stops."""
+    rolled_one, rolled_two = runs / "rolled-one", runs / "rolled-two"
+    stderr = (runs / "stderr.txt").read_text()
+    assert (rolled_two / "ckpt-8").is_dir()  # the rollback's run finished, the failure is the stopping run's
+
+    assert stderr.count("rolled back to") == 1  # rank 0 says it
     keys = ("step", "rollback", "diverged_at", "skipped_data_steps", "skipped_steps")
     rollbacks = [[tuple(r[k] for k in keys) for r in read_metrics(run) if "rollback" in r]
                  for run in (rolled_one, rolled_two)]
@@ -136,9 +169,10 @@ def test_ranks_roll_back_together_then_skip_the_same_nonfinite_steps_and_stop_af
     assert_same_losses(rolled_two, rolled_one)
     assert all(torch.isfinite(p).all() for p in from_pretrained(rolled_two / "ckpt-8").parameters())
 
-    step = re.match(r"step (\d+):", str(stopped.value)).group(1)
-    assert re.findall(r"error: step (\d+):", result.stderr) == [step, step], result.stderr[-3000:]  # both ranks
-    skipped = [[(r["step"], r["skipped_steps"]) for r in read_metrics(run) if "skipped" in r] for run in (one, two)]
+    step = re.match(r"step (\d+):", (runs / "stopped.txt").read_text()).group(1)
+    assert re.findall(r"error: step (\d+):", stderr) == [step, step], stderr[-3000:]  # both ranks
+    skipped = [[(r["step"], r["skipped_steps"]) for r in read_metrics(run) if "skipped" in r]
+               for run in (runs / "stop-one", runs / "stop-two")]
     assert skipped[0] == skipped[1], skipped
     # A wrecked model's loss is not NaN on every batch (which ones differs between CPUs), so the run may
     # skip in several streaks; it stops at the third non-finite step in a row.
@@ -215,43 +249,26 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, dat
     assert checkpoint is not None and checkpoint.endswith(f"ckpt-{read_metrics(run)[-1]['step']}")
 
 
-def test_fsdp_lora_matches_one_process_leaves_the_base_alone_and_resumes(tmp_path, data_cache):
-    base = tmp_path / "base"
-    train(load_train_config(tiny_recipe(base, data_cache, steps=2, ckpt_every=2, eval_every=2, **CPU)))
-    fields = dict(steps=4, eval_every=2, ckpt_every=2, batch_size=8, micro_batch_size=4, init_from=str(base),
-                  lora={"rank": 4, "targets": ["q", "v", "up"]}, **CPU)
-    one, sharded = tmp_path / "one", tmp_path / "fsdp"
-    train(load_train_config(tiny_recipe(one, data_cache, **fields)))
-    recipe, report = tmp_path / "fsdp.yaml", tmp_path / "report.json"
-    recipe.write_text(yaml.safe_dump(tiny_recipe(sharded, data_cache, parallel={"mode": "fsdp"}, **fields)))
-    worker = os.path.join(os.path.dirname(__file__), "lora_fsdp_worker.py")
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-                             worker, str(recipe), str(report)], capture_output=True, text=True, env=SUBPROCESS_ENV,
-                            timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    found = json.loads(report.read_text())
+def test_fsdp_lora_matches_one_process_leaves_the_base_alone_and_resumes(runs, tmp_path):
+    one, sharded, resumed = runs / "fsdp-lora-one", runs / "fsdp-lora", runs / "fsdp-lora-resumed"
+    found = json.loads((runs / "fsdp-lora-report.json").read_text())
     # The base is sharded, has no gradients and no AdamW state, and comes out of training bit for bit.
     assert len(found["frozen"]) > 10 and not found["not_sharded"] and not found["with_grad"] and not found["changed"]
     adapters = [name for name in found["optimized"] if name.endswith(("lora_a", "lora_b"))]
     assert len(adapters) == len(found["optimized"]) == 2 * 3 * 2 and found["optimizer_state"] == found["optimized"]
 
-    def assert_same_adapters():
-        assert_same_losses(sharded, one)
-        ours, reference = (read_adapter(run / "ckpt-4")[1] for run in (sharded, one))
+    def assert_same_adapters(run_dir):
+        assert_same_losses(run_dir, one)
+        ours, reference = (read_adapter(run / "ckpt-4")[1] for run in (run_dir, one))
         assert sorted(ours) == sorted(reference) == sorted(adapters)
         for name, value in reference.items():
             torch.testing.assert_close(ours[name], value, rtol=0, atol=TOLERANCE, msg=name)
 
-    assert_same_adapters()
+    assert_same_adapters(sharded)
     # Merged into the base for transformers, as the one process's adapters are.
     assert cli_main(["merge-lora", str(sharded / "ckpt-4"), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
     ids = torch.randint(0, 257, (2, 16))
     with torch.no_grad():
         torch.testing.assert_close(from_pretrained(tmp_path / "hf")(ids), from_pretrained(one / "ckpt-4")(ids),
                                    rtol=0, atol=TOLERANCE)
-    # As if the run had died after ckpt-2: the resumed processes redo steps 3-4 identically.
-    shutil.rmtree(sharded / "ckpt-4")
-    metrics = sharded / "metrics.jsonl"
-    metrics.write_text("".join(line for line in metrics.read_text().splitlines(True) if json.loads(line)["step"] <= 2))
-    torchrun({}, tmp_path, "--resume", str(sharded))
-    assert_same_adapters()
+    assert_same_adapters(resumed)

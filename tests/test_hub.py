@@ -2,6 +2,7 @@
 error offline. The cache is built here in huggingface_hub's layout; every process runs with
 HF_HUB_OFFLINE=1, so nothing is downloaded."""
 
+import json
 import os
 import subprocess
 import sys
@@ -34,19 +35,52 @@ def hub_cache(tmp_path_factory):
     return cache, models
 
 
-def offline_env(cache):
-    return {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+# One offline process does what the tests below check: from_pretrained at two revisions, then three commands
+# through the command line's entry point, each with its exit code and output. A process apiece would cost
+# seconds of start-up each; the variables must be set before huggingface_hub is imported.
+CHILD = """
+import contextlib, io, json, sys
+import torch
+import flashformer
+from flashformer.cli import main
+
+loaded, commands = sys.argv[1], json.loads(sys.argv[2])
+torch.save({r: flashformer.from_pretrained(%r, revision=r).state_dict() for r in (None, "v1")}, loaded)
+done = {}
+for name, argv in commands.items():
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main(argv)
+    done[name] = {"returncode": code, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
+print(json.dumps(done))
+""" % REPO
 
 
-def test_from_pretrained_takes_a_hub_id_and_its_revision(hub_cache, tmp_path):
-    cache, models = hub_cache
-    script = (f"import flashformer, torch\n"
-              f"torch.save({{r: flashformer.from_pretrained({REPO!r}, revision=r).state_dict() for r in (None, 'v1')}},"
-              f" {str(tmp_path / 'loaded.pt')!r})\n")
-    done = subprocess.run([sys.executable, "-c", script], env=offline_env(cache), capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    loaded = torch.load(tmp_path / "loaded.pt")
+@pytest.fixture(scope="module")
+def offline(hub_cache, tmp_path_factory):
+    """{"loaded": from_pretrained's state dicts by revision, "run": the train command's run directory, and each
+    command's {"returncode", "stdout", "stderr"} by name}."""
+    cache, _ = hub_cache
+    directory = tmp_path_factory.mktemp("offline")
+    run = directory / "run"
+    commands = {
+        "missing": ["generate", "tiny-org/not-there", "--device", "cpu"],
+        "generate": ["generate", REPO, "--revision", "v1", "--prompt", "ab", "--max-new-tokens", "3", "--device", "cpu"],
+        "train": ["train", "configs/tiny.yaml", f"init_from={REPO}", "init_revision=v1", "steps=1", "batch_size=2",
+                  "micro_batch_size=2", "eval_batches=1", "data.source=files", "data.train_files=[README.md]",
+                  "data.seq_len=32", f"data.cache_dir={directory / 'data'}", f"out_dir={run}",
+                  "sample.max_new_tokens=0", "optim.lr=1e-30", "optim.min_lr=1e-30", "optim.weight_decay=0"],
+    }
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    child = subprocess.run([sys.executable, "-c", CHILD, str(directory / "loaded.pt"), json.dumps(commands)], cwd=ROOT,
+                           env=env, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr[-3000:]
+    return {"loaded": torch.load(directory / "loaded.pt"), "run": run, **json.loads(child.stdout.splitlines()[-1])}
+
+
+def test_from_pretrained_takes_a_hub_id_and_its_revision(hub_cache, offline):
+    _, models = hub_cache
+    loaded = offline["loaded"]
     for revision, name in ((None, "main"), ("v1", "v1")):
         expected = models[name].state_dict()
         assert loaded[revision].keys() == expected.keys()
@@ -54,39 +88,29 @@ def test_from_pretrained_takes_a_hub_id_and_its_revision(hub_cache, tmp_path):
     assert not torch.equal(loaded[None]["embed.weight"], loaded["v1"]["embed.weight"])
 
 
-def test_a_hub_id_missing_offline_names_it_and_what_to_do(hub_cache):
-    cache, _ = hub_cache
-    done = subprocess.run([sys.executable, "-m", "flashformer.cli", "generate", "tiny-org/not-there", "--device", "cpu"],
-                          env=offline_env(cache), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert "tiny-org/not-there is neither a local directory nor in the Hugging Face cache" in done.stderr
-    assert "HF_HUB_OFFLINE=1" in done.stderr and "hf download tiny-org/not-there" in done.stderr
+def test_a_hub_id_missing_offline_names_it_and_what_to_do(offline):
+    done = offline["missing"]
+    assert done["returncode"] == 2 and "Traceback" not in done["stderr"]
+    assert "tiny-org/not-there is neither a local directory nor in the Hugging Face cache" in done["stderr"]
+    assert "HF_HUB_OFFLINE=1" in done["stderr"] and "hf download tiny-org/not-there" in done["stderr"]
 
 
-def test_generate_from_a_hub_id_at_a_revision(hub_cache):
+def test_generate_from_a_hub_id_at_a_revision(hub_cache, offline):
     cache, _ = hub_cache
-    done = subprocess.run([sys.executable, "-m", "flashformer.cli", "generate", REPO, "--revision", "v1", "--prompt",
-                           "ab", "--max-new-tokens", "3", "--device", "cpu"],
-                          env=offline_env(cache), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = offline["generate"]
+    assert done["returncode"] == 0, done["stderr"][-2000:]
     snapshot = os.path.join(str(cache), f"models--{REPO.replace('/', '--')}", "snapshots", COMMITS["v1"])
-    assert f"{snapshot} (the Hugging Face cache's snapshot of {REPO})" in done.stderr
-    assert done.stdout.startswith("ab")
+    assert f"{snapshot} (the Hugging Face cache's snapshot of {REPO})" in done["stderr"]
+    assert done["stdout"].startswith("ab")
 
 
-def test_init_from_a_hub_id_at_a_revision(hub_cache, tmp_path):
-    cache, models = hub_cache
-    run = tmp_path / "run"
-    done = subprocess.run(
-        [sys.executable, "-m", "flashformer.cli", "train", "configs/tiny.yaml", f"init_from={REPO}", "init_revision=v1",
-         "steps=1", "batch_size=2", "micro_batch_size=2", "eval_batches=1", "data.source=files",
-         "data.train_files=[README.md]", "data.seq_len=32", f"data.cache_dir={tmp_path / 'data'}", f"out_dir={run}",
-         "sample.max_new_tokens=0", "optim.lr=1e-30", "optim.min_lr=1e-30", "optim.weight_decay=0"],
-        cwd=ROOT, env=offline_env(cache), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
+def test_init_from_a_hub_id_at_a_revision(hub_cache, offline):
+    _, models = hub_cache
+    done = offline["train"]
+    assert done["returncode"] == 0, done["stderr"][-2000:]
     from flashformer.checkpoint import from_pretrained
 
-    trained = from_pretrained(run).state_dict()
+    trained = from_pretrained(offline["run"]).state_dict()
     expected = models["v1"].state_dict()
     # An lr of 1e-30 moves no fp32 weight of this size: the run holds v1's weights, not main's.
     assert all(torch.equal(trained[key], expected[key]) for key in expected)

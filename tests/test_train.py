@@ -27,6 +27,7 @@ from flashformer.train import (
     read_metrics,
     train,
 )
+from test_cli import run as run_here  # the command in this process, where its process is not what is tested
 
 
 @pytest.fixture(autouse=True)
@@ -130,8 +131,7 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_losses_exactly(tmp_pat
     process.send_signal(signal.SIGKILL)
     assert process.wait() == -signal.SIGKILL
     assert latest_checkpoint(str(killed_dir)) != str(killed_dir / "ckpt-30"), "the run ended before the kill"
-    resumed = subprocess.run(cli_command("train", "--resume", str(killed_dir)), capture_output=True, text=True,
-                             env=SUBPROCESS_ENV)
+    resumed = run_here("train", "--resume", str(killed_dir))
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from" in resumed.stdout
     assert losses(killed_dir) == losses(tmp_path / "reference")

@@ -34,6 +34,7 @@ from flashformer.train import (
     read_metrics,
     train,
 )
+from test_cli import run as run_here  # the command in this process, where its process is not what is tested
 from test_train import (SUBPROCESS_ENV, cli_command, data_cache, losses, one_thread, tiny_recipe,  # noqa: F401
                         write_recipe)
 
@@ -142,7 +143,7 @@ def test_a_run_that_diverges_rolls_back_past_the_diverged_batches_and_finishes(t
     reference = tmp_path / "reference"
     shutil.copytree(run, reference)
     # lr=1e6 wrecks the weights at step 5; the rollback to ckpt-4 scales it down to 1e-3, which trains.
-    rolled = run_cli("train", "--resume", str(run), "steps=12", "optim.lr=1e6", "max_nonfinite_skips=1",
+    rolled = run_here("train", "--resume", str(run), "steps=12", "optim.lr=1e6", "max_nonfinite_skips=1",
                      "max_rollbacks=2", "rollback_lr_scale=1e-9")
     assert rolled.returncode == 0, rolled.stderr[-3000:]
     [rollback] = rollback_records(run)
@@ -163,7 +164,7 @@ def test_a_run_that_diverges_rolls_back_past_the_diverged_batches_and_finishes(t
     state = torch.load(state_path, weights_only=True)
     state["data_position"] += window * 8
     torch.save(state, state_path)
-    resumed = run_cli("train", "--resume", str(reference), "steps=12", f"optim.lr={saved.optim.lr!r}",
+    resumed = run_here("train", "--resume", str(reference), "steps=12", f"optim.lr={saved.optim.lr!r}",
                       f"optim.min_lr={saved.optim.min_lr!r}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r for r in losses(run) if r[0] > 4] == [r for r in losses(reference) if r[0] > 4]
@@ -174,7 +175,7 @@ def test_a_run_that_diverges_rolls_back_past_the_diverged_batches_and_finishes(t
 def test_rollbacks_that_do_not_get_past_a_divergence_stop_with_exit_3(tmp_path, data_cache):
     run = tmp_path / "run"
     train(load_train_config(tiny_recipe(run, data_cache, steps=4)))
-    stopped = run_cli("train", "--resume", str(run), "steps=40", "optim.lr=1e6", "max_nonfinite_skips=1",
+    stopped = run_here("train", "--resume", str(run), "steps=40", "optim.lr=1e6", "max_nonfinite_skips=1",
                       "max_rollbacks=2")
     assert stopped.returncode == 3, stopped.stderr[-3000:]
     assert "Traceback" not in stopped.stderr
@@ -289,8 +290,9 @@ def test_a_second_run_beside_a_live_one_is_refused_and_the_lock_goes_with_the_pr
                              env=SUBPROCESS_ENV)
     try:
         wait_for_first_record(first, run)
+        # In this process: another process than the lock's holder, at once (the first trains on meanwhile).
         for args in (("train", config), ("train", "--resume", str(run))):
-            second = run_cli(*args, timeout=300)
+            second = run_here(*args)
             assert second.returncode == 2, second.stderr
             assert f"in use by another run: pid {first.pid} on this host" in second.stderr
             assert "Traceback" not in second.stderr
@@ -357,7 +359,7 @@ def test_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys):
     assert debug.returncode == 1 and "Traceback" in debug.stderr
     broken = tmp_path / "broken.yaml"
     broken.write_text("name: a\nsteps: [1,\n")
-    malformed = run_cli("train", str(broken))
+    malformed = run_here("train", str(broken))
     assert malformed.returncode == 2 and "Traceback" not in malformed.stderr
     assert "broken.yaml: not valid YAML" in malformed.stderr and "line 3" in malformed.stderr
     assert cli_main(["train", str(tmp_path)]) == 2  # a directory where a recipe belongs

@@ -1,20 +1,68 @@
-"""Several ``flashformer train`` runs in one torchrun launch, one after another: run by tests under torchrun.
+"""Several runs in one torchrun launch, one after another: run by tests under torchrun.
 
-    torchrun --nproc_per_node 2 --standalone tests/train_runs_worker.py TRAIN_ARGS [--then TRAIN_ARGS ...]
+    torchrun --nproc_per_node 2 --standalone tests/train_runs_worker.py RUN [--then RUN ...]
 
-TRAIN_ARGS are ``flashformer train``'s (a recipe, or --resume DIR with overrides), run on the CPU over gloo.
-Every rank runs each through the command line's entry point; one launch and its processes' start-up (about
-13 CPU-s) then serve several runs. The exit code is the first failing run's (the later runs are not
-started), else 0.
+A RUN is ``flashformer train``'s arguments (a recipe, or --resume DIR with overrides), run on the CPU over gloo
+through the command line's entry point; or ``--rewind RUN_DIR COPY_DIR STEP`` (rank 0 copies a finished run
+and rewinds the copy, as if it had died after ckpt-STEP, for a later RUN to resume); or ``--lora-report RECIPE
+REPORT`` (tests/lora_fsdp_worker.py's run and report); or ``--script NAME ARGS`` (scripts/NAME.py's
+``main(ARGS)``, in the group the worker joined). One launch and its processes' start-up (about 13 CPU-s)
+then serve several runs. The exit code is the first failing run's (the later runs are not started), else 0.
 """
 
+import json
+import shutil
 import sys
+from pathlib import Path
 
 import torch.distributed as dist
 
 from flashformer.cli import main
 
 SEPARATOR = "--then"
+REWIND = "--rewind"
+LORA_REPORT = "--lora-report"
+SCRIPT = "--script"
+
+
+def rewind(run_dir, step: int) -> None:
+    """``run_dir`` as if its run had died after its checkpoint at ``step``: no later checkpoint nor metrics record."""
+    run_dir = Path(run_dir)
+    for checkpoint in run_dir.glob("ckpt-*"):
+        if int(checkpoint.name.split("-")[1]) > step:
+            shutil.rmtree(checkpoint)
+    metrics = run_dir / "metrics.jsonl"
+    metrics.write_text("".join(line for line in metrics.read_text().splitlines(True)
+                               if json.loads(line)["step"] <= step))
+
+
+def rewind_args(run_dir, copy_dir, step: int) -> list[str]:
+    """The RUN that rewinds a copy of ``run_dir`` at ``copy_dir`` to ``step``."""
+    return [REWIND, str(run_dir), str(copy_dir), str(step)]
+
+
+def rewind_copy(run_dir: str, copy_dir: str, step: str) -> int:
+    if dist.get_rank() == 0:
+        shutil.copytree(run_dir, copy_dir)
+        rewind(copy_dir, int(step))
+    dist.barrier()  # the next run may read the copy on any rank
+    dist.destroy_process_group()
+    return 0
+
+
+def lora_report(recipe: str, report: str) -> int:
+    from lora_fsdp_worker import train_and_report
+
+    train_and_report(recipe, report)
+    return 0
+
+
+def run_script(name: str, *args: str) -> int:
+    from test_bench_scripts import _load_script
+
+    _load_script(name).main(list(args))
+    dist.destroy_process_group()
+    return 0
 
 
 def train_each(args: list[str]) -> int:
@@ -26,11 +74,18 @@ def train_each(args: list[str]) -> int:
             runs[-1].append(arg)
     store, rank, world_size = next(dist.rendezvous("env://"))
     for index, run in enumerate(runs):
-        # Each run's group under its own keys of torchrun's store (the trainer leaves the group at its end): a
+        # Each run's group under its own keys of torchrun's store (a run leaves the group at its end): a
         # group joined again under the same keys can read the last group's addresses, and its ranks hang.
         dist.init_process_group("gloo", store=dist.PrefixStore(f"run-{index}", store), rank=rank,
                                 world_size=world_size)
-        code = main(["train", *run])
+        if run[0] == REWIND:
+            code = rewind_copy(*run[1:])
+        elif run[0] == LORA_REPORT:
+            code = lora_report(*run[1:])
+        elif run[0] == SCRIPT:
+            code = run_script(*run[1:])
+        else:
+            code = main(["train", *run])
         if code:
             return code
     return 0
