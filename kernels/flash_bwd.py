@@ -51,7 +51,7 @@ PREPROCESS_BLOCK = 64
 ONE_LOOP_DKDV_HEAD_DIM = 128
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "num_seqs"])  # as the Gluon kernels it serves: LENGTH_ARGS
+@triton.jit(do_not_specialize=["seqlen_q", "num_seqs"])  # lengths: no vector width depends on them
 def _bwd_preprocess(
     O, DO, LSE, DLSE, DELTA, LSE_LOG2, CU_SEQLENS_Q,
     stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh, stride_lse_b, stride_lse_h,

@@ -15,7 +15,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from .flash_bwd_hopper import CONSUMER_WARPS, distinct_registers
-from .flash_fwd_hopper import LENGTH_ARGS, _mma_layout, _rows_descriptor
+from .flash_fwd_hopper import _mma_layout, _rows_descriptor, unspecialised_jit
 from .launch import ensure_allocator, launcher
 from .tile_ops import key_range, tanh, visible
 
@@ -115,7 +115,7 @@ def _dq_consume_partition(CONSUMER: gl.constexpr, dq_base, stride_dqs, lse_row, 
     tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=LENGTH_ARGS)
+@unspecialised_jit
 def _attn_bwd_dq_hopper_kernel(
     Q, K, V, DO, DQ, LSE_LOG2, DELTA,
     stride_qb, stride_qs, stride_qh,

@@ -32,7 +32,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .flash_fwd_hopper import LENGTH_ARGS, _mma_layout, _rows_descriptor
+from .flash_fwd_hopper import _mma_layout, _rows_descriptor, unspecialised_jit
 from .launch import ensure_allocator, launcher
 from .dq_reduce_hopper import add_dq_share, heads_descriptor, tma_view
 from .tile_ops import last_key_block, query_range, tanh, visible
@@ -236,7 +236,7 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
     tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=LENGTH_ARGS)
+@unspecialised_jit
 def _attn_bwd_dkdv_hopper_kernel(
     Q, K, V, DO, DK, DV, LSE_LOG2, DELTA, DQ_ACC, DQ_SEMAPHORES,
     stride_qb, stride_qs, stride_qh,

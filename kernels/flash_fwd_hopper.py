@@ -27,6 +27,8 @@ under this tile's work. Its TMA descriptors cover whole tensors, built once per 
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -39,11 +41,12 @@ from .tile_ops import tanh, visible
 from .tile_schedule import program_tile, q_buffers, query_block, section_pairs, tile_coords
 from .tuning import GLUON_FORWARD_FROM_SEQLEN, gluon_forward_config
 
-# Integer arguments the Gluon attention kernels take unspecialised: lengths and window bounds appear only in
-# loop bounds, masks and TMA coordinates, so Triton's == 1 / divisible-by-16 variants would compile the
-# same kernel again for each new class of length (seconds each) and run no faster. CI's sm_90 compiles
-# build these unspecialised forms too.
-LENGTH_ARGS = ("seqlen_q", "seqlen_k", "window_left", "window_right")
+
+def unspecialised_jit(fn):
+    """``gluon.jit`` with every lower-case argument (lengths, strides, window bounds) unspecialised: through
+    TMA descriptors the sm_90 PTX is the same with or without divisibility by 16 (compared for each kernel),
+    so Triton's variants would only compile the same kernel again per class of length. CI compiles these."""
+    return gluon.jit(fn, do_not_specialize=[name for name in inspect.signature(fn).parameters if name.islower()])
 
 
 @gluon.constexpr_function
@@ -338,7 +341,7 @@ def _consume_partition(CONSUMER: gl.constexpr, O, LSE, stride_ob, stride_os, str
         _store_out(o_desc, batch, row0, head, out, q_smem.index(CONSUMER), PERSISTENT)
 
 
-@gluon.jit(do_not_specialize=(*LENGTH_ARGS, "batch_size", "heads", "num_m_blocks", "section"))
+@unspecialised_jit
 def _attn_fwd_hopper_kernel(
     Q, K, V, O, LSE,
     stride_qb, stride_qs, stride_qh,

@@ -68,7 +68,7 @@ def test_a_new_length_of_another_divisibility_compiles_no_gluon_kernel_again():
     step(1001)
     before = compiled()
     assert all(before)
-    for seqlen in (1008, 1013, 1016):  # divisible by 16 or not, the same tiles (the 1024 bucket)
+    for seqlen in (1008, 1013, 1016):  # lengths and lse strides divisible by 16 or not; the 1024 bucket's tiles
         step(seqlen)
     assert compiled() == before
 
