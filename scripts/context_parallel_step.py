@@ -141,10 +141,7 @@ def main(argv=None):
     device = torch.device("cuda", local_rank) if on_cuda else torch.device("cpu")
     if on_cuda:
         torch.cuda.set_device(device)
-    # A caller may have joined a group already (tests/train_runs_worker.py runs several in one launch): use it.
-    own_group = not dist.is_initialized()
-    if own_group:
-        dist.init_process_group("nccl" if on_cuda else "gloo")
+    dist.init_process_group("nccl" if on_cuda else "gloo")
     # NCCL allocates its buffers outside torch's allocator at a communicator's first use: use it now, while
     # memory is free. Else the gradient all-reduce after a step that filled the GPU fails with CUDA OOM
     # (as on 2 H200s at 2 x 262144 tokens).
@@ -163,8 +160,7 @@ def main(argv=None):
         # at exit ("terminate called without an active exception", seen once on a loaded 2-core CI machine).
         dist.barrier()
     finally:
-        if own_group:
-            dist.destroy_process_group()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

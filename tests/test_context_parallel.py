@@ -1,6 +1,8 @@
 """Ring attention across real processes (gloo, CPU) against flash_attn_func on the full sequence."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -267,16 +269,20 @@ def test_ring_needs_an_initialized_group():
 
 
 def test_context_parallel_step_script(tmp_path):
-    """scripts/context_parallel_step.py under torchrun (2 gloo processes, both runs in one launch): its --check is
-    exact against the whole sequence, and its timed steps train (the loss falls)."""
-    from test_distributed import torchrun_each
-    from train_runs_worker import SCRIPT
+    """scripts/context_parallel_step.py under torchrun (2 gloo processes): its --check is exact against the
+    whole sequence, and its timed steps train (the loss falls)."""
+    from test_train import SUBPROCESS_ENV
 
-    script = [SCRIPT, "context_parallel_step", "configs/models/tiny-llama.yaml", "--device", "cpu"]
-    torchrun_each([[*script, "--seqlen", "64", "--check", "--out", str(tmp_path / "check.json")],
-                   [*script, "--seqlen", "128", "--steps", "4", "--set", "d_model=32", "head_dim=16", "n_head=2",
-                    "n_kv_head=1", "--out", str(tmp_path / "steps.json")]], tmp_path)
+    def torchrun(*args):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                   "scripts/context_parallel_step.py", "configs/models/tiny-llama.yaml", "--device", "cpu", *args]
+        result = subprocess.run(command, capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=300)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    torchrun("--seqlen", "64", "--check", "--out", str(tmp_path / "check.json"))
     check = json.loads((tmp_path / "check.json").read_text())
     assert check["loss_abs_diff"] < 1e-5 and check["max_grad_rel_diff"] < 1e-4, check
+    torchrun("--seqlen", "128", "--steps", "4", "--set", "d_model=32", "head_dim=16", "n_head=2", "n_kv_head=1",
+             "--out", str(tmp_path / "steps.json"))
     steps = json.loads((tmp_path / "steps.json").read_text())
     assert steps["ranks"] == 2 and steps["losses"][-1] < steps["losses"][0], steps

@@ -5,8 +5,7 @@
 A RUN is ``flashformer train``'s arguments (a recipe, or --resume DIR with overrides), run on the CPU over gloo
 through the command line's entry point; or ``--rewind RUN_DIR COPY_DIR STEP`` (rank 0 copies a finished run
 and rewinds the copy, as if it had died after ckpt-STEP, for a later RUN to resume); or ``--lora-report RECIPE
-REPORT`` (tests/lora_fsdp_worker.py's run and report); or ``--script NAME ARGS`` (scripts/NAME.py's
-``main(ARGS)``, in the group the worker joined). One launch and its processes' start-up (about 13 CPU-s)
+REPORT`` (tests/lora_fsdp_worker.py's run and report). One launch and its processes' start-up (about 13 CPU-s)
 then serve several runs. The exit code is the first failing run's (the later runs are not started), else 0.
 """
 
@@ -22,7 +21,6 @@ from flashformer.cli import main
 SEPARATOR = "--then"
 REWIND = "--rewind"
 LORA_REPORT = "--lora-report"
-SCRIPT = "--script"
 
 
 def rewind(run_dir, step: int) -> None:
@@ -57,14 +55,6 @@ def lora_report(recipe: str, report: str) -> int:
     return 0
 
 
-def run_script(name: str, *args: str) -> int:
-    from test_bench_scripts import _load_script
-
-    _load_script(name).main(list(args))
-    dist.destroy_process_group()
-    return 0
-
-
 def train_each(args: list[str]) -> int:
     runs = [[]]
     for arg in args:
@@ -82,8 +72,6 @@ def train_each(args: list[str]) -> int:
             code = rewind_copy(*run[1:])
         elif run[0] == LORA_REPORT:
             code = lora_report(*run[1:])
-        elif run[0] == SCRIPT:
-            code = run_script(*run[1:])
         else:
             code = main(["train", *run])
         if code:
