@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import time
@@ -160,6 +161,10 @@ def main(argv=None):
         # at exit ("terminate called without an active exception", seen once on a loaded 2-core CI machine).
         dist.barrier()
     finally:
+        # The ring holds the group; with activation checkpointing the model's blocks sit in reference cycles
+        # (each block's forward is a closure over the block), so without a collection here the group dies
+        # only in the interpreter's teardown, where destroying gloo's threads can abort the process.
+        gc.collect()
         dist.destroy_process_group()
 
 
