@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 import sys
 from dataclasses import dataclass
@@ -115,8 +116,14 @@ def init_distributed(cfg: ParallelConfig, device: torch.device) -> DistributedEn
 
 
 def shutdown_distributed() -> None:
-    """Leave the process group, if one was joined."""
+    """Leave the process group, if one was joined.
+
+    Garbage in reference cycles (activation-checkpointed blocks, the ring's saved state) can still hold the
+    group and tensors its gloo threads keep; collected only in the interpreter's teardown, their release
+    there aborts the process ("terminate called without an active exception"), so collect it first.
+    """
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 

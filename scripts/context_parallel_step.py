@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import os
 import time
@@ -32,7 +31,7 @@ from flashformer.batches import Batch
 from flashformer.context_parallel import context_parallel, shard_batch
 from flashformer.losses import default_chunk_size
 from flashformer.model import ModelConfig, Transformer
-from flashformer.parallel import apply_activation_checkpointing
+from flashformer.parallel import apply_activation_checkpointing, shutdown_distributed
 from flashformer.train.step import lm_loss, train_step
 
 
@@ -161,11 +160,7 @@ def main(argv=None):
         # at exit ("terminate called without an active exception", seen once on a loaded 2-core CI machine).
         dist.barrier()
     finally:
-        # The ring holds the group; with activation checkpointing the model's blocks sit in reference cycles
-        # (each block's forward is a closure over the block), so without a collection here the group dies
-        # only in the interpreter's teardown, where destroying gloo's threads can abort the process.
-        gc.collect()
-        dist.destroy_process_group()
+        shutdown_distributed()
 
 
 if __name__ == "__main__":

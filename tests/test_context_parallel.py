@@ -17,6 +17,7 @@ from flashformer.context_parallel import (ring_flash_attn, shard_batch, zigzag_m
 from flashformer.kernels import (cu_seqlens_from_lengths, flash_attn_func, flash_attn_varlen_func,
                                 force_kernel_impl, launch, position_ids_from_cu_seqlens)
 from flashformer.model import ModelConfig, Transformer
+from flashformer.parallel import shutdown_distributed
 from flashformer.train.step import lm_loss, shard_micro_batch, step_divisor
 
 ATOL = 2e-5
@@ -202,7 +203,7 @@ def run_on_triton_kernels(rank, world_size, store_path, window_left):
             check_packed_ring_matches_varlen(world, True, 24, 2, 1, 16, f"packed causal MQA, window {window_left}, "
                                              f"Triton", window_left=window_left)
     finally:
-        dist.destroy_process_group()
+        shutdown_distributed()
 
 
 def run_rank(rank, world_size, store_path):
@@ -234,7 +235,7 @@ def run_rank(rank, world_size, store_path):
             pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
             check_ring_matches_full(pairs[rank // 2], True, 1, 32, 4, 2, 16, "causal GQA, subgroup")
     finally:
-        dist.destroy_process_group()
+        shutdown_distributed()
 
 
 # Four processes (two rings of two ranks) on a 2-core CI machine cost what all the rest of the file does.
