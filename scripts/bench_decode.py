@@ -22,6 +22,7 @@ whose tensors would pass MEMORY_LIMIT are skipped. Prints a markdown table last;
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import json
 import os
@@ -33,6 +34,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
+from flashformer.kernels import decode
 from flashformer.kernels.decode import choose_num_splits, decode_attention
 from flashformer.kernels.kvcache import flash_attn_with_kvcache
 from flashformer.profiling import benchmark_provenance, capture_cuda_graph
@@ -88,9 +90,37 @@ def _median_host_us(fn, repeats=7):
     return times[len(times) // 2]
 
 
-def run_cell(batch, length, split_sweep=()):
+def parse_launch_config(spec):
+    """(BLOCK_N, num_warps, num_stages) of a BLOCK_NxWARPSxSTAGES spec."""
+    try:
+        block_n, warps, stages = (int(n) for n in spec.split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{spec!r} is not BLOCK_NxWARPSxSTAGES") from None
+    return block_n, warps, stages
+
+
+@contextlib.contextmanager
+def launch_config(config):
+    """decode.py's kernel launched with ``config`` (BLOCK_N, num_warps, num_stages) in place of
+    _launch_config's choice; its plans and compiled launches are dropped on the way in and out."""
+    chosen = decode._launch_config
+
+    def forget():
+        decode._PLANS.clear()
+        decode._decode_launch.compiled.clear()
+    decode._launch_config = lambda device, head_dim_pad, page_size: config
+    forget()
+    try:
+        yield
+    finally:
+        decode._launch_config = chosen
+        forget()
+
+
+def run_cell(batch, length, split_sweep=(), launch_configs=()):
     """Times and max |ours - SDPA flash| of one (batch, cache length) cell; with ``split_sweep``, also the
-    CUDA-graph TB/s of ours at each of those split counts."""
+    CUDA-graph TB/s of ours at each of those split counts; with ``launch_configs``, at each of those
+    (BLOCK_N, num_warps, num_stages) with the automatic splits."""
     device = torch.device("cuda")
     scale = HEAD_DIM**-0.5
     q = torch.randn(batch, 1, HEADS_Q, HEAD_DIM, device=device, dtype=DTYPE)
@@ -106,6 +136,15 @@ def run_cell(batch, length, split_sweep=()):
         times["ours API"], _ = _time(lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=length))
         sweep_ms = {splits: _time_graphed(lambda s=splits: decode_attention(
             q, k_cache, v_cache, seqlens, None, length, scale, -1, 0, 0.0, s)[0])[0] for splits in split_sweep}
+        config_ms, config_diffs = {}, {}
+        for config in launch_configs:
+            with launch_config(config):
+                try:
+                    config_ms[config], out = _time_graphed(ours)
+                except Exception as error:  # e.g. Triton's OutOfResources: a config too big for the SM
+                    config_ms[config], out = None, str(error).splitlines()[0]
+            config_diffs[config] = (out.float() - outs["ours"].float()).abs().max().item() \
+                if config_ms[config] is not None else out
 
         pages = length // PAGE_SIZE
         table = torch.randperm(batch * pages, device=device).view(batch, pages)
@@ -148,6 +187,10 @@ def run_cell(batch, length, split_sweep=()):
         "max_abs_diff_vs_sdpa_flash": diffs,
         "split_sweep_tb_per_s": {str(splits): kv_bytes / (ms * 1e-3) / 1e12 if ms is not None else None
                                  for splits, ms in sweep_ms.items()},
+        "launch_config_tb_per_s": {"x".join(map(str, config)): kv_bytes / (ms * 1e-3) / 1e12 if ms is not None
+                                   else None for config, ms in config_ms.items()},
+        # against the default config's output: a config that breaks the kernel shows here (or its error)
+        "launch_config_max_abs_diff": {"x".join(map(str, config)): diff for config, diff in config_diffs.items()},
     }
 
 
@@ -318,6 +361,10 @@ def main():
     parser.add_argument("--split-sweep", type=int, nargs="+", default=[], metavar="SPLITS",
                         help="also time ours in CUDA graphs at each of these split counts (device time), to check "
                              "choose_num_splits")
+    parser.add_argument("--launch-configs", type=parse_launch_config, nargs="+", default=[],
+                        metavar="BLOCK_NxWARPSxSTAGES",
+                        help="also time ours in CUDA graphs with each of these kernel configs (automatic splits), to "
+                             "check decode._launch_config")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode.py needs a CUDA device")
@@ -329,7 +376,7 @@ def main():
             reason = f"skipped ({peak / 1e9:.0f} GB)" if peak > MEMORY_LIMIT else f"skipped (not a multiple of {PAGE_SIZE})"
             cells.append({"batch": batch, "cache_len": length, "skipped": reason})
             continue
-        cells.append(run_cell(batch, length, args.split_sweep))
+        cells.append(run_cell(batch, length, args.split_sweep, args.launch_configs))
         torch.cuda.empty_cache()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
@@ -344,6 +391,8 @@ def main():
     print(markdown(cells))
     if args.split_sweep:
         print("\n" + split_sweep_table(cells, args.split_sweep))
+    if args.launch_configs:
+        print("\n" + launch_config_table(cells, args.launch_configs))
 
 
 def split_sweep_table(cells, split_counts):
@@ -357,6 +406,21 @@ def split_sweep_table(cells, split_counts):
         lines.append(f"| {cell['batch']} | {cell['cache_len']} | {cell['num_splits']} | "
                      f"{_fmt(cell['tb_per_s']['ours graph'], '.2f')} | "
                      + " | ".join(_fmt(sweep[str(s)], ".2f") for s in split_counts) + " |")
+    return "\n".join(lines)
+
+
+def launch_config_table(cells, configs):
+    """Markdown: per cell, CUDA-graph TB/s of SDPA cuDNN, of ours as chosen, and of ours at each swept config."""
+    names = ["x".join(map(str, config)) for config in configs]
+    header = ["batch", "cache length", "cuDNN", "ours as chosen"] + names
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for cell in cells:
+        if "skipped" in cell:
+            continue
+        rates = cell["launch_config_tb_per_s"]
+        lines.append(f"| {cell['batch']} | {cell['cache_len']} | {_fmt(cell['tb_per_s']['SDPA cuDNN graph'], '.2f')} | "
+                     f"{_fmt(cell['tb_per_s']['ours graph'], '.2f')} | "
+                     + " | ".join(_fmt(rates[name], ".2f") for name in names) + " |")
     return "\n".join(lines)
 
 

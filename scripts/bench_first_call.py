@@ -74,15 +74,23 @@ def attended_pairs(seqlen, causal, window_left=-1):
     return int(keys.sum())
 
 
-def nearest_tuned(batch, seqlen):
-    """(batch, seqlen) of the tuned shape whose tiles this one launches: the power of two at or above its
-    length (the kernels' seqlen bucket), the same tokens."""
-    tuned = 2 ** math.ceil(math.log2(seqlen))
-    return max(1, batch * seqlen // tuned), tuned
+def tuned_neighbours(batch, seqlen):
+    """(batch, seqlen) of the tuned shapes beside this one, same tokens: the power of two below its length
+    and the one at or above it (whose tiles it launches: the kernels' seqlen bucket); one shape where the
+    length is a power of two."""
+    above = 2 ** math.ceil(math.log2(seqlen))
+    lengths = sorted({max(1, above // 2) if above > seqlen else above, above})
+    return [(max(1, batch * seqlen // tuned), tuned) for tuned in lengths]
+
+
+def nearest(seqlen, neighbours):
+    """The neighbour whose length is nearest this one's as a ratio (log2 distance)."""
+    return min(neighbours, key=lambda shape: abs(math.log2(shape[1] / seqlen)))
 
 
 def time_shape(batch, seqlen, head_dim, options, steady=True):
-    """(first step's wall seconds, steady forward + backward TFLOP/s or None) of one shape, in this process."""
+    """(first step's wall seconds, steady forward + backward TFLOP/s, forward TFLOP/s), the rates None
+    without ``steady``, of one shape in this process."""
     import triton
 
     from flashformer.kernels import flash_attn_func
@@ -97,33 +105,45 @@ def time_shape(batch, seqlen, head_dim, options, steady=True):
     torch.cuda.synchronize()
     first = time.perf_counter() - start
     if not steady:
-        return first, None
+        return first, None, None
 
     def step():
         flash_attn_func(q, k, v, **options).backward(grad_out)
 
+    def forward():
+        with torch.no_grad():
+            flash_attn_func(q, k, v, **options)
+
     ms = triton.testing.do_bench(step, warmup=25, rep=100, grad_to_none=[q, k, v], return_mode="median")
+    forward_ms = triton.testing.do_bench(forward, warmup=25, rep=100, return_mode="median")
     pairs = attended_pairs(seqlen, options["causal"], options.get("window_size", (-1, 0))[0])
-    flops = 3.5 * 4 * batch * heads * pairs * head_dim  # forward 4 per pair and dim, backward 2.5x that
-    return first, flops / ms / 1e9
+    forward_flops = 4 * batch * heads * pairs * head_dim
+    return first, 3.5 * forward_flops / ms / 1e9, forward_flops / forward_ms / 1e9  # backward 2.5x the forward
 
 
 def child(spec):
-    """One shape and its nearest tuned shape, timed in this (fresh) process; one JSON line on stdout."""
+    """One shape and the tuned shapes beside it, timed in this (fresh) process; one JSON line on stdout."""
     start = time.perf_counter()
     import flashformer.kernels  # noqa: F401  (import time is the user's too, but reported apart)
 
     torch.ones(1, device="cuda").sum().item()  # CUDA's own start-up is not the kernels'
     setup_s = time.perf_counter() - start
     batch, seqlen, head_dim, options = parse_shape(spec)
-    first_s, tflops = time_shape(batch, seqlen, head_dim, options)
-    tuned_batch, tuned_seqlen = nearest_tuned(batch, seqlen)
-    tuned_options = {"causal": options["causal"]}
-    tuned_first_s, tuned_tflops = time_shape(tuned_batch, tuned_seqlen, head_dim, tuned_options)
-    print(json.dumps({"shape": spec, "setup_s": setup_s, "first_step_s": first_s, "tflops": tflops,
-                      "tuned_shape": f"{tuned_batch}x{tuned_seqlen}x{head_dim}:"
-                                     f"{'causal' if options['causal'] else 'full'}",
-                      "tuned_first_step_s": tuned_first_s, "tuned_tflops": tuned_tflops}))
+    first_s, tflops, forward_tflops = time_shape(batch, seqlen, head_dim, options)
+    row = {"shape": spec, "setup_s": setup_s, "first_step_s": first_s, "tflops": tflops,
+           "forward_tflops": forward_tflops, "tuned": []}
+    neighbours = tuned_neighbours(batch, seqlen)
+    for tuned_batch, tuned_seqlen in neighbours:
+        tuned_first_s, tuned_tflops, tuned_forward_tflops = time_shape(tuned_batch, tuned_seqlen, head_dim,
+                                                                       {"causal": options["causal"]})
+        row["tuned"].append({"shape": f"{tuned_batch}x{tuned_seqlen}x{head_dim}:"
+                                      f"{'causal' if options['causal'] else 'full'}",
+                             "first_step_s": tuned_first_s, "tflops": tuned_tflops,
+                             "forward_tflops": tuned_forward_tflops})
+    near = neighbours.index(nearest(seqlen, neighbours))
+    row["nearest_tuned"] = row["tuned"][near]["shape"]
+    row["tuned_shape"] = row["tuned"][-1]["shape"]  # the one whose tiles it takes, cached by --child-warm
+    print(json.dumps(row))
 
 
 def warm(spec):
@@ -173,16 +193,20 @@ def _seconds(value):
 
 def markdown_table(rows):
     lines = ["| shape | first step (s), empty cache | without compile-ahead | after another shape's run | TFLOP/s "
-             "| nearest tuned shape | its TFLOP/s | ratio |", "|---|---|---|---|---|---|---|---|"]
+             "(fwd+bwd / fwd) | tuned shapes beside it: TFLOP/s (fwd+bwd / fwd) | ratio to the nearest | "
+             "ratio to the one above |", "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         if "error" in row:
             lines.append(f"| {row['shape']} | error: {row['error'][:80]} | | | | | | |")
             continue
+        tuned = {t["shape"]: t for t in row["tuned"]}
+        beside = ", ".join(f"{t['shape']} {t['tflops']:.0f} / {t['forward_tflops']:.0f}" for t in row["tuned"])
         lines.append(f"| {row['shape']} | {row['first_step_s']:.1f} | "
                      f"{_seconds(row.get('first_step_without_compile_ahead_s'))} | "
                      f"{_seconds(row.get('first_step_after_other_shape_s'))} | "
-                     f"{row['tflops']:.0f} | {row['tuned_shape']} | {row['tuned_tflops']:.0f} | "
-                     f"{row['tflops'] / row['tuned_tflops']:.2f} |")
+                     f"{row['tflops']:.0f} / {row['forward_tflops']:.0f} | {beside} | "
+                     f"{row['tflops'] / tuned[row['nearest_tuned']]['tflops']:.2f} | "
+                     f"{row['tflops'] / tuned[row['tuned_shape']]['tflops']:.2f} |")
     return "\n".join(lines)
 
 

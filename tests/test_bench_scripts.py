@@ -1,5 +1,6 @@
 """The CPU-checkable parts of the benchmark scripts (their timing needs a GPU)."""
 
+import argparse
 import importlib.util
 import os
 import re
@@ -157,6 +158,24 @@ def test_decode_split_sweep_table_lists_each_measured_cell():
     lines = decode.split_sweep_table([cell, {"batch": 64, "cache_len": 131072, "skipped": "skipped"}], [33, 64])
     assert lines.splitlines()[0] == "| batch | cache length | automatic splits | at automatic | 33 splits | 64 splits |"
     assert lines.splitlines()[2:] == ["| 1 | 65536 | 50 | 3.00 | 3.10 | – |"]
+
+
+def test_decode_launch_configs_parse_and_take_effect_until_the_block_ends():
+    decode_bench = _load_script("bench_decode")
+    from flashformer.kernels import decode
+
+    assert decode_bench.parse_launch_config("128x8x2") == (128, 8, 2)
+    with pytest.raises(argparse.ArgumentTypeError, match="'64x4'"):
+        decode_bench.parse_launch_config("64x4")
+    chosen = decode._launch_config(torch.device("cpu"), 128, 0)
+    with decode_bench.launch_config((16, 2, 1)):
+        assert decode._launch_config(torch.device("cpu"), 128, 0) == (16, 2, 1)
+    assert decode._launch_config(torch.device("cpu"), 128, 0) == chosen
+    cell = {"batch": 8, "cache_len": 16384, "tb_per_s": {"SDPA cuDNN graph": 3.9, "ours graph": 3.8},
+            "launch_config_tb_per_s": {"64x4x3": 3.8, "128x8x2": None}}
+    lines = decode_bench.launch_config_table([cell], [(64, 4, 3), (128, 8, 2)]).splitlines()
+    assert lines[0] == "| batch | cache length | cuDNN | ours as chosen | 64x4x3 | 128x8x2 |"
+    assert lines[2] == "| 8 | 16384 | 3.90 | 3.80 | 3.80 | – |"
 
 
 def test_kernel_times_attribute_time_to_the_ops_that_ran():
@@ -415,16 +434,23 @@ def test_first_call_shapes_parse_and_bad_ones_name_the_spec():
     for bad in ("23x704", "23x704x128:sliding", "0x704x128", "axbxc"):
         with pytest.raises(ValueError, match=re.escape(repr(bad))):
             first_call.parse_shape(bad)
-    # The nearest tuned shape keeps the tokens at the power-of-two length that picks the tiles.
-    assert first_call.nearest_tuned(23, 704) == (15, 1024)
-    assert first_call.nearest_tuned(3, 3000) == (2, 4096) and first_call.nearest_tuned(4, 1024) == (4, 1024)
-    assert first_call.nearest_tuned(1, 12000) == (1, 16384)
+    # The tuned shapes beside one keep its tokens at the powers of two around its length; the last one picks
+    # the tiles, the nearest is nearest as a ratio of lengths.
+    assert first_call.tuned_neighbours(23, 704) == [(31, 512), (15, 1024)]
+    assert first_call.nearest(704, [(31, 512), (15, 1024)]) == (31, 512)
+    assert first_call.tuned_neighbours(3, 3000) == [(4, 2048), (2, 4096)]
+    assert first_call.nearest(3000, [(4, 2048), (2, 4096)]) == (2, 4096)
+    assert first_call.tuned_neighbours(4, 1024) == [(4, 1024)] and first_call.tuned_neighbours(1, 1) == [(1, 1)]
+    assert first_call.tuned_neighbours(1, 12000) == [(1, 8192), (1, 16384)]
 
 
 def test_first_call_table_shows_the_step_without_compile_ahead_where_it_was_timed():
     first_call = _load_script("bench_first_call")
-    row = {"shape": "23x704x128:causal", "first_step_s": 5.04, "tflops": 300.0, "tuned_shape": "15x1024x128:causal",
-           "tuned_tflops": 400.0}
+    row = {"shape": "23x704x128:causal", "first_step_s": 5.04, "tflops": 300.0, "forward_tflops": 320.0,
+           "tuned": [{"shape": "31x512x128:causal", "tflops": 250.0, "forward_tflops": 260.0},
+                     {"shape": "15x1024x128:causal", "tflops": 400.0, "forward_tflops": 420.0}],
+           "nearest_tuned": "31x512x128:causal", "tuned_shape": "15x1024x128:causal"}
     table = first_call.markdown_table([{**row, "first_step_without_compile_ahead_s": 10.0}, row])
-    assert "| 23x704x128:causal | 5.0 | 10.0 | - | 300 |" in table
-    assert "| 23x704x128:causal | 5.0 | - | - | 300 |" in table
+    assert "| 23x704x128:causal | 5.0 | 10.0 | - | 300 / 320 |" in table
+    assert ("| 23x704x128:causal | 5.0 | - | - | 300 / 320 | 31x512x128:causal 250 / 260, 15x1024x128:causal 400 / 420 "
+            "| 1.20 | 0.75 |") in table
