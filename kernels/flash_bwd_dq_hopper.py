@@ -8,12 +8,12 @@ preprocess (delta, lse in log2 units); flash_bwd_hopper.py has the dK/dV kernel 
 
 from __future__ import annotations
 
-import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
+from . import flash_bwd_hopper, flash_fwd_hopper
 from .flash_bwd_hopper import CONSUMER_WARPS, distinct_registers
 from .flash_fwd_hopper import _mma_layout, _rows_descriptor, unspecialised_jit
 from .launch import ensure_allocator, launcher
@@ -198,9 +198,8 @@ def launch_dq(q, k, v, grad_out, dq, lse_log2, delta, softmax_scale, qk_scale, s
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     block_n = block_n or DQ_BLOCK_N[head_dim_pad]
-    gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q_smem = gl.NVMMASharedLayout.get_default_for([DQ_ROWS.value, head_dim_pad], gl_dtype)
-    kv_smem = gl.NVMMASharedLayout.get_default_for([block_n, head_dim_pad], gl_dtype)
+    q_smem = flash_bwd_hopper.shared_layouts(DQ_ROWS.value, head_dim_pad, q.dtype)[0]
+    kv_smem = flash_fwd_hopper.shared_layouts(block_n, head_dim_pad, q.dtype)[1]
     ensure_allocator(q.device)
     grid = (triton.cdiv(seqlen_q, DQ_BLOCK_M), heads_q, batch)
     launcher(_attn_bwd_dq_hopper_kernel, grid)(

@@ -1,29 +1,30 @@
 """FlashAttention backward for Hopper (sm_90) in Gluon: flash_bwd.py's dK/dV kernel (the dQ kernel is in
-flash_bwd_dq_hopper.py), scheduled by hand as FlashAttention-3 does it. flash_bwd.py's preprocess forms the row statistics (delta, lse in
-log2 units) first; then two launches, each a producer warp (24 registers, TMA into a ring of
-NUM_STAGES shared-memory slots with "ready" and "empty" mbarriers per slot and tensor) and two
-consumer warpgroups (240 registers each, setmaxnreg) that release slots on their own, so they drift
-apart and one's products overlap the other's exponentials.
+flash_bwd_dq_hopper.py), scheduled by hand as FlashAttention-3 does it. flash_bwd.py's preprocess forms the row
+statistics (delta, lse in log2 units) first; then two launches, each a producer warp (24 registers, TMA into a ring of
+NUM_STAGES shared-memory slots with "ready" and "empty" mbarriers per slot and tensor) and two consumer warpgroups
+(240 registers each, setmaxnreg) that release slots on their own, so they drift apart and one's products overlap the
+other's exponentials.
 
-dK/dV: a program owns BLOCK_N = 128 keys of one kv head (64 at head_dim 256, see
-SPLIT_HEAD_DIM_ABOVE) and walks the query tiles that see them, for every query head of its GQA group
-(one loop inside the program: deterministic, no atomics). The producer streams Q and dO tiles; a
-consumer owns 64 keys and, per query tile, issues S^T = K Q^T and dP^T - delta = V dO^T - delta (its
-accumulator starts at -delta) back to back as asynchronous wgmma, waits for S^T alone and forms P^T
-while dP^T is still on the tensor cores, then dV += P^T dO, dS^T = P^T (dP^T - delta) and
+dK/dV: a program owns BLOCK_N = 128 keys of one kv head (64 at head_dim 256, see SPLIT_HEAD_DIM_ABOVE) and walks the
+query tiles that see them, for every query head of its GQA group (one loop inside the program: deterministic, no
+atomics). The producer streams Q and dO tiles; a consumer owns 64 keys and, per query tile, issues S^T = K Q^T and
+dP^T - delta = V dO^T - delta (its accumulator starts at -delta) back to back as asynchronous wgmma, waits for S^T
+alone and forms P^T while dP^T is still on the tensor cores, then dV += P^T dO, dS^T = P^T (dP^T - delta) and
 dK += dS^T Q, P^T and dS^T in registers as the A operands.
 
-Each product's register operand is waited for before its registers are reused. The semantics are
-flash_bwd.py's: bottom-right causal, windows, softcap, GQA, the lse gradient (through delta); keys
-past seqlen_k and rows past seqlen_q (zeros read by TMA) get p = 0 and so dS = 0.
+Each product's register operand is waited for before its registers are reused. The semantics are flash_bwd.py's:
+bottom-right causal, windows, softcap, GQA, the lse gradient (through delta); keys past seqlen_k and rows past
+seqlen_q (zeros read by TMA) get p = 0 and so dS = 0.
 
-Fused (DQ_MODE, launch_fused; deterministic=False's form where tuning.gluon_backward_form has it): a consumer
-also forms its share of the query tile's dQ, dS K, from dS^T in shared memory, and adds it into an fp32
-accumulator with one TMA bulk reduction (dq_reduce_hopper.py): 5 products per tile instead of 7 (DQ_SPLIT,
-FlashAttention-3's layout: half of dQ's columns per consumer over both consumers' dS^T tiles).
+Fused (DQ_MODE, launch_fused; deterministic=False's form where tuning.gluon_backward_form has it): a consumer also
+forms its share of the query tile's dQ, dS K, from dS^T in shared memory, and adds it into an fp32 accumulator with
+one TMA bulk reduction (dq_reduce_hopper.py): 5 products per tile instead of 7 (DQ_SPLIT, FlashAttention-3's layout:
+half of dQ's columns per consumer over both consumers' dS^T tiles).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -334,9 +335,8 @@ CONFIGS = {64: (64, 2), 128: (64, 2), 256: (64, 2)}
 SOFTCAP_BLOCK_M = {64: 64, 128: 32, 256: 32}
 
 
-# Fused (launch_fused), BLOCK_M is dQ's wgmma M: 64, with softcap too. Shared memory at head_dim 128: the
-# Q/dO ring (64 KB), K and V (64 KB), the dS^T tiles (16 KB) and the two fp32 dQ stages (64 KB; 32 KB of
-# half-width stages with split_dq).
+# Fused (launch_fused), BLOCK_M is dQ's wgmma M: 64, with softcap too. Shared memory at head_dim 128: the Q/dO ring
+# (64 KB), K and V (64 KB), the dS^T tiles (16 KB) and the two fp32 dQ stages (64 KB; 32 KB half-width with split_dq).
 FUSED_BLOCK_M = 64
 
 
@@ -362,13 +362,13 @@ FASTER_HEAD_DIMS = (128, 256)
 
 
 def supports(q, cu_seqlens_q, head_dim_pad, has_alibi, has_dropout):
-    """Whether these kernels take these inputs (the caller has chosen the Gluon path for the device):
-    dense, 16-bit, a padded head_dim where they are the faster backward, no ALiBi and no dropout (the tl
-    kernels have them)."""
+    """Whether these kernels take these inputs (the caller has chosen the Gluon path for the device): dense,
+    16-bit, a padded head_dim where they are the faster backward, no ALiBi and no dropout (the tl kernels have them)."""
     return (cu_seqlens_q is None and q.dtype in (torch.float16, torch.bfloat16) and head_dim_pad in FASTER_HEAD_DIMS
             and not has_alibi and not has_dropout)
 
 
+@functools.cache  # built once per config, not on every launch
 def shared_layouts(block_m, head_dim_pad, dtype):
     """NVMMA (swizzled) layouts: a Q/dO tile, the same tile as the box of a heads descriptor, a K/V tile."""
     gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
@@ -377,10 +377,10 @@ def shared_layouts(block_m, head_dim_pad, dtype):
             gl.NVMMASharedLayout.get_default_for([CONSUMER_KEYS.value, head_dim_pad], gl_dtype))
 
 
+@functools.cache
 def fused_layouts(block_m, head_dim_pad, dtype, split_dq=False):
-    """NVMMA layouts of the fused kernel's tiles: a consumer's (keys, BLOCK_M) dS^T (dK's and, permuted,
-    dQ's A operand), its fp32 dQ stage (half the head_dim wide with ``split_dq``), and that stage as the box
-    of the accumulator's heads descriptor."""
+    """NVMMA layouts of the fused kernel's tiles: a consumer's (keys, BLOCK_M) dS^T (dK's and, permuted, dQ's A
+    operand), its fp32 dQ stage (half the head_dim wide with ``split_dq``), and that stage as the accumulator's TMA box."""
     gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     dq_box = [block_m, head_dim_pad // 2 if split_dq else head_dim_pad]
     return (gl.NVMMASharedLayout.get_default_for([CONSUMER_KEYS.value, block_m], gl_dtype),

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import (as_descriptor_compatible, dot_precision, ensure_allocator, new_output, seq_strides, seqs_pad,
-                     tile_grid, upcast_dot)
+from .launch import (as_descriptor_compatible, dot_precision, ensure_allocator, launcher, new_output, seq_strides,
+                     seqs_pad, tile_grid, upcast_dot)
 from .reference import dropout_threshold
 from .sizes import next_power_of_2, pad_head_dim
 from .tile_ops import (alibi_bias, attention_logits, dropout_keep, key_range, load_alibi_slope_log2, load_dropout_key,
@@ -200,7 +200,7 @@ def attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap
     seqlen_q_bucket = next_power_of_2(max(seqlen_q, 1))
     kernel, config = pick_kernel(q.device, "fwd", _attn_fwd_kernel, _attn_fwd_tuned, head_dim_pad,
                                  table_mask(window_right), seqlen_q_bucket)
-    kernel[lambda meta: tile_grid(meta["BLOCK_M"], seqlen_q, q.shape[0], batch, heads_q, is_varlen)](
+    launcher(kernel, lambda meta: tile_grid(meta["BLOCK_M"], seqlen_q, q.shape[0], batch, heads_q, is_varlen))(
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed if has_dropout else None,
         *(stride for t in (q, k, v, out) for stride in seq_strides(t, is_varlen)), *strides_lse,
         alibi_slopes.stride(0) if has_alibi and alibi_slopes.dim() == 2 else 0,

@@ -1,8 +1,7 @@
 """FlashAttention forward for Hopper (sm_90) in Gluon: the algorithm of flash_fwd.py, scheduled by hand.
 
-Triton's own pipeliner waits on every tensor-core product of the tl attention loop before the next
-instruction, so a program's softmax never overlaps its matrix products. Here the schedule is written
-out, as FlashAttention-3 does it:
+Triton's own pipeliner waits on every tensor-core product of the tl attention loop before the next instruction, so a
+program's softmax never overlaps its matrix products. Here the schedule is written out, as FlashAttention-3 does it:
 
 * warp specialisation: a producer warp streams K and V tiles by TMA into a ring of NUM_STAGES
   shared-memory slots (a "ready" and an "empty" mbarrier per slot and tensor); CONSUMERS (2 or 3)
@@ -14,19 +13,20 @@ out, as FlashAttention-3 does it:
   overlap another's softmax. Three consumers (192 rows) share each K/V tile among more rows, for
   head_dim 64, whose small products leave the per-tile costs (barriers, softmax) dominant.
 
-The semantics are flash_fwd.py's (bottom-right causal, windows, softcap, GQA, lse in natural log, rows
-that see no key give 0 and lse -inf); flash_fwd.py stays the portable, interpreter-tested statement of
-the algorithm. P stays in registers as the A operand of P V.
+The semantics are flash_fwd.py's (bottom-right causal, windows, softcap, GQA, lse in natural log, rows that see no key
+give 0 and lse -inf); flash_fwd.py stays the portable, interpreter-tested statement of the algorithm. P stays in
+registers as the A operand of P V.
 
-PERSISTENT (where tuning.gluon_forward_config measured it faster) launches one program per SM instead of one per query tile; each walks its
-share of tile_schedule.py's order (longest tiles first) through the same partitions. The K/V ring and
-its phases run on across the tiles, so the producer streams the next tile's keys while the consumers
-finish this one, and two sets of Q blocks (where shared memory allows) let the next tile's queries load
-under this tile's work. Its TMA descriptors cover whole tensors, built once per program.
+PERSISTENT (where tuning.gluon_forward_config measured it faster) launches one program per SM instead of one per query
+tile; each walks its share of tile_schedule.py's order (longest tiles first) through the same partitions. The K/V ring
+and its phases run on across the tiles, so the producer streams the next tile's keys while the consumers finish this
+one, and two sets of Q blocks (where shared memory allows) let the next tile's queries load under this tile's work.
+Its TMA descriptors cover whole tensors, built once per program.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -36,7 +36,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .launch import ensure_allocator, sm_count
+from .launch import ensure_allocator, launcher, sm_count
 from .tile_ops import tanh, visible
 from .tile_schedule import program_tile, q_buffers, query_block, section_pairs, tile_coords
 from .tuning import GLUON_FORWARD_FROM_SEQLEN, gluon_forward_config
@@ -409,6 +409,7 @@ def supports(q, cu_seqlens_q, head_dim_pad, has_alibi, has_dropout):
             and q.shape[1] >= GLUON_FORWARD_FROM_SEQLEN.get(head_dim_pad, float("inf")) and not has_alibi and not has_dropout)
 
 
+@functools.cache  # built once per config, not on every launch
 def shared_layouts(block_n, head_dim_pad, dtype):
     """NVMMA (swizzled) shared-memory layouts of a consumer's Q/O tile and of a K/V tile."""
     gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
@@ -437,7 +438,7 @@ def launch_forward(q, k, v, out, lse, qk_scale, softcap_log2, window_left, windo
         grid = (min(num_m_blocks * heads_q * batch, sm_count(q.device.index)),)
     else:
         grid = (num_m_blocks, heads_q, batch)
-    _attn_fwd_hopper_kernel[grid](
+    launcher(_attn_fwd_hopper_kernel, grid)(
         q, k, v, out, lse, *strides, *strides_lse, seqlen_q, seqlen_k,
         qk_scale, softcap_log2, window_left, window_right,
         batch, heads_q, num_m_blocks, section_pairs(seqlen_k, head_dim_pad, heads_q, heads_kv, q.element_size()),

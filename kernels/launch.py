@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import threading
 
 import torch
 import triton
 from triton.runtime._allocation import _allocator, NullAllocator
 
-from .settings import INTERPRETED, POISON_AT_IMPORT
+from .settings import DIRECT_LAUNCH, INTERPRETED, POISON_AT_IMPORT
 from .sizes import cdiv, next_power_of_2
 
 
@@ -41,15 +42,24 @@ def compile_only():
 
 def launcher(kernel, grid):
     """``kernel[grid]``, or within compile_only() its compile for the same arguments (Triton's warmup).
+    A kernel with fixed meta-parameters launches through its CompiledLaunch (Triton's C launcher called
+    directly once compiled), where the host time of Triton's launch path would otherwise decide a short
+    call's time.
 
     Args:
         kernel: a @triton.jit or @gluon.jit function; an autotuner raises WouldAutotune in compile-only mode.
         grid: the launch grid, a tuple or a function of the meta-parameters.
     """
     compiled = getattr(_COMPILE_ONLY, "compiled", None)
+    autotuner = isinstance(kernel, triton.runtime.Autotuner)
     if compiled is None:
-        return kernel[grid]
-    if isinstance(kernel, triton.runtime.Autotuner):
+        if autotuner or INTERPRETED or not DIRECT_LAUNCH:
+            return kernel[grid]
+        direct = _DIRECT.get(kernel)
+        if direct is None:
+            direct = _DIRECT[kernel] = CompiledLaunch(kernel)
+        return functools.partial(direct, grid)
+    if autotuner:
         raise WouldAutotune(f"{kernel.base_fn.__name__} autotunes here")
     return lambda *args, **meta: compiled.append(kernel.warmup(*args, grid=grid, **meta))
 
@@ -96,23 +106,33 @@ def new_output(like, shape=None, dtype=None):
 
 
 _INT32 = range(-2**31, 2**31)
+_UINT64_FROM = 2**63  # Triton types an int from here on as u64
 # Signatures one CompiledLaunch keeps (a few per model; bounded for a long-lived server).
 MAX_COMPILED_LAUNCHES = 1024
 
 
+def _specialisation(arg):
+    """What Triton 3.6 compiles an argument's variant on: a tensor's dtype and 16-byte alignment; an int's
+    width, divisibility by 16 and == 1; else its type (a float is always fp32). For a kernel that declares
+    none of them unspecialised this is exactly its key; where it does, equal keys still mean equal variants."""
+    kind = type(arg)
+    if kind is torch.Tensor:
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if kind is int:
+        return arg in _INT32, arg >= _UINT64_FROM, arg % 16 == 0, arg == 1
+    return kind
+
+
 class CompiledLaunch:
-    """Launches of ``kernel`` that reuse its compiled form and call Triton's C launcher directly,
-    where batch-1 decoding is host-bound: no per-call argument binding, launch-metadata dict, hook
-    calls or allocator callback (see _DirectLaunch).
+    """Launches of ``kernel`` that reuse its compiled form and call Triton's C launcher directly: no
+    per-call argument binding, launch-metadata dict, hook calls or allocator callback (see _DirectLaunch).
+    The first launch of each signature goes through Triton (and compiles, or loads from its cache); so
+    does every launch in the interpreter.
 
-    Only for kernels whose compiled code depends on nothing but the constexprs, the launch options
-    and the arguments' types: every int argument declared ``do_not_specialize`` (Triton would
-    otherwise specialise on == 1 and divisibility by 16), and every pointer either declared
-    ``do_not_specialize_on_alignment`` or 16-byte aligned on every call by construction. The
-    first launch of each key goes through Triton (and compiles); so does every launch in the
-    interpreter.
-
-    Call as ``launch(grid, *args, **constexprs_and_options)``, like ``kernel[grid](...)``.
+    Call as ``launch(grid, *args, **constexprs_and_options)``, like ``kernel[grid](...)``: the kernel's
+    runtime arguments positional, its constexprs and launch options by keyword; a callable grid gets the
+    keyword arguments. The signature of such a call is _specialisation's of each argument, so any kernel
+    qualifies; launch_keyed takes a signature the caller already knows instead.
     """
 
     def __init__(self, kernel):
@@ -123,10 +143,9 @@ class CompiledLaunch:
         if INTERPRETED:
             self.kernel[grid](*args, **meta)
             return
-        # An int's entry says whether it fits int32, which decides its type in Triton's signature.
-        signature = (tuple(meta.values()),
-                     *[a.dtype if type(a) is torch.Tensor else a in _INT32 if type(a) is int else type(a) for a in args])
-        self.launch_keyed(signature, grid, *args, **meta)
+        if callable(grid):
+            grid = grid(meta)
+        self.launch_keyed((tuple(meta.values()), *[_specialisation(a) for a in args]), grid, *args, **meta)
 
     def launch_keyed(self, signature, grid, *args, **meta):
         """As calling this object, with ``signature`` standing for the constexprs, options and argument
@@ -144,8 +163,13 @@ class CompiledLaunch:
         if hasattr(compiled, "__getitem__"):  # a Triton whose launch returns no CompiledKernel: JIT always
             if len(self.compiled) >= MAX_COMPILED_LAUNCHES:
                 self.compiled.clear()
-            self.compiled[device, signature] = _DirectLaunch(
-                compiled, tuple(meta[name] for name in self.kernel.arg_names[len(args):]))
+            self.compiled[device, signature] = _DirectLaunch(compiled, self._constexprs(len(args), meta))
+
+    def _constexprs(self, positional, meta):
+        """The values of the kernel's arguments after the positional ones, in order (a default where the
+        call left one out), as its compiled form's launcher takes them."""
+        params = list(inspect.signature(self.kernel.fn).parameters.values())[positional:]
+        return tuple(meta[p.name] if p.name in meta else p.default for p in params)
 
 
 # Triton versions whose C launcher _DirectLaunch calls directly (its argument order is theirs).
@@ -195,6 +219,8 @@ class _DirectLaunch:
                       self.compiled.packed_metadata, None, None, None, *args, *self.constexprs)
 
 
+# The CompiledLaunch of each kernel launched through launcher().
+_DIRECT = {}
 _REUSED = {}
 MAX_REUSED = 256
 

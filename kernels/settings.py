@@ -8,6 +8,9 @@
   instead of the autotuner. Read per call.
 * ``FLASHFORMER_COMPILE_AHEAD=0``: a forward whose inputs need gradients no longer compiles its backward's
   kernels in a background thread (compile_ahead.py). Read per call.
+* ``FLASHFORMER_DIRECT_LAUNCH=0``: every launch goes through Triton's own launch path (argument binding,
+  specialisation keys, hooks) instead of launch.CompiledLaunch's direct call of its C launcher after the
+  first. Read once, at import.
 * ``FLASHFORMER_POISON=1``: outputs start NaN-filled, so that a test catches any element a kernel
   forgets to write. Read once, at import: a decoding step allocates four outputs, and an environment
   lookup costs ~2 µs (launch.POISON_OUTPUTS is the switch afterwards).
@@ -19,6 +22,7 @@ import os
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 POISON_AT_IMPORT = os.environ.get("FLASHFORMER_POISON") == "1"
+DIRECT_LAUNCH = os.environ.get("FLASHFORMER_DIRECT_LAUNCH", "1") != "0"
 
 
 def _major_minor(version: str) -> tuple[int, int]:

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 import triton
+import triton.language as tl
 from attention_checks import assert_matches_reference
 
 from flashformer.kernels import flash_attn_func, interface, launch, settings, tuning
@@ -192,6 +193,35 @@ def test_direct_launch_only_where_the_launcher_protocol_is_known(monkeypatch):
     assert launch._DirectLaunch(_CompiledKernelAttributes(profile_scratch_size=64), ()).c_launch is None
     monkeypatch.setattr(triton, "__version__", "3.7.0")
     assert launch._DirectLaunch(_CompiledKernelAttributes(), ()).c_launch is None
+
+
+def test_direct_launch_signatures_split_arguments_exactly_where_triton_compiles_variants():
+    """Two calls share a direct launch when their arguments' _specialisation keys are equal; that must mean
+    Triton's own specialisation is equal too (else a launch would run a variant compiled for other
+    arguments), and the other way round (else each call would go back through Triton's launch path)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    buffer = torch.empty(64, dtype=torch.bfloat16)
+    samples = [0, 1, 2, 15, 16, 17, 48, -16, -17, 2**31 - 16, 2**31, 2**31 + 3, 2**63, 2**63 + 16, 0.5, 1.0, -3.0,
+               None, True, False, buffer, buffer[1:], buffer[8:], buffer.view(torch.float16),
+               torch.empty(4, dtype=torch.int32), torch.empty(4, dtype=torch.float32)[1:]]
+    ours = [launch._specialisation(a) for a in samples]
+    triton_variants = [native_specialize_impl(CUDABackend, a, False, True, True) for a in samples]
+    for i in range(len(samples)):
+        for j in range(len(samples)):
+            assert (ours[i] == ours[j]) == (triton_variants[i] == triton_variants[j]), (samples[i], samples[j])
+
+
+@triton.jit
+def _defaulted_constexpr_kernel(X, n, BLOCK: tl.constexpr, SCALE: tl.constexpr = 3):
+    pass
+
+
+def test_direct_launch_passes_left_out_constexprs_at_their_defaults():
+    direct = launch.CompiledLaunch(_defaulted_constexpr_kernel)
+    assert direct._constexprs(2, {"BLOCK": 64, "num_warps": 4}) == (64, 3)
+    assert direct._constexprs(2, {"BLOCK": 64, "SCALE": 5}) == (64, 5)
 
 
 def test_launch_hooks_count_only_when_something_is_registered():
