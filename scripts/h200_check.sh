@@ -3,7 +3,7 @@
 # Each stage has its own time limit so that one slow stage cannot eat the lease; results come back
 # as $OUT/results.tgz (and $OUT/tuned_configs.json after the tune stage).
 # Usage on the device machine: bash scripts/h200_check.sh [stage ...]   (default: all stages)
-# Stages: readme quick compile slow tune descriptors decode generate attention varlen first-call fused-bwd train
+# Stages: readme quick compile slow tune descriptors decode generate attention varlen first-call host fused-bwd train
 # train-chunked memory pi
 # Each stage's limit fits one 10-minute device call with its neighbours: pi beside (half of) slow, quick + tune +
 # attention + varlen + decode when narrowed. Two instances may run at once on a machine of two GPUs
@@ -11,7 +11,7 @@
 # directory) and RESULTS (archive name). Narrowing knobs: TUNE_ARGS (default: --head-dims 64 128 256), ATTN_ARGS (default:
 # all impls, head dims 64 128 256), SLOW_FILTER (a pytest -k expression splitting the slow sweep across calls), SLOW_TIMEOUT,
 # DECODE_ARGS (default: --host-profile 200), TRAIN_ARGS (default: --seqlens 1024 4096 16384 --steps 50 --profile 5),
-# FIRST_CALL_ARGS (bench_first_call's --shapes and --timeout). The interpreter test in `readme` needs numpy<2.4
+# FIRST_CALL_ARGS (bench_first_call's --shapes and --timeout), HOST_ARGS (bench_host's --shapes). The interpreter test in `readme` needs numpy<2.4
 # under Triton 3.6, as the README pins: carry that wheel in .whl/ where the machine's numpy is newer.
 set -uo pipefail
 OUT="${OUT:-out}"; mkdir -p "$OUT"
@@ -44,6 +44,7 @@ for stage in "${stages[@]}"; do
             grep -a "^FAILED\|passed\|failed" "$RES/readme.log" | tail -40 ;;
     first-call) timeout 420 python3 scripts/bench_first_call.py ${FIRST_CALL_ARGS:-} --out "$RES/first_call.json" 2>&1 \
               | tee "$RES/first_call.log" | grep "^|" ;;
+    host)   timeout 300 python3 scripts/bench_host.py ${HOST_ARGS:-} --out "$RES/host.json" 2>&1 | tee "$RES/host.log" | grep "^|" ;;
     fused-bwd) timeout 480 python3 scripts/bench_gluon_backward.py --variants two-kernel fused fused-nondet \
               fused-split fused-split-nondet --head-dims 128 --seqlens 4096 16384 --out "$RES/gluon_fused_backward.json" 2>&1 \
               | tee "$RES/fused_bwd.log" | grep "^|\|smoke" ;;

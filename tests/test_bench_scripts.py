@@ -454,3 +454,18 @@ def test_first_call_table_shows_the_step_without_compile_ahead_where_it_was_time
     assert "| 23x704x128:causal | 5.0 | 10.0 | - | 300 / 320 |" in table
     assert ("| 23x704x128:causal | 5.0 | - | - | 300 / 320 | 31x512x128:causal 250 / 260, 15x1024x128:causal 400 / 420 "
             "| 1.20 | 0.75 |") in table
+
+
+def test_host_bench_shapes_parse_and_its_table_shows_host_over_device():
+    host = _load_script("bench_host")
+    assert host.parse_shape("15x1024x16x128") == (15, 1024, 16, 128, True)
+    assert host.parse_shape("2x64x4x32:full") == (2, 64, 4, 32, False)
+    for bad in ("15x1024x16", "1x2x3x4:sliding", "0x1x1x1"):
+        with pytest.raises(ValueError, match=re.escape(repr(bad))):
+            host.parse_shape(bad)
+    timing = {"host_ms": 0.5, "device_ms": 0.25}
+    row = {"shape": "15x1024x16x128", "mode": "direct", **{call: timing for call in (
+        "ours forward", "ours forward + backward", "cuDNN forward", "cuDNN forward + backward")}}
+    table = host.markdown([row, {"shape": "1x1x1x16", "mode": "direct", "error": "boom"}]).splitlines()
+    assert table[2] == "| 15x1024x16x128 | direct | ours forward | 0.500 | 0.250 | 2.00 |"
+    assert table[-1].startswith("| 1x1x1x16 | direct | error: boom |")
