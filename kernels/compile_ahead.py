@@ -24,7 +24,7 @@ import threading
 import torch
 
 from . import settings
-from .launch import WouldAutotune, compile_only, seqs_pad
+from .launch import WouldAutotune, compile_only, seqs_pad, specialisation
 from .sizes import next_power_of_2, pad_head_dim
 
 logger = logging.getLogger(__name__)
@@ -56,11 +56,6 @@ def _executor(name, workers):
         return _executors[name]
 
 
-def _int_class(n):
-    """What Triton's specialisation of an int argument sees: == 1, divisible by 16, fits int32."""
-    return n == 1, n % 16 == 0, -2**31 <= n < 2**31
-
-
 def _contiguous_strides(shape):
     """The strides of a fresh tensor of ``shape`` (as launch.new_output's)."""
     strides = [1]
@@ -87,16 +82,16 @@ def backward_key(inputs, gluon):
     seqlen_q, seqlen_k = (max_seqlen_q, max_seqlen_k) if is_varlen else (q.shape[1], k.shape[1])
     head_dim_pad = pad_head_dim(q.shape[-1])
     form = gluon_backward_form(head_dim_pad, seqlen_k, window_left, window_right, deterministic) if gluon else None
-    alibi = None if alibi_slopes is None else (alibi_slopes.dim(), _int_class(alibi_slopes.stride(0)))
-    # The tl kernels specialise their lengths, window bounds and strides; the Gluon ones only the strides:
-    # the inputs', the fresh (contiguous) gradients' and lse's.
+    alibi = None if alibi_slopes is None else (alibi_slopes.dim(), specialisation(alibi_slopes.stride(0)))
+    # The tl kernels (the preprocess beside the Gluon ones, the whole backward elsewhere) specialise their
+    # lengths, window bounds and strides: the inputs', the fresh (contiguous) gradients' and lse's.
     lse_strides = (0, q.shape[0]) if is_varlen else (q.shape[-2] * seqlen_q, seqlen_q)
     ints = (seqlen_q, seqlen_k, batch, window_left, window_right, *q.stride(), *k.stride(), *v.stride(),
             *_contiguous_strides(q.shape), *_contiguous_strides(k.shape), *lse_strides)
     return (q.device.index, q.dtype, k.dtype, v.dtype, q.shape[-1], q.shape[-2] // k.shape[-2], window_left >= 0,
             window_right >= 0, softcap > 0.0, dropout_p > 0.0, alibi, is_varlen, seqs_pad(batch, is_varlen),
             bool(deterministic), gluon, form, next_power_of_2(max(seqlen_q, 1)), next_power_of_2(max(seqlen_k, 1)),
-            tuple(_int_class(n) for n in ints))
+            tuple(specialisation(n) for n in ints))
 
 
 def wanted(q, k):

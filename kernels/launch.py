@@ -111,7 +111,7 @@ _UINT64_FROM = 2**63  # Triton types an int from here on as u64
 MAX_COMPILED_LAUNCHES = 1024
 
 
-def _specialisation(arg):
+def specialisation(arg):
     """What Triton 3.6 compiles an argument's variant on: a tensor's dtype and 16-byte alignment; an int's
     width, divisibility by 16 and == 1; else its type (a float is always fp32). For a kernel that declares
     none of them unspecialised this is exactly its key; where it does, equal keys still mean equal variants."""
@@ -131,7 +131,7 @@ class CompiledLaunch:
 
     Call as ``launch(grid, *args, **constexprs_and_options)``, like ``kernel[grid](...)``: the kernel's
     runtime arguments positional, its constexprs and launch options by keyword; a callable grid gets the
-    keyword arguments. The signature of such a call is _specialisation's of each argument, so any kernel
+    keyword arguments. The signature of such a call is specialisation's of each argument, so any kernel
     qualifies; launch_keyed takes a signature the caller already knows instead.
     """
 
@@ -145,7 +145,7 @@ class CompiledLaunch:
             return
         if callable(grid):
             grid = grid(meta)
-        self.launch_keyed((tuple(meta.values()), *[_specialisation(a) for a in args]), grid, *args, **meta)
+        self.launch_keyed((tuple(meta.values()), *[specialisation(a) for a in args]), grid, *args, **meta)
 
     def launch_keyed(self, signature, grid, *args, **meta):
         """As calling this object, with ``signature`` standing for the constexprs, options and argument

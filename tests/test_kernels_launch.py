@@ -206,7 +206,7 @@ def test_direct_launch_signatures_split_arguments_exactly_where_triton_compiles_
     samples = [0, 1, 2, 15, 16, 17, 48, -16, -17, 2**31 - 16, 2**31, 2**31 + 3, 2**63, 2**63 + 16, 0.5, 1.0, -3.0,
                None, True, False, buffer, buffer[1:], buffer[8:], buffer.view(torch.float16),
                torch.empty(4, dtype=torch.int32), torch.empty(4, dtype=torch.float32)[1:]]
-    ours = [launch._specialisation(a) for a in samples]
+    ours = [launch.specialisation(a) for a in samples]
     triton_variants = [native_specialize_impl(CUDABackend, a, False, True, True) for a in samples]
     for i in range(len(samples)):
         for j in range(len(samples)):
