@@ -1,6 +1,7 @@
 """Launch choices for the kernels: tile-shape policy (tuning.py: the offline table, forced configs) and launch
 mechanics (launch.py: grids, direct launches)."""
 
+import functools
 import json
 
 import pytest
@@ -222,6 +223,21 @@ def test_direct_launch_passes_left_out_constexprs_at_their_defaults():
     direct = launch.CompiledLaunch(_defaulted_constexpr_kernel)
     assert direct._constexprs(2, {"BLOCK": 64, "num_warps": 4}) == (64, 3)
     assert direct._constexprs(2, {"BLOCK": 64, "SCALE": 5}) == (64, 5)
+
+
+def test_launcher_takes_the_direct_launch_for_fixed_configs_only(monkeypatch):
+    """Outside the interpreter a kernel with fixed meta-parameters launches through one CompiledLaunch per
+    kernel; an autotuner keeps Triton's own path (it must time its candidates), as does
+    FLASHFORMER_DIRECT_LAUNCH=0."""
+    monkeypatch.setattr(launch, "INTERPRETED", False)
+    monkeypatch.setattr(launch, "_DIRECT", {})
+    direct = launch.launcher(_defaulted_constexpr_kernel, (4, 1, 1))
+    assert isinstance(direct.func, launch.CompiledLaunch) and direct.args == ((4, 1, 1),)
+    assert launch.launcher(_defaulted_constexpr_kernel, (8,)).func is direct.func
+    tuned = triton.autotune(configs=[triton.Config({"BLOCK": 16})], key=["n"])(_defaulted_constexpr_kernel)
+    assert not isinstance(launch.launcher(tuned, (1,)), functools.partial)
+    monkeypatch.setattr(launch, "DIRECT_LAUNCH", False)
+    assert not isinstance(launch.launcher(_defaulted_constexpr_kernel, (1,)), functools.partial)
 
 
 def test_launch_hooks_count_only_when_something_is_registered():
