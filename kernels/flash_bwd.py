@@ -1,9 +1,7 @@
 """FlashAttention backward in Triton. Deterministic by default: no atomics, every gradient written by
 one program.
 
-Every query row needs two statistics: delta_i = sum_d dO_id * O_id - dLSE_i (a gradient into lse
-enters as -delta, since d lse_i / d s_ij = p_ij), and lse in log2 units with empty rows (-inf)
-turned into +inf so that their recomputed probabilities are 0.
+Every query row needs two statistics, delta and lse in log2 units (bwd_stats.py, which also lays them out).
 
 Two launches:
 1. ``_bwd_dq_kernel``: one program per query tile and query head; it computes its rows' statistics
@@ -13,7 +11,7 @@ Two launches:
    dK and dV in registers (one loop, or three at head_dim <= 64: ONE_LOOP_DKDV_HEAD_DIM). Looping over
    the group inside the program (instead of atomics across programs) keeps GQA deterministic.
 
-On the Gluon path (sm_90), where it covers the inputs (dense, 16-bit), the backward is ``_bwd_preprocess``,
+On the Gluon path (sm_90), where it covers the inputs (dense, 16-bit), the backward is bwd_stats' ``_bwd_preprocess``,
 then flash_bwd_hopper.py's dQ and dK/dV kernels; with deterministic=False, where tuning measured it faster,
 the dK/dV kernel alone, forming dQ too (flash_bwd_hopper.launch_fused: TMA reductions of each dQ share in
 arrival order, its columns split between the consumers). Both beat the tl form below on the H200.
@@ -36,6 +34,7 @@ import triton
 import triton.language as tl
 
 from .flash_fwd import log2_scales
+from .bwd_stats import STATS_ROWS, launch_preprocess, row_stats, row_stats_buffers
 from .launch import (INTERPRETED, as_descriptor_compatible, dot_precision, ensure_allocator, launcher, new_output,
                      seq_strides, seqs_pad, tile_grid, upcast_dot)
 from .reference import dropout_threshold
@@ -44,49 +43,10 @@ from .tile_ops import (alibi_bias, dropout_keep, key_range, load_alibi_slope_log
                        program_tile, query_range, rows_descriptor, sequence_bounds, tanh, visible)
 from .tuning import checked_gluon_form, gluon_backward_form, pick_kernel, table_mask, tl_reduced_dq_pays, tuned
 
-PREPROCESS_BLOCK = 64
 # The dK/dV kernel walks its query tiles in one loop (edge tiles masked under a branch) from this padded
 # head_dim up, and in three loops (masked edge, unmasked middle, masked edge) below it: on the H200 one
 # loop gained 2-11% at head_dim 128 and 256 and lost 4-13% at head_dim 64 (docs/perf-notes.md, "Backward").
 ONE_LOOP_DKDV_HEAD_DIM = 128
-
-
-@triton.jit(do_not_specialize=["seqlen_q", "num_seqs"])  # lengths: no vector width depends on them
-def _bwd_preprocess(
-    O, DO, LSE, DLSE, DELTA, LSE_LOG2, CU_SEQLENS_Q,
-    stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh, stride_lse_b, stride_lse_h,
-    seqlen_q, num_seqs,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK: tl.constexpr, IS_VARLEN: tl.constexpr,
-    SEQS_PAD: tl.constexpr, HAS_DLSE: tl.constexpr,
-):
-    batch, pid_m, head = program_tile(num_seqs, CU_SEQLENS_Q, BLOCK, SEQS_PAD, False, IS_VARLEN)
-    if batch >= num_seqs:
-        return
-    q_start, _, seqlen_q, _ = sequence_bounds(batch, seqlen_q, 0, CU_SEQLENS_Q, CU_SEQLENS_Q, IS_VARLEN)
-    o_base = batch * stride_ob + q_start * stride_os
-    do_base = batch * stride_dob + q_start * stride_dos
-    lse_base = batch * stride_lse_b + q_start
-    rows = pid_m * BLOCK + tl.arange(0, BLOCK)
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    valid = (rows[:, None] < seqlen_q) & (dims[None, :] < HEAD_DIM)
-    rows_64 = rows.to(tl.int64)[:, None]  # a sequence's rows * stride can pass 2**31 too
-    o = tl.load(O + o_base + head * stride_oh + rows_64 * stride_os + dims[None, :], mask=valid, other=0.0)
-    do = tl.load(DO + do_base + head * stride_doh + rows_64 * stride_dos + dims[None, :], mask=valid, other=0.0)
-    _row_stats(o, do, LSE, DLSE, DELTA, LSE_LOG2, lse_base + head * stride_lse_h + rows, rows < seqlen_q, HAS_DLSE)
-
-
-@triton.jit
-def _row_stats(o, do, LSE, DLSE, DELTA, LSE_LOG2, row_offsets, in_seq, HAS_DLSE: tl.constexpr):
-    """Compute, store and return (delta, lse_log2) of a tile of rows (see the module docstring); rows
-    outside the sequence get lse_log2 = +inf (p = 0) and are not stored."""
-    lse = tl.load(LSE + row_offsets, mask=in_seq, other=float("-inf"))
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + row_offsets, mask=in_seq, other=0.0)
-    lse_log2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    tl.store(DELTA + row_offsets, delta, mask=in_seq)
-    tl.store(LSE_LOG2 + row_offsets, lse_log2, mask=in_seq)
-    return delta, lse_log2
 
 
 @triton.jit
@@ -97,14 +57,19 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, DQ_ACC, stride_dq_acc, L
                 HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
                 LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, ACCUMULATE_DQ: tl.constexpr,
                 DQ_TMA_REDUCE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+                HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr):
     for m0 in tl.range(start, end, BLOCK_M):
         q = q_desc.load([m0, 0])
         do = do_desc.load([m0, 0])
         rows = m0 + tl.arange(0, BLOCK_M)
-        # Rows past the end get lse = +inf, so p = 0 and they add nothing.
-        lse_log2 = tl.load(LSE_LOG2 + rows, mask=rows < seqlen_q, other=float("inf"))
-        delta = tl.load(DELTA + rows, mask=rows < seqlen_q, other=0.0)
+        # Rows past the end get lse = +inf, so p = 0 and they add nothing: dense, from the statistics'
+        # padding; packed (no padding between sequences), through the mask.
+        if IS_VARLEN:
+            lse_log2 = tl.load(LSE_LOG2 + rows, mask=rows < seqlen_q, other=float("inf"))
+            delta = tl.load(DELTA + rows, mask=rows < seqlen_q, other=0.0)
+        else:
+            lse_log2 = tl.load(LSE_LOG2 + rows)
+            delta = tl.load(DELTA + rows)
         s_t = mma(k, tl.trans(q), DOT_PRECISION, UPCAST_DOT) * qk_scale  # (BLOCK_N, BLOCK_M)
         if HAS_SOFTCAP:
             tanh_t = tanh(s_t)
@@ -151,7 +116,7 @@ def _bwd_dkdv_kernel(
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     stride_dqab, stride_dqas, stride_dqah,
-    stride_lse_b, stride_lse_h, stride_alibi_b,
+    stride_stats_b, stride_stats_h, stride_alibi_b,
     seqlen_q, seqlen_k, num_seqs,
     softmax_scale, qk_scale, softcap_log2, window_left, window_right, drop_threshold, dropout_rescale,
     seqlen_q_bucket, seqlen_k_bucket,  # autotune keys only
@@ -182,7 +147,8 @@ def _bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     start, un_lo, un_hi, end = query_range(n0, seqlen_q, seqlen_k, window_left, window_right,
                                            BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
-    lse_base = batch * stride_lse_b + q_start
+    tl.static_assert(STATS_ROWS % BLOCK_M == 0)  # dense, the query tiles end inside the statistics' padding
+    stats_base = batch * stride_stats_b + q_start
     dropout_seed = load_dropout_key(DROPOUT_SEED, HAS_DROPOUT)
     # Never software-pipelined: the loop creates descriptors, which the pipeliner cannot predicate. It
     # would try when a query length of 1 (specialised as a constant) folds the inner loops away.
@@ -192,8 +158,8 @@ def _bwd_dkdv_kernel(
                                  BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
         do_desc = rows_descriptor(DO + batch * stride_dob + q_start * stride_dos + head * stride_doh, seqlen_q,
                                   stride_dos, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
-        lse_ptr = LSE_LOG2 + lse_base + head * stride_lse_h
-        delta_ptr = DELTA + lse_base + head * stride_lse_h
+        lse_ptr = LSE_LOG2 + stats_base + head * stride_stats_h
+        delta_ptr = DELTA + stats_base + head * stride_stats_h
         alibi_slope_log2 = load_alibi_slope_log2(ALIBI_SLOPES, batch, head, stride_alibi_b, HAS_ALIBI)
         dq_acc = DQ_ACC
         dq_desc = q_desc  # a placeholder unless the TMA reduction is used
@@ -207,26 +173,26 @@ def _bwd_dkdv_kernel(
                                  window_left, window_right, alibi_slope_log2, dropout_seed, head, batch, drop_threshold,
                                  dropout_rescale, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HAS_SOFTCAP, 2,
                                  LEFT_BOUNDED, RIGHT_BOUNDED, ACCUMULATE_DQ, DQ_TMA_REDUCE, DOT_PRECISION, UPCAST_DOT,
-                                 HAS_ALIBI, HAS_DROPOUT)
+                                 HAS_ALIBI, HAS_DROPOUT, IS_VARLEN)
         else:
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_acc, stride_dqas, lse_ptr, delta_ptr,
                                  cols, start, un_lo, un_lo, un_hi, qk_scale, softcap_log2, seqlen_q, seqlen_k,
                                  window_left, window_right, alibi_slope_log2, dropout_seed, head, batch, drop_threshold,
                                  dropout_rescale, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HAS_SOFTCAP, 1,
                                  LEFT_BOUNDED, RIGHT_BOUNDED, ACCUMULATE_DQ, DQ_TMA_REDUCE, DOT_PRECISION, UPCAST_DOT,
-                                 HAS_ALIBI, HAS_DROPOUT)
+                                 HAS_ALIBI, HAS_DROPOUT, IS_VARLEN)
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_acc, stride_dqas, lse_ptr, delta_ptr,
                                  cols, un_lo, un_hi, un_lo, un_hi, qk_scale, softcap_log2, seqlen_q, seqlen_k,
                                  window_left, window_right, alibi_slope_log2, dropout_seed, head, batch, drop_threshold,
                                  dropout_rescale, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HAS_SOFTCAP, 0,
                                  LEFT_BOUNDED, RIGHT_BOUNDED, ACCUMULATE_DQ, DQ_TMA_REDUCE, DOT_PRECISION, UPCAST_DOT,
-                                 HAS_ALIBI, HAS_DROPOUT)
+                                 HAS_ALIBI, HAS_DROPOUT, IS_VARLEN)
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_acc, stride_dqas, lse_ptr, delta_ptr,
                                  cols, un_hi, end, un_lo, un_hi, qk_scale, softcap_log2, seqlen_q, seqlen_k,
                                  window_left, window_right, alibi_slope_log2, dropout_seed, head, batch, drop_threshold,
                                  dropout_rescale, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HAS_SOFTCAP, 1,
                                  LEFT_BOUNDED, RIGHT_BOUNDED, ACCUMULATE_DQ, DQ_TMA_REDUCE, DOT_PRECISION, UPCAST_DOT,
-                                 HAS_ALIBI, HAS_DROPOUT)
+                                 HAS_ALIBI, HAS_DROPOUT, IS_VARLEN)
     dk_desc = rows_descriptor(DK + batch * stride_dkb + k_start * stride_dks + kv_head * stride_dkh, seqlen_k,
                               stride_dks, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
     dv_desc = rows_descriptor(DV + batch * stride_dvb + k_start * stride_dvs + kv_head * stride_dvh, seqlen_k,
@@ -276,7 +242,7 @@ def _bwd_dq_kernel(
     Q, K, V, DO, DQ, LSE_LOG2, DELTA, CU_SEQLENS_Q, CU_SEQLENS_K, O, LSE, DLSE, ALIBI_SLOPES, DROPOUT_SEED,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh, stride_ob, stride_os, stride_oh,
-    stride_lse_b, stride_lse_h, stride_alibi_b,
+    stride_lse_b, stride_lse_h, stride_stats_b, stride_stats_h, stride_alibi_b,
     seqlen_q, seqlen_k, num_seqs,
     softmax_scale, qk_scale, softcap_log2, window_left, window_right, drop_threshold, dropout_rescale,
     seqlen_q_bucket, seqlen_k_bucket,  # autotune keys only
@@ -310,8 +276,9 @@ def _bwd_dq_kernel(
     do = do_desc.load([m0, 0])
     # This program's rows are exactly one query tile, so it computes their statistics itself (and
     # stores them for the dK/dV kernel, launched after it) instead of a separate pass over O and dO.
-    delta, lse_log2 = _row_stats(o_desc.load([m0, 0]), do, LSE, DLSE, DELTA, LSE_LOG2,
-                                 batch * stride_lse_b + q_start + head * stride_lse_h + rows, rows < seqlen_q,
+    delta, lse_log2 = row_stats(o_desc.load([m0, 0]), do, LSE, DLSE, DELTA, LSE_LOG2,
+                                 batch * stride_lse_b + q_start + head * stride_lse_h + rows,
+                                 batch * stride_stats_b + q_start + head * stride_stats_h + rows, rows < seqlen_q,
                                  HAS_DLSE)
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     alibi_slope_log2 = load_alibi_slope_log2(ALIBI_SLOPES, batch, head, stride_alibi_b, HAS_ALIBI)
@@ -333,18 +300,6 @@ _bwd_dkdv_tuned = tuned(_bwd_dkdv_kernel, "bwd_dkdv", extra_key=("ACCUMULATE_DQ"
 _bwd_fused_tuned = tuned(_bwd_dkdv_kernel, "bwd_fused", extra_key=("ACCUMULATE_DQ", "HAS_ALIBI", "HAS_DROPOUT"),
                          reset_to_zero=("DQ_ACC",))
 _bwd_dq_tuned = tuned(_bwd_dq_kernel, "bwd_dq", extra_key=("HAS_ALIBI", "HAS_DROPOUT"))
-
-
-def _preprocess(out, grad_out, lse, grad_lse, delta, lse_log2, cu_seqlens_q, batch, seqlen_q, strides_lse, head_dim,
-                head_dim_pad, is_varlen):
-    """Launch ``_bwd_preprocess``: every row's delta and lse_log2."""
-    launcher(_bwd_preprocess, tile_grid(PREPROCESS_BLOCK, seqlen_q, out.shape[0], batch, out.shape[-2], is_varlen))(
-        out, grad_out, lse, grad_lse, delta, lse_log2, cu_seqlens_q,
-        *seq_strides(out, is_varlen), *seq_strides(grad_out, is_varlen), *strides_lse,
-        seqlen_q, batch,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK=PREPROCESS_BLOCK, IS_VARLEN=is_varlen,
-        SEQS_PAD=seqs_pad(batch, is_varlen), HAS_DLSE=grad_lse is not None,
-    )
 
 
 def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, window_left, window_right,
@@ -383,8 +338,7 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
         strides_lse = lse.stride()[:2]
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    lse_log2 = new_output(lse)
-    delta = new_output(lse)
+    lse_log2, delta, strides_stats = row_stats_buffers(lse, seqlen_q, is_varlen, strides_lse)
     head_dim_pad = pad_head_dim(head_dim)
     qk_scale, softcap_log2 = log2_scales(softmax_scale, softcap)
     ensure_allocator(q.device)
@@ -408,19 +362,19 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
         if flash_bwd_hopper.supports(q, cu_seqlens_q, head_dim_pad, alibi_slopes is not None, dropout_p > 0.0):
             form = checked_gluon_form(gluon_form) or gluon_backward_form(head_dim_pad, seqlen_k, window_left,
                                                                           window_right, deterministic)
-            _preprocess(out, grad_out, lse, grad_lse, delta, lse_log2, cu_seqlens_q, batch, seqlen_q, strides_lse,
-                        head_dim, head_dim_pad, is_varlen)
+            launch_preprocess(out, grad_out, lse, grad_lse, delta, lse_log2, cu_seqlens_q, batch, seqlen_q,
+                              strides_lse, strides_stats, head_dim, head_dim_pad, is_varlen)
             launch_args = (lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left, window_right,
                            softcap, head_dim_pad)
             dkdv_strides = [s for t in (q, k, v, grad_out, dk, dv) for s in seq_strides(t, False)]
             if form != "two-kernel" and flash_bwd_hopper.fused_supports(head_dim_pad, softcap):
-                flash_bwd_hopper.launch_fused(q, k, v, grad_out, dq, dk, dv, *launch_args, dkdv_strides, strides_lse,
+                flash_bwd_hopper.launch_fused(q, k, v, grad_out, dq, dk, dv, *launch_args, dkdv_strides, strides_stats,
                                               deterministic=deterministic, split_dq=form == "fused-split")
                 return dq, dk, dv
             flash_bwd_dq_hopper.launch_dq(q, k, v, grad_out, dq, *launch_args,
                                        [s for t in (q, k, v, grad_out, dq) for s in seq_strides(t, False)],
-                                       strides_lse)
-            flash_bwd_hopper.launch_dkdv(q, k, v, grad_out, dk, dv, *launch_args, dkdv_strides, strides_lse)
+                                       strides_stats)
+            flash_bwd_hopper.launch_dkdv(q, k, v, grad_out, dk, dv, *launch_args, dkdv_strides, strides_stats)
             return dq, dk, dv
     mask, deterministic = table_mask(window_right), deterministic or not tl_reduced_dq_pays(q.device, head_dim_pad)
     if deterministic:  # the dQ kernel also writes delta and lse_log2
@@ -428,19 +382,20 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
                                      buckets[0])
         launcher(kernel, lambda meta: tile_grid(meta["BLOCK_M"], seqlen_q, q.shape[0], batch, heads_q, is_varlen))(
             q, k, v, grad_out, dq, lse_log2, delta, cu_seqlens_q, cu_seqlens_k, out, lse, grad_lse, *extras,
-            *strides_qkv, *seq_strides(dq, is_varlen), *seq_strides(out, is_varlen), *strides_lse, stride_alibi,
+            *strides_qkv, *seq_strides(dq, is_varlen), *seq_strides(out, is_varlen), *strides_lse, *strides_stats,
+            stride_alibi,
             seqlen_q, seqlen_k, batch, *scalars, **common, HAS_DLSE=grad_lse is not None, **config,
         )
     else:
-        _preprocess(out, grad_out, lse, grad_lse, delta, lse_log2, cu_seqlens_q, batch, seqlen_q, strides_lse,
-                    head_dim, head_dim_pad, is_varlen)
+        launch_preprocess(out, grad_out, lse, grad_lse, delta, lse_log2, cu_seqlens_q, batch, seqlen_q, strides_lse,
+                          strides_stats, head_dim, head_dim_pad, is_varlen)
     dq_acc = None if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kind, tuned_kernel = ("bwd_dkdv", _bwd_dkdv_tuned) if deterministic else ("bwd_fused", _bwd_fused_tuned)
     kernel, config = pick_kernel(q.device, kind, _bwd_dkdv_kernel, tuned_kernel, head_dim_pad, mask, buckets[0])
     launcher(kernel, lambda meta: tile_grid(meta["BLOCK_N"], seqlen_k, k.shape[0], batch, heads_kv, is_varlen))(
         q, k, v, grad_out, dk, dv, dq_acc, lse_log2, delta, cu_seqlens_q, cu_seqlens_k, *extras,
         *strides_qkv, *seq_strides(dk, is_varlen), *seq_strides(dv, is_varlen),
-        *(seq_strides(dq_acc, is_varlen) if dq_acc is not None else (0, 0, 0)), *strides_lse, stride_alibi,
+        *(seq_strides(dq_acc, is_varlen) if dq_acc is not None else (0, 0, 0)), *strides_stats, stride_alibi,
         seqlen_q, seqlen_k, batch, *scalars, **common, ACCUMULATE_DQ=not deterministic,
         DQ_TMA_REDUCE=not INTERPRETED, ONE_LOOP=deterministic and head_dim_pad >= ONE_LOOP_DKDV_HEAD_DIM,
         **config,

@@ -37,7 +37,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashformer.kernels import attention_materialized, flash_attn_func, force_kernel_impl, launch
-from flashformer.kernels import flash_bwd, flash_bwd_dq_hopper, flash_bwd_hopper
+from flashformer.kernels import bwd_stats, flash_bwd, flash_bwd_dq_hopper, flash_bwd_hopper
 from flashformer.kernels.flash_fwd import attention_forward, log2_scales
 from flashformer.kernels.launch import seq_strides
 from flashformer.kernels.sizes import pad_head_dim
@@ -201,20 +201,20 @@ def gluon_launches(q, k, v, out, lse, grad_out, causal):
     head_dim_pad = pad_head_dim(head_dim)
     scale = head_dim ** -0.5
     qk_scale, softcap_log2 = log2_scales(scale, 0.0)
-    lse_log2, delta = torch.empty_like(lse), torch.empty_like(lse)
+    strides_lse = lse.stride()[:2]
+    lse_log2, delta, strides_stats = bwd_stats.row_stats_buffers(lse, q.shape[1], False, strides_lse)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     window_right = 0 if causal else -1
-    strides_lse = lse.stride()[:2]
     common = (lse_log2, delta, scale, qk_scale, softcap_log2, -1, window_right, 0.0, head_dim_pad)
-    preprocess = functools.partial(flash_bwd._preprocess, out, grad_out, lse, None, delta, lse_log2, None, q.shape[0],
-                                   q.shape[1], strides_lse, head_dim, head_dim_pad, False)
+    preprocess = functools.partial(bwd_stats.launch_preprocess, out, grad_out, lse, None, delta, lse_log2, None,
+                                   q.shape[0], q.shape[1], strides_lse, strides_stats, head_dim, head_dim_pad, False)
     preprocess()
     return {"preprocess": preprocess,
             "dq": functools.partial(flash_bwd_dq_hopper.launch_dq, q, k, v, grad_out, dq, *common,
-                                    [s for t in (q, k, v, grad_out, dq) for s in seq_strides(t, False)], strides_lse),
+                                    [s for t in (q, k, v, grad_out, dq) for s in seq_strides(t, False)], strides_stats),
             "dkdv": functools.partial(flash_bwd_hopper.launch_dkdv, q, k, v, grad_out, dk, dv, *common,
                                       [s for t in (q, k, v, grad_out, dk, dv) for s in seq_strides(t, False)],
-                                      strides_lse)}
+                                      strides_stats)}
 
 
 def sdpa_backward(q, k, v, grad_out, causal):

@@ -19,8 +19,8 @@ from triton.compiler import ASTSource
 
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from flashformer.kernels import (cross_entropy, decode, flash_bwd, flash_bwd_dq_hopper, flash_bwd_hopper, flash_fwd,
-                                 flash_fwd_hopper, tuning)
+from flashformer.kernels import (bwd_stats, cross_entropy, decode, flash_bwd, flash_bwd_dq_hopper, flash_bwd_hopper,
+                                 flash_fwd, flash_fwd_hopper, tuning)
 from flashformer.kernels.interface import GLUON_TRITON_VERSIONS
 from flashformer.kernels.sizes import pad_head_dim
 from flashformer.kernels.tile_schedule import q_buffers
@@ -234,6 +234,8 @@ CASES = {
     "fwd-d80-varlen": (flash_fwd._attn_fwd_kernel, attention_constexprs(80, 128, 64, varlen=True), 8, 3),
     "fwd-d256": (flash_fwd._attn_fwd_kernel, attention_constexprs(256, 64, 32, causal=False), 4, 2),
     "bwd_dkdv-d128-causal-gqa": (flash_bwd._bwd_dkdv_kernel, attention_constexprs(128, 32, 128, group=4), 8, 2),
+    # the offline table's head_dim-64 causal config, compiled with no length divisible by 16
+    "bwd_dkdv-d64-causal-ragged": (flash_bwd._bwd_dkdv_kernel, attention_constexprs(64, 64, 64), 4, 3),
     "bwd_dkdv-d64-varlen-softcap": (flash_bwd._bwd_dkdv_kernel,
                                     attention_constexprs(64, 64, 64, softcap=True, varlen=True), 4, 3),
     "bwd_fused-d128-causal-gqa": (flash_bwd._bwd_dkdv_kernel,
@@ -267,7 +269,7 @@ CASES = {
     "bwd_dq-d128-two-per-sm": (flash_bwd._bwd_dq_kernel, attention_constexprs(128, 128, 32), 8, 2, 128),
     "bwd_dq-d256": (flash_bwd._bwd_dq_kernel, attention_constexprs(256, 64, 32, causal=False), 8, 2),
     "bwd_dq-d64-window": (flash_bwd._bwd_dq_kernel, attention_constexprs(64, 64, 64, window=True), 4, 3),
-    "bwd_preprocess-d128": (flash_bwd._bwd_preprocess,
+    "bwd_preprocess-d128": (bwd_stats._bwd_preprocess,
                             dict(HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK=64, IS_VARLEN=False, SEQS_PAD=1, HAS_DLSE=True), 4, 1),
     "decode-d128-gqa4-paged": (decode._decode_kernel,
                                dict(GROUP=4, GROUP_PAD=4, BLOCK_T=16, BLOCK_N=64, PAGE_SIZE=256, HEAD_DIM=128,
