@@ -303,3 +303,21 @@ def test_autotuned_nondeterministic_backward_first_call(tmp_path):
     result = subprocess.run([sys.executable, "-c", AUTOTUNED_DQ_CHECK, os.path.dirname(__file__)], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 127, 128, 200])
+def test_dense_row_statistics_are_padded_with_rows_that_add_nothing(seqlen_q):
+    """The dK/dV kernels load a query tile's statistics unmasked: dense, each head's rows run on to a multiple
+    of STATS_ROWS, the padding lse_log2 = +inf and delta = 0; packed sequences keep lse's layout."""
+    from flashformer.kernels import bwd_stats
+
+    rows = bwd_stats.STATS_ROWS.value
+    lse = torch.randn(2, 3, seqlen_q)
+    lse_log2, delta, strides = bwd_stats.row_stats_buffers(lse, seqlen_q, False, lse.stride()[:2])
+    padded = -(-seqlen_q // rows) * rows
+    assert lse_log2.shape == delta.shape == (2, 3, padded) and strides == (3 * padded, padded)
+    if padded > seqlen_q:
+        assert torch.isinf(lse_log2).all() and lse_log2.gt(0).all() and delta.eq(0).all()
+    packed = torch.randn(3, 5 * seqlen_q)
+    _, _, packed_strides = bwd_stats.row_stats_buffers(packed, seqlen_q, True, (0, packed.stride(0)))
+    assert packed_strides == (0, packed.stride(0))
