@@ -1,5 +1,5 @@
-"""Where device time goes: per-kernel times of a repeated step, from torch.profiler, and the provenance
-every benchmark's JSON carries (benchmarks only)."""
+"""Where device time goes: per-kernel times of a repeated step, from torch.profiler, the provenance
+every benchmark's JSON carries and its command-line checks (benchmarks only)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,16 @@ import sys
 import time
 
 import torch
+
+
+def check_specs(parser, specs, parse):
+    """Stop through ``parser.error`` at the first of ``specs`` that ``parse`` refuses (its ValueError names
+    it), before a benchmark starts any work."""
+    for spec in specs:
+        try:
+            parse(spec)
+        except ValueError as err:
+            parser.error(str(err))
 
 
 def benchmark_provenance() -> dict:

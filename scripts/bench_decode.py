@@ -397,32 +397,28 @@ def main():
 
 def split_sweep_table(cells, split_counts):
     """Markdown: per cell, ours' CUDA-graph TB/s at each swept split count (the automatic count first)."""
-    header = ["batch", "cache length", "automatic splits", "at automatic"] + [f"{s} splits" for s in split_counts]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for cell in cells:
-        if "skipped" in cell:
-            continue
-        sweep = cell["split_sweep_tb_per_s"]
-        lines.append(f"| {cell['batch']} | {cell['cache_len']} | {cell['num_splits']} | "
-                     f"{_fmt(cell['tb_per_s']['ours graph'], '.2f')} | "
-                     + " | ".join(_fmt(sweep[str(s)], ".2f") for s in split_counts) + " |")
-    return "\n".join(lines)
+    return _cell_table(cells, ["batch", "cache length", "automatic splits", "at automatic"]
+                       + [f"{s} splits" for s in split_counts],
+                       lambda cell: [str(cell["batch"]), str(cell["cache_len"]), str(cell["num_splits"]),
+                                     _fmt(cell["tb_per_s"]["ours graph"], ".2f")]
+                       + [_fmt(cell["split_sweep_tb_per_s"][str(s)], ".2f") for s in split_counts])
 
 
 def launch_config_table(cells, configs):
     """Markdown: per cell, CUDA-graph TB/s of SDPA cuDNN, of ours as chosen, and of ours at each swept config."""
     names = ["x".join(map(str, config)) for config in configs]
-    header = ["batch", "cache length", "cuDNN", "ours as chosen"] + names
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for cell in cells:
-        if "skipped" in cell:
-            continue
-        rates = cell["launch_config_tb_per_s"]
-        lines.append(f"| {cell['batch']} | {cell['cache_len']} | {_fmt(cell['tb_per_s']['SDPA cuDNN graph'], '.2f')} | "
-                     f"{_fmt(cell['tb_per_s']['ours graph'], '.2f')} | "
-                     + " | ".join(_fmt(rates[name], ".2f") for name in names) + " |")
-    return "\n".join(lines)
+    return _cell_table(cells, ["batch", "cache length", "cuDNN", "ours as chosen"] + names,
+                       lambda cell: [str(cell["batch"]), str(cell["cache_len"]),
+                                     _fmt(cell["tb_per_s"]["SDPA cuDNN graph"], ".2f"),
+                                     _fmt(cell["tb_per_s"]["ours graph"], ".2f")]
+                       + [_fmt(cell["launch_config_tb_per_s"][name], ".2f") for name in names])
 
+
+def _cell_table(cells, header, row):
+    """Markdown with ``header`` and one ``row(cell)`` per measured (not skipped) cell."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row(cell)) + " |" for cell in cells if "skipped" not in cell]
+    return "\n".join(lines)
 
 if __name__ == "__main__":
     main()

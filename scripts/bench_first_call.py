@@ -34,6 +34,8 @@ import time
 
 import torch
 
+from flashformer.profiling import check_specs
+
 # The example of 23 x 704 at head_dim 128, causal, beside lengths between the table's powers of two, each
 # mask family on both kernel paths (head_dim 128: Gluon on sm_90; 64: the tl kernels' table), head dims
 # that pad (80, 96) and the widest one.
@@ -226,11 +228,7 @@ def main(argv=None):
         return child(args.child)
     if args.child_warm:
         return warm(args.child_warm)
-    for spec in args.shapes:
-        try:
-            parse_shape(spec)  # a bad spec fails before any child starts
-        except ValueError as err:
-            parser.error(str(err))
+    check_specs(parser, args.shapes, parse_shape)
     if not torch.cuda.is_available():
         raise SystemExit("bench_first_call.py times CUDA kernels: no CUDA device here")
     from tqdm import tqdm

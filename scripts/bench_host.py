@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from flashformer.profiling import check_specs
+
 HOST_CALLS = 100
 DEFAULT_SHAPES = ["15x1024x16x128", "16x1024x32x64"]  # beside the 704-token shape's tuned one; gpt2's heads
 MODES = {"direct": "1", "Triton's launch path": "0"}
@@ -120,11 +122,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.child:
         return child(args.child)
-    for spec in args.shapes:
-        try:
-            parse_shape(spec)  # a bad spec fails before any child starts
-        except ValueError as err:
-            parser.error(str(err))
+    check_specs(parser, args.shapes, parse_shape)
     if not torch.cuda.is_available():
         raise SystemExit("bench_host.py times CUDA launches: no CUDA device here")
     from flashformer.profiling import benchmark_provenance
