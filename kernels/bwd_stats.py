@@ -75,12 +75,16 @@ def launch_preprocess(out, grad_out, lse, grad_lse, delta, lse_log2, cu_seqlens_
     )
 
 
-def row_stats_buffers(lse, seqlen_q, is_varlen, strides_lse):
-    """(lse_log2, delta, their (batch, head) strides), laid out as the module docstring says: dense, each
-    head's rows padded to a multiple of STATS_ROWS with +inf / 0 there; packed, lse's own layout."""
-    if is_varlen or seqlen_q % STATS_ROWS.value == 0:
-        return new_output(lse), new_output(lse), strides_lse
+def row_stats_buffers(lse, seqlen_q, is_varlen):
+    """(lse_log2, delta, their (batch, head) strides) for a backward of ``lse`` (dense (batch, heads,
+    seqlen_q), packed (heads, total)), laid out as the module docstring says: dense, each head's rows padded
+    to a multiple of STATS_ROWS with +inf / 0 there; packed, contiguous like lse."""
+    if is_varlen:
+        lse_log2 = new_output(lse)
+        return lse_log2, new_output(lse), (0, lse_log2.stride(0))
     batch, heads = lse.shape[:2]
     rows = cdiv(seqlen_q, STATS_ROWS.value) * STATS_ROWS.value
+    if rows == seqlen_q:
+        return new_output(lse), new_output(lse), (heads * rows, rows)
     lse_log2 = torch.full((batch, heads, rows), float("inf"), dtype=torch.float32, device=lse.device)
     return lse_log2, torch.zeros_like(lse_log2), (heads * rows, rows)

@@ -338,7 +338,7 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
         strides_lse = lse.stride()[:2]
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    lse_log2, delta, strides_stats = row_stats_buffers(lse, seqlen_q, is_varlen, strides_lse)
+    lse_log2, delta, strides_stats = row_stats_buffers(lse, seqlen_q, is_varlen)
     head_dim_pad = pad_head_dim(head_dim)
     qk_scale, softcap_log2 = log2_scales(softmax_scale, softcap)
     ensure_allocator(q.device)

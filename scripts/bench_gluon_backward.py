@@ -202,7 +202,7 @@ def gluon_launches(q, k, v, out, lse, grad_out, causal):
     scale = head_dim ** -0.5
     qk_scale, softcap_log2 = log2_scales(scale, 0.0)
     strides_lse = lse.stride()[:2]
-    lse_log2, delta, strides_stats = bwd_stats.row_stats_buffers(lse, q.shape[1], False, strides_lse)
+    lse_log2, delta, strides_stats = bwd_stats.row_stats_buffers(lse, q.shape[1], False)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     window_right = 0 if causal else -1
     common = (lse_log2, delta, scale, qk_scale, softcap_log2, -1, window_right, 0.0, head_dim_pad)

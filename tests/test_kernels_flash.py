@@ -313,11 +313,11 @@ def test_dense_row_statistics_are_padded_with_rows_that_add_nothing(seqlen_q):
 
     rows = bwd_stats.STATS_ROWS.value
     lse = torch.randn(2, 3, seqlen_q)
-    lse_log2, delta, strides = bwd_stats.row_stats_buffers(lse, seqlen_q, False, lse.stride()[:2])
+    lse_log2, delta, strides = bwd_stats.row_stats_buffers(lse, seqlen_q, False)
     padded = -(-seqlen_q // rows) * rows
     assert lse_log2.shape == delta.shape == (2, 3, padded) and strides == (3 * padded, padded)
     if padded > seqlen_q:
         assert torch.isinf(lse_log2).all() and lse_log2.gt(0).all() and delta.eq(0).all()
     packed = torch.randn(3, 5 * seqlen_q)
-    _, _, packed_strides = bwd_stats.row_stats_buffers(packed, seqlen_q, True, (0, packed.stride(0)))
-    assert packed_strides == (0, packed.stride(0))
+    packed_lse_log2, _, packed_strides = bwd_stats.row_stats_buffers(packed, seqlen_q, True)
+    assert packed_lse_log2.shape == packed.shape and packed_strides == (0, 5 * seqlen_q)
