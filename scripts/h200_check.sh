@@ -4,7 +4,7 @@
 # as $OUT/results.tgz (and $OUT/tuned_configs.json after the tune stage).
 # Usage on the device machine: bash scripts/h200_check.sh [stage ...]   (default: all stages)
 # Stages: readme quick compile slow tune descriptors decode generate attention varlen first-call host fused-bwd train
-# train-chunked memory pi
+# train-chunked memory pi longctx-2m longctx-wait
 # Each stage's limit fits one 10-minute device call with its neighbours: pi beside (half of) slow, quick + tune +
 # attention + varlen + decode when narrowed. Two instances may run at once on a machine of two GPUs
 # (CUDA_VISIBLE_DEVICES=0 / 1, the second started a few seconds later), each with its own RES (results
@@ -27,6 +27,10 @@ fi
 [ -d .whl ] && export PYTHONPATH=/tmp/site
 python3 -m pip show -q flashformer 2>/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING
 stages=("$@"); [ ${#stages[@]} -eq 0 ] && stages=(quick tune attention varlen descriptors decode train)
+wait_longctx() {  # until the long-context step prints its result (or fails), at most ~9 minutes
+  for _ in $(seq 54); do grep -q "BENCH_LONGCTX_RESULT\|OUT OF MEMORY\|Traceback" /tmp/longctx_2m.log && break; sleep 10; done
+  cp /tmp/longctx_2m.log "$RES/"; tail -c 1500 /tmp/longctx_2m.log
+}
 for stage in "${stages[@]}"; do
   workers=15; [ -n "${pi_pid:-}" ] && workers=13  # compile processes; leave the pi run's Python loop some cores
   echo "=== $stage $(date -u +%FT%TZ)"
@@ -79,6 +83,13 @@ for stage in "${stages[@]}"; do
               | tee "$RES/train_chunked.log" | grep "^|" ;;
     memory) timeout 420 python3 scripts/memory_savings.py --device cuda --max 524288 --out "$RES/memory.json" \
               --plot "$RES/memory.png" 2>&1 | tee "$RES/memory.log" | grep -v "it/s\]" | tail -30 ;;
+    longctx-2m)  # the 125M model's 12 blocks at 2,097,152 tokens: ~18 min, past one call, so it runs in a process
+            # session of its own (it outlives this call while the machine stays held); this stage and `longctx-wait`
+            # (the next calls) each wait up to ~9 min for its result line
+            setsid nohup python3 scripts/bench_longctx_8b.py --full --config configs/models/llama-125m.yaml \
+              --tokens 2097152 --warmup-steps 0 --steps 1 > /tmp/longctx_2m.log 2>&1 < /dev/null &
+            wait_longctx ;;
+    longctx-wait) wait_longctx ;;
     pi)     # position interpolation 1k -> 8k: ~5.5 min of mostly GPU work, so it runs in the
             # background beside the stages after it (the slow sweep's compiles are CPU work); reported at the end
             FLASHFORMER_AUTOTUNE=0 timeout 560 bash scripts/pi_reproduction.sh "$RES/pi" > "$RES/pi.log" 2>&1 &
