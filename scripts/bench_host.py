@@ -2,8 +2,9 @@
 
 A forward + backward at a short length spends as long in Python and Triton's launch path as on the GPU;
 wherever the host is the slower, the step waits on it. For each shape, in a child process per launch
-mode (FLASHFORMER_DIRECT_LAUNCH is read at import): host ms per call (HOST_CALLS calls queued without
-waiting, then one sync), the kernels' device ms per call (torch.profiler), forward alone and forward +
+mode (FLASHFORMER_DIRECT_LAUNCH is read at import): host ms per call (the median of HOST_ROUNDS rounds of
+HOST_CALLS calls queued behind a GPU sleep, so that the device neither runs them nor fills its launch queue,
+which would hold the host to the device's pace), the kernels' device ms per call (torch.profiler), forward alone and forward +
 backward (bf16, causal by default), and the same call through SDPA's cuDNN backend for scale.
 
     python3 scripts/bench_host.py --shapes 15x1024x16x128 16x1024x32x64 --out bench_host.json
@@ -24,7 +25,10 @@ import torch
 
 from flashformer.profiling import check_specs
 
-HOST_CALLS = 100
+HOST_CALLS = 20  # x ~10 launches a forward + backward: far below the ~1024 launches a CUDA queue holds
+HOST_ROUNDS = 7
+# ~0.1 s of GPU sleep (at ~2 GHz) before each round: longer than any round's host time
+SLEEP_CYCLES = 2 * 10**8
 DEFAULT_SHAPES = ["15x1024x16x128", "16x1024x32x64"]  # beside the 704-token shape's tuned one; gpt2's heads
 MODES = {"direct": "1", "Triton's launch path": "0"}
 
@@ -41,18 +45,31 @@ def parse_shape(spec):
     return batch, seqlen, heads, head_dim, mask != "full"
 
 
+def host_ms_per_call(fn):
+    """Median host ms per call over HOST_ROUNDS rounds of HOST_CALLS calls queued behind a GPU sleep."""
+    rounds = []
+    for _ in range(HOST_ROUNDS):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        slept = torch.cuda.Event()
+        slept.record()
+        start = time.perf_counter()
+        for _ in range(HOST_CALLS):
+            fn()
+        rounds.append((time.perf_counter() - start) * 1e3 / HOST_CALLS)
+        if slept.query():  # the device went on to the calls before the host finished queueing them
+            raise RuntimeError(f"SLEEP_CYCLES ({SLEEP_CYCLES}) ran out within a round: raise it")
+    torch.cuda.synchronize()
+    return sorted(rounds)[len(rounds) // 2]
+
+
 def host_and_device_ms(fn):
-    """(host ms per call with HOST_CALLS queued, device ms per call of the kernels it launches)."""
+    """(host ms per call, device ms per call of the kernels it launches)."""
     from flashformer.profiling import kernel_times
 
     for _ in range(10):
         fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(HOST_CALLS):
-        fn()
-    host_ms = (time.perf_counter() - start) * 1e3 / HOST_CALLS
-    torch.cuda.synchronize()
+    host_ms = host_ms_per_call(fn)
     times, _ = kernel_times(fn, 20)
     return host_ms, sum(times.values())
 
@@ -130,7 +147,7 @@ def main(argv=None):
     specs = args.shapes
     rows = [{**run(spec, direct), "mode": mode} for spec in specs for mode, direct in MODES.items()]
     with open(args.out, "w") as f:
-        json.dump({**benchmark_provenance(), "host_calls": HOST_CALLS, "rows": rows}, f, indent=1)
+        json.dump({**benchmark_provenance(), "host_calls": HOST_CALLS, "host_rounds": HOST_ROUNDS, "rows": rows}, f, indent=1)
     print(markdown(rows))
 
 
