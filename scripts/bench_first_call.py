@@ -4,10 +4,11 @@ tuned shape's (one GPU run).
 
 Each shape runs in a child process of its own with an empty Triton cache (TRITON_CACHE_DIR in a new
 temporary directory), so its first forward + backward compiles every kernel it launches, as a user's first
-training step does. The child then times the shape and its nearest tuned shape (same head_dim and mask
-family, the power-of-two length at or above it, which picks its tiles, the same number of tokens) with
-do_bench. TFLOP/s count the (query, key) pairs each mask attends, so a sliding window's figures are
-comparable to the causal shape beside it only as a rate, not as work. A second cache, filled by a
+training step does. The child then times the shape and the tuned shapes beside it (same head_dim and mask, window
+and softcap included, at the power-of-two lengths below and at or above it, the latter picking its tiles,
+the same number of tokens) with do_bench: a window or a softcap is compared with itself at a tuned
+length, not with plain causal attention, which does other work per tile. TFLOP/s count the (query, key)
+pairs each mask attends. A second cache, filled by a
 process that ran the tuned shape, then times the shape's first step as a user's machine sees it after
 earlier runs (launchers and other specialisations built; this shape's kernels not). With
 --without-compile-ahead a third process, on an empty cache too, times the first step with
@@ -64,6 +65,11 @@ def parse_shape(spec):
     if min(batch, seqlen, head_dim) < 1:
         raise ValueError(f"--shapes: {spec!r} needs batch, seqlen and head_dim >= 1")
     return batch, seqlen, head_dim, options
+
+
+def mask_name(spec):
+    """The MASK part of a BATCHxSEQLENxHEAD_DIM[:MASK] spec (causal where it is left out)."""
+    return spec.partition(":")[2] or "causal"
 
 
 def attended_pairs(seqlen, causal, window_left=-1):
@@ -136,10 +142,8 @@ def child(spec):
            "forward_tflops": forward_tflops, "tuned": []}
     neighbours = tuned_neighbours(batch, seqlen)
     for tuned_batch, tuned_seqlen in neighbours:
-        tuned_first_s, tuned_tflops, tuned_forward_tflops = time_shape(tuned_batch, tuned_seqlen, head_dim,
-                                                                       {"causal": options["causal"]})
-        row["tuned"].append({"shape": f"{tuned_batch}x{tuned_seqlen}x{head_dim}:"
-                                      f"{'causal' if options['causal'] else 'full'}",
+        tuned_first_s, tuned_tflops, tuned_forward_tflops = time_shape(tuned_batch, tuned_seqlen, head_dim, options)
+        row["tuned"].append({"shape": f"{tuned_batch}x{tuned_seqlen}x{head_dim}:{mask_name(spec)}",
                              "first_step_s": tuned_first_s, "tflops": tuned_tflops,
                              "forward_tflops": tuned_forward_tflops})
     near = neighbours.index(nearest(seqlen, neighbours))

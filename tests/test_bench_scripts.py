@@ -438,6 +438,9 @@ def test_first_call_shapes_parse_and_bad_ones_name_the_spec():
     # the tiles, the nearest is nearest as a ratio of lengths.
     assert first_call.tuned_neighbours(23, 704) == [(31, 512), (15, 1024)]
     assert first_call.nearest(704, [(31, 512), (15, 1024)]) == (31, 512)
+    # and its mask: a window or a softcap is compared with itself at the tuned lengths
+    assert [first_call.mask_name(spec) for spec in ("23x704x128", "5x2500x128:window256", "7x1500x64:full")] == \
+        ["causal", "window256", "full"]
     assert first_call.tuned_neighbours(3, 3000) == [(4, 2048), (2, 4096)]
     assert first_call.nearest(3000, [(4, 2048), (2, 4096)]) == (2, 4096)
     assert first_call.tuned_neighbours(4, 1024) == [(4, 1024)] and first_call.tuned_neighbours(1, 1) == [(1, 1)]
