@@ -262,7 +262,7 @@ def _build_chat_cache(cfg: DataConfig, tokenizer, template: ChatTemplate, cache_
     # Without eval files the held-out conversations come from the training files (split None: every n-th).
     sources = [(path, "train" if eval_files else None) for path in _expand_paths(cfg.train_files, "data.train_files")]
     sources += [(path, "eval") for path in eval_files]
-    with atomic_directory(cache_dir) as tmp:
+    with atomic_directory(cache_dir, keep_existing=True) as tmp:
         writers = {split: _SplitWriter(tmp, split, dtype, loss_mask=True) for split in ("train", "eval")}
         packers = {split: _RowPacker(writer, cfg.seq_len, pad_id) for split, writer in writers.items()}
         dropped = {"train": 0, "eval": 0}

@@ -380,7 +380,7 @@ def _build_cache(cfg: DataConfig, sources: _Sources, tokenizer, cache_dir: str) 
     def encode(text: str) -> np.ndarray:
         return np.asarray(tokenizer.encode(text) + [tokenizer.eos_id], dtype=np.int64)
 
-    with atomic_directory(cache_dir) as tmp:
+    with atomic_directory(cache_dir, keep_existing=True) as tmp:
         writers = {split: _SplitWriter(tmp, split, dtype) for split in ("train", "eval")}
         try:
             if split_tail:

@@ -105,13 +105,18 @@ def atomic_write_file(path, write_fn) -> None:
 
 
 @contextlib.contextmanager
-def atomic_directory(final_dir):
+def atomic_directory(final_dir, keep_existing=False):
     """Build a directory next to ``final_dir`` and move it into place only if the block succeeds.
 
     Yields the temporary directory path. On success its files are fsynced and it replaces
     ``final_dir`` (an existing one is first renamed aside, then deleted, so a crash leaves either
     the old or the new directory under a recognisable name). On an exception it is removed; an error
     of the operating system refusing a write is raised as a WriteError naming ``final_dir``.
+
+    Args:
+        keep_existing: for content named by its own key (a token cache), where a ``final_dir`` that exists
+            by the end holds what this block built: another process that built it first wins, this build is
+            discarded, and readers of ``final_dir`` never see it missing.
     """
     final_dir = os.path.abspath(os.fspath(final_dir))
     parent = os.path.dirname(final_dir)
@@ -124,6 +129,15 @@ def atomic_directory(final_dir):
                 with open(os.path.join(root, name), "rb") as f:
                     os.fsync(f.fileno())
             _fsync_directory(root)
+        if keep_existing:
+            try:
+                os.rename(tmp_dir, final_dir)  # refused (ENOTEMPTY / EEXIST) where another build landed first
+            except OSError as error:
+                if error.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not os.path.isdir(final_dir):
+                    raise
+                shutil.rmtree(tmp_dir, ignore_errors=True)
+            _fsync_directory(parent)
+            return
         old_dir = None
         if os.path.exists(final_dir):
             old_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(final_dir)}.", suffix=".old", dir=parent)

@@ -213,6 +213,24 @@ def test_atomic_directory_replaces_or_keeps(tmp_path):
     assert os.listdir(final) == ["b"] and os.listdir(tmp_path) == ["ckpt"]
 
 
+def test_atomic_directory_keeps_a_cache_another_build_landed_first(tmp_path):
+    """Two builds of one keyed cache at once: the one that lands second neither fails nor takes the
+    directory away from readers of the first; its own build is discarded."""
+    final = tmp_path / "cache"
+    with atomic_directory(final, keep_existing=True) as late:
+        _write_text(os.path.join(late, "tokens"), "late")
+        with atomic_directory(final, keep_existing=True) as early:  # another process finishing first
+            _write_text(os.path.join(early, "tokens"), "early")
+        assert (final / "tokens").read_text() == "early"
+    assert (final / "tokens").read_text() == "early" and os.listdir(tmp_path) == ["cache"]
+    # a build that fails still leaves nothing behind, and the landed cache stays
+    with pytest.raises(RuntimeError):
+        with atomic_directory(final, keep_existing=True) as tmp:
+            _write_text(os.path.join(tmp, "tokens"), "partial")
+            raise RuntimeError("crash while tokenizing")
+    assert (final / "tokens").read_text() == "early" and os.listdir(tmp_path) == ["cache"]
+
+
 def test_failed_save_leaves_previous_checkpoint(tmp_path):
     model = tiny_model()
     save_pretrained(model, tmp_path / "ckpt")
