@@ -135,16 +135,21 @@ def eval_batches(corpus: TokenCorpus, cfg: DataConfig, num_rows: int, micro_batc
     """This rank's share of the fixed eval set, in micro batches.
 
     The eval set is the first ``num_rows`` windows of ``corpus`` in order (fewer if the corpus is
-    short, rounded down to a multiple of world_size); rank r takes every world_size-th row, so the
-    set does not depend on the number of ranks.
+    short); rank r takes every world_size-th row, so the set does not depend on the number of ranks.
+    Under FSDP every rank must run the same forwards: a share one row short ends with a filler row
+    whose targets are all IGNORE_INDEX, which adds nothing to the loss or its token count.
     """
     total = min(num_windows(corpus, cfg.seq_len), num_rows)
-    total -= total % world_size  # equal shares: under FSDP every rank must run the same forwards
-    if total < world_size:
-        raise DataError(f"the eval corpus ({corpus.num_tokens} tokens) has fewer rows of seq_len={cfg.seq_len} "
-                        "than ranks")
+    if total < 1:
+        raise DataError(f"the eval corpus ({corpus.num_tokens} tokens) is shorter than one row of "
+                        f"seq_len={cfg.seq_len}")
     rows = np.arange(rank, total, world_size)
-    return [
+    fillers = -(-total // world_size) - len(rows)
+    rows = np.concatenate([rows, np.zeros(fillers, dtype=rows.dtype)])
+    batches = [
         _rows(corpus, rows[i : i + micro_batch] * cfg.seq_len, cfg.seq_len, cfg.packing == "packed")
         for i in range(0, len(rows), micro_batch)
     ]
+    if fillers:
+        batches[-1].targets[-fillers:] = IGNORE_INDEX
+    return batches

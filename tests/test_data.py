@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from flashformer.batches import TrainBatches, eval_batches
+from flashformer.batches import IGNORE_INDEX, TrainBatches, eval_batches
 from flashformer.data import (
     DataConfig,
     DataError,
@@ -205,6 +205,15 @@ def test_eval_rows_are_shared_evenly_between_ranks():
     cfg = DataConfig(seq_len=10)  # 9 windows
     single = torch.cat([b.input_ids for b in eval_batches(corpus, cfg, num_rows=40, micro_batch=4)])
     assert single.shape[0] == 9
-    shares = [eval_batches(corpus, cfg, num_rows=40, micro_batch=4, rank=r, world_size=2) for r in range(2)]
-    assert [len(s) for s in shares] == [1, 1]  # 8 rows: same number of batches on every rank
-    assert sorted(torch.cat([s[0].input_ids for s in shares])[:, 0].tolist()) == list(range(0, 80, 10))
+    for world_size in (2, 3, 4):
+        shares = [eval_batches(corpus, cfg, num_rows=40, micro_batch=4, rank=r, world_size=world_size)
+                  for r in range(world_size)]
+        # the same forwards on every rank, and together the one-rank set: every row once, each of its targets
+        assert len({tuple(b.input_ids.shape[0] for b in share) for share in shares}) == 1
+        rows = [(b.input_ids[i], b.targets[i]) for share in shares for b in share for i in range(b.input_ids.shape[0])]
+        scored = sorted((int(ids[0]), targets.tolist()) for ids, targets in rows if (targets != IGNORE_INDEX).any())
+        assert [start for start, _ in scored] == list(range(0, 90, 10))
+        single_targets = torch.cat([b.targets for b in eval_batches(corpus, cfg, num_rows=40, micro_batch=4)])
+        assert [targets for _, targets in scored] == single_targets.tolist()
+        fillers = [targets for _, targets in rows if (targets == IGNORE_INDEX).all()]
+        assert len(fillers) == len(rows) - 9
