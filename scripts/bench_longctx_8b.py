@@ -5,7 +5,8 @@ fp32), adapted with LoRA (rank 16 on q, k, v, o by default), checkpointed per bl
 inputs offloaded to pinned host memory, and trained on one batch-1 row of ``--tokens`` random tokens with
 the chunked LM head + cross-entropy. One warm-up step, then ``--steps`` timed ones; printed: the plan's
 estimate (flashformer.memory), torch.cuda.max_memory_allocated, tokens/s, and the measured activation
-bytes per token. An out-of-memory error ends the run with exit code 1, naming the phase it reached.
+bytes per token. A step at millions of tokens runs for minutes: a tqdm bar follows it block by block
+(one device synchronisation per block pass, which long blocks do not feel). An out-of-memory error ends the run with exit code 1, naming the phase it reached.
 
     python scripts/bench_longctx_8b.py                              # 8B LoRA, 131072 tokens, offload
     python scripts/bench_longctx_8b.py --no-offload --tokens 65536
@@ -26,6 +27,7 @@ import sys
 import time
 
 import torch
+from tqdm import tqdm
 
 from flashformer.batches import Batch
 from flashformer.config import load_config
@@ -127,6 +129,26 @@ def _synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def follow_blocks(model: Transformer, device, steps: int) -> tqdm:
+    """A bar over the block passes of ``steps`` steps: each block's forward as it ends, and its backward as it
+    begins (its output's gradient is ready). Both wait for the device, so the bar shows the GPU's progress,
+    and a run cut short leaves in its log how far it got."""
+    bar = tqdm(total=2 * len(model.blocks) * steps, unit="block", desc="block passes", file=sys.stderr)
+
+    def tick(*_):
+        _synchronize(device)
+        bar.update()
+
+    def after_forward(block, inputs, output):
+        tick()
+        if torch.is_grad_enabled() and output.requires_grad:
+            output.register_hook(tick)
+
+    for block in model.blocks:
+        block.register_forward_hook(after_forward)
+    return bar
+
+
 def run(args, record: dict) -> None:
     """Build, warm up, time, filling ``record`` as it goes (its "phase" says how far it got when a step
     raises, out-of-memory errors included)."""
@@ -149,6 +171,7 @@ def run(args, record: dict) -> None:
     batch = Batch(ids[:, :-1], ids[:, 1:])
     step = dict(bf16=True, loss_chunk_size=default_chunk_size(config.vocab_size), max_grad_norm=1.0)
     record["weights_gb"] = _allocated(device)
+    bar = follow_blocks(model, device, args.warmup_steps + args.steps)
     for index in range(args.warmup_steps):
         record["phase"] = f"warm-up step {index + 1} of {args.warmup_steps}"
         loss, _ = train_step(model, optimizer, [batch], **step)
@@ -162,6 +185,7 @@ def run(args, record: dict) -> None:
         loss, _ = train_step(model, optimizer, [batch], **step)
     _synchronize(device)
     seconds = time.perf_counter() - start
+    bar.close()
     static = _allocated(device)  # weights + optimizer state, gradients freed: what a step starts from
     peak = _peak(device)
     record.update(phase="done", loss=loss.item(), static_gb=static, peak_gb=peak,
