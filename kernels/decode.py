@@ -19,14 +19,12 @@ batch index) and a paged cache looks its page up in block_table. Key tiles never
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .flash_fwd import log2_scales
 from .launch import (CompiledLaunch, as_descriptor_compatible, dot_precision, ensure_allocator, new_output,
@@ -49,9 +47,6 @@ MAX_SPLITS = 64
 # Query rows (tokens x padded GQA group) per program: at least tl.dot's minimum M, at most a size that
 # keeps the score tile in registers when a long chunk of queries attends to the cache.
 MIN_ROWS, MAX_ROWS = 16, 64
-# Programmatic dependent launch of the combine kernel where the GPU has it (see programmatic_launch). Off
-# until the H200 has timed it against plain stream order (bench_decode.py --dependent-combine turns it on).
-PROGRAMMATIC_LAUNCH = False
 
 
 @triton.jit
@@ -98,12 +93,8 @@ def _decode_kernel(
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr,
     PER_SEQUENCE_LENGTHS: tl.constexpr, VARLEN_Q: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, PROGRAMMATIC_LAUNCH: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
 ):
-    if PROGRAMMATIC_LAUNCH:
-        # The combine kernel may start as soon as every program here has: its programs take the SMs this
-        # grid leaves idle and wait (gdc_wait) for the partials, so its launch overlaps this kernel's tail.
-        gdc_launch_dependents()
     # Token blocks and (sequence, kv head) share grid dimension 0, whose cap (2**31 - 1) no batch reaches.
     token_blocks = tl.cdiv(seqlen_q, BLOCK_T)
     pid_t = tl.program_id(0) % token_blocks
@@ -189,14 +180,12 @@ def _decode_kernel(
 @triton.jit(do_not_specialize=["seqlen_q", "heads_q", "num_splits"])  # CompiledLaunch; pointers: fresh buffers
 def _combine_kernel(O_PART, LSE_PART, O, LSE, seqlen_q, heads_q, num_splits,
                     SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                    VARLEN_Q: tl.constexpr, PROGRAMMATIC_LAUNCH: tl.constexpr):
+                    VARLEN_Q: tl.constexpr):
     # One program per (batch, token, query head) row: out = sum_s exp(lse_s - lse) * out_s. Packed
     # queries (VARLEN_Q) have rows (token, head) with seqlen_q = total_q, and lse (heads_q, total_q).
     row = tl.program_id(0)
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
-    if PROGRAMMATIC_LAUNCH:  # launched before the decode kernel finished: its partials are complete after this
-        gdc_wait()
     lse_s = tl.load(LSE_PART + row * num_splits + splits, mask=splits < num_splits, other=float("-inf"))
     out_s = tl.load(O_PART + (row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :],
                     mask=(splits[:, None] < num_splits) & (dims[None, :] < HEAD_DIM), other=0.0)
@@ -229,16 +218,6 @@ def _page_rows(cache):
     at row p * rows_per_page."""
     page_rows = cache.stride(0) // cache.stride(1)
     return page_rows, (cache.shape[0] - 1) * page_rows + cache.shape[1]
-
-
-def programmatic_launch(device):
-    """Whether the combine kernel launches as a programmatic dependent of the decode kernel (Hopper and
-    later): its launch and start-up then overlap the decode kernel's last programs instead of following
-    them, a few percent of a batch-1 step."""
-    return PROGRAMMATIC_LAUNCH and device.type == "cuda" and _capability(device.index)[0] >= 9
-
-
-_capability = functools.cache(torch.cuda.get_device_capability)
 
 
 def _launch_config(device, head_dim_pad, page_size):
@@ -338,7 +317,6 @@ def _build_plan(q, k_cache, v_cache, block_table, per_sequence, max_seqlen_k, so
         num_splits = choose_num_splits(batch * heads_kv * token_blocks, keys, q.device)
     block_n, num_warps, num_stages = _launch_config(q.device, head_dim_pad, page_size)
     split = num_splits > 1
-    dependent_combine = split and programmatic_launch(q.device)
     qk_scale, softcap_log2 = log2_scales(softmax_scale, softcap)
     return _Plan(
         grid=(token_blocks * batch * heads_kv, num_splits),
@@ -351,14 +329,12 @@ def _build_plan(q, k_cache, v_cache, block_table, per_sequence, max_seqlen_k, so
                   RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0, SPLIT=split,
                   PER_SEQUENCE_LENGTHS=per_sequence, VARLEN_Q=packed_q is not None,
                   DOT_PRECISION=dot_precision(q.dtype), UPCAST_DOT=upcast_dot(q.dtype),
-                  PROGRAMMATIC_LAUNCH=dependent_combine, num_warps=num_warps, num_stages=num_stages),
+                  num_warps=num_warps, num_stages=num_stages),
         partial_shapes=((*rows, heads_q, num_splits, head_dim), (*rows, heads_q, num_splits)) if split else (),
         combine_grid=(math.prod(rows) * heads_q,),
         combine_ints=(seqlen_q if packed_q is None else rows[0], heads_q, num_splits),
         combine_meta=dict(SPLITS_PAD=max(2, next_power_of_2(num_splits)), HEAD_DIM=head_dim,
-                          HEAD_DIM_PAD=head_dim_pad, VARLEN_Q=packed_q is not None,
-                          PROGRAMMATIC_LAUNCH=dependent_combine, num_warps=4,
-                          **({"launch_pdl": True} if dependent_combine else {})),
+                          HEAD_DIM_PAD=head_dim_pad, VARLEN_Q=packed_q is not None, num_warps=4),
     )
 
 

@@ -117,29 +117,10 @@ def launch_config(config):
         forget()
 
 
-@contextlib.contextmanager
-def dependent_combine():
-    """decode.py's combine kernel launched as a programmatic dependent of the decode kernel, not after it
-    in plain stream order; plans and compiled launches are dropped on the way in and out."""
-    def forget():
-        decode._PLANS.clear()
-        decode._decode_launch.compiled.clear()
-        decode._combine_launch.compiled.clear()
-    chosen = decode.PROGRAMMATIC_LAUNCH
-    decode.PROGRAMMATIC_LAUNCH = True
-    forget()
-    try:
-        yield
-    finally:
-        decode.PROGRAMMATIC_LAUNCH = chosen
-        forget()
-
-
-def run_cell(batch, length, split_sweep=(), launch_configs=(), dependent=False):
+def run_cell(batch, length, split_sweep=(), launch_configs=()):
     """Times and max |ours - SDPA flash| of one (batch, cache length) cell; with ``split_sweep``, also the
     CUDA-graph TB/s of ours at each of those split counts; with ``launch_configs``, at each of those
-    (BLOCK_N, num_warps, num_stages) with the automatic splits; with ``dependent``, with the combine
-    kernel as a programmatic dependent launch (dependent_combine)."""
+    (BLOCK_N, num_warps, num_stages) with the automatic splits."""
     device = torch.device("cuda")
     scale = HEAD_DIM**-0.5
     q = torch.randn(batch, 1, HEADS_Q, HEAD_DIM, device=device, dtype=DTYPE)
@@ -164,13 +145,6 @@ def run_cell(batch, length, split_sweep=(), launch_configs=(), dependent=False):
                     config_ms[config], out = None, str(error).splitlines()[0]
             config_diffs[config] = (out.float() - outs["ours"].float()).abs().max().item() \
                 if config_ms[config] is not None else out
-        dependent_ms = dependent_diff = None
-        if dependent:
-            with dependent_combine():
-                dependent_ms, out = _time_graphed(ours)
-            # the same kernels in the same order: any difference is the combine reading unfinished partials
-            dependent_diff = (out.float() - outs["ours graph"].float()).abs().max().item() \
-                if dependent_ms is not None else out
 
         pages = length // PAGE_SIZE
         table = torch.randperm(batch * pages, device=device).view(batch, pages)
@@ -217,8 +191,6 @@ def run_cell(batch, length, split_sweep=(), launch_configs=(), dependent=False):
                                    else None for config, ms in config_ms.items()},
         # against the default config's output: a config that breaks the kernel shows here (or its error)
         "launch_config_max_abs_diff": {"x".join(map(str, config)): diff for config, diff in config_diffs.items()},
-        "dependent_combine_graph_tb_per_s": kv_bytes / (dependent_ms * 1e-3) / 1e12 if dependent_ms else None,
-        "dependent_combine_max_abs_diff": dependent_diff,
     }
 
 
@@ -393,9 +365,6 @@ def main():
                         metavar="BLOCK_NxWARPSxSTAGES",
                         help="also time ours in CUDA graphs with each of these kernel configs (automatic splits), to "
                              "check decode._launch_config")
-    parser.add_argument("--dependent-combine", action="store_true",
-                        help="also time ours in CUDA graphs with the combine kernel as a programmatic dependent "
-                             "launch of the decode kernel (decode.PROGRAMMATIC_LAUNCH), on the same inputs")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode.py needs a CUDA device")
@@ -407,7 +376,7 @@ def main():
             reason = f"skipped ({peak / 1e9:.0f} GB)" if peak > MEMORY_LIMIT else f"skipped (not a multiple of {PAGE_SIZE})"
             cells.append({"batch": batch, "cache_len": length, "skipped": reason})
             continue
-        cells.append(run_cell(batch, length, args.split_sweep, args.launch_configs, args.dependent_combine))
+        cells.append(run_cell(batch, length, args.split_sweep, args.launch_configs))
         torch.cuda.empty_cache()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
@@ -424,8 +393,6 @@ def main():
         print("\n" + split_sweep_table(cells, args.split_sweep))
     if args.launch_configs:
         print("\n" + launch_config_table(cells, args.launch_configs))
-    if args.dependent_combine:
-        print("\n" + dependent_combine_table(cells))
 
 
 def split_sweep_table(cells, split_counts):
@@ -445,23 +412,6 @@ def launch_config_table(cells, configs):
                                      _fmt(cell["tb_per_s"]["SDPA cuDNN graph"], ".2f"),
                                      _fmt(cell["tb_per_s"]["ours graph"], ".2f")]
                        + [_fmt(cell["launch_config_tb_per_s"][name], ".2f") for name in names])
-
-
-def dependent_combine_table(cells):
-    """Markdown: per cell, CUDA-graph TB/s of SDPA cuDNN and of ours with the combine kernel in stream order
-    and as a dependent launch, with the largest difference of the two outputs."""
-    def row(cell):
-        rates = cell["tb_per_s"]
-        ordered, dependent = rates["ours graph"], cell["dependent_combine_graph_tb_per_s"]
-        cudnn, diff = rates["SDPA cuDNN graph"], cell["dependent_combine_max_abs_diff"]
-        return [str(cell["batch"]), str(cell["cache_len"]), str(cell["num_splits"]), _fmt(cudnn, ".2f"),
-                _fmt(ordered, ".2f"), _fmt(dependent, ".2f"),
-                _fmt(dependent / ordered if dependent and ordered else None, ".3f"),
-                _fmt(dependent / cudnn if dependent and cudnn else None, ".3f"),
-                diff[:60] if isinstance(diff, str) else _fmt(diff, ".1e")]
-    return _cell_table(cells, ["batch", "cache length", "splits", "cuDNN", "ours (stream order)",
-                               "ours (dependent combine)", "dependent / stream order", "dependent / cuDNN",
-                               "max abs diff"], row)
 
 
 def _cell_table(cells, header, row):

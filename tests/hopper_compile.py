@@ -275,16 +275,13 @@ CASES = {
                                dict(GROUP=4, GROUP_PAD=4, BLOCK_T=16, BLOCK_N=64, PAGE_SIZE=256, HEAD_DIM=128,
                                     HEAD_DIM_PAD=128, LEFT_BOUNDED=False, RIGHT_BOUNDED=True, HAS_SOFTCAP=False,
                                     SPLIT=True, PER_SEQUENCE_LENGTHS=True, VARLEN_Q=False, DOT_PRECISION="tf32",
-                                    UPCAST_DOT=False, PROGRAMMATIC_LAUNCH=True), 4, 3),
+                                    UPCAST_DOT=False), 4, 3),
     # flash_attn_varlen_func's paged form: packed queries
     "decode-d128-gqa4-paged-varlen": (decode._decode_kernel,
                                       dict(GROUP=4, GROUP_PAD=4, BLOCK_T=16, BLOCK_N=64, PAGE_SIZE=256, HEAD_DIM=128,
                                            HEAD_DIM_PAD=128, LEFT_BOUNDED=False, RIGHT_BOUNDED=True,
                                            HAS_SOFTCAP=False, SPLIT=True, PER_SEQUENCE_LENGTHS=True, VARLEN_Q=True,
-                                           DOT_PRECISION="tf32", UPCAST_DOT=False, PROGRAMMATIC_LAUNCH=True), 4, 3),
-    # the split-KV merge, a programmatic dependent of the decode kernel on sm_90
-    "combine-d128": (decode._combine_kernel, dict(SPLITS_PAD=16, HEAD_DIM=128, HEAD_DIM_PAD=128, VARLEN_Q=False,
-                                                  PROGRAMMATIC_LAUNCH=True), 4, 1),
+                                           DOT_PRECISION="tf32", UPCAST_DOT=False), 4, 3),
     "cross_entropy_fwd": (cross_entropy._ce_forward_kernel, dict(BLOCK_V=4096, HAS_BIAS=True, HAS_SOFTCAP=True), 8, 3),
     "cross_entropy_bwd": (cross_entropy._ce_backward_kernel, dict(BLOCK_V=4096, HAS_BIAS=True, HAS_SOFTCAP=True), 8, 3),
 }
@@ -320,8 +317,6 @@ def main(selected):
                                                   for op in re.findall(r"\b(?:atom|red)\.[\w.:]+", ptx)),
                         # the ordering of DQ_ORDERED: acquire-loads of the semaphore, release-adds to it
                         "acquire_release": "ld.acquire.gpu" in ptx and "atom.release.gpu" in ptx,
-                        # grid dependency control: launch_dependents in a primary kernel, wait in its dependent
-                        "griddepcontrol": sorted(set(re.findall(r"griddepcontrol\.(\w+)", ptx))),
                         # local memory in the PTX itself (ptxas's own spills are spill_bytes)
                         "local_memory": bool(re.search(r"\b(?:ld|st)\.local\b", ptx)),
                         # wgmma.wait_group N with N >= 1: a product left in flight while the program goes on

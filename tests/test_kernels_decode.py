@@ -647,32 +647,3 @@ def test_flash_attn_positional_order_and_lse_name(device, triton_path):
                                                 return_lse=True))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="programmatic dependent launch needs sm_90 or later")
-def test_dependent_combine_matches_stream_order(monkeypatch):
-    """The merge launched as a programmatic dependent of the decode kernel (decode.PROGRAMMATIC_LAUNCH) reads
-    complete partials: its output equals the stream-ordered merge's bit for bit, eager and replayed in a CUDA
-    graph (where the dependency becomes a programmatic edge)."""
-    from flashformer.kernels import decode
-    from flashformer.profiling import capture_cuda_graph
-
-    q = torch.randn(4, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
-    k_cache, v_cache = (torch.randn(4, 8192, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    lengths = torch.tensor([8192, 5000, 77, 8000], dtype=torch.int32, device="cuda")
-    outs = {}
-    for dependent in (False, True):
-        monkeypatch.setattr(decode, "PROGRAMMATIC_LAUNCH", dependent)
-        decode._PLANS.clear()
-        eager = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths).clone()
-        (plan,) = decode._PLANS.values()
-        assert plan.partial_shapes and plan.combine_meta.get("launch_pdl", False) == dependent
-        graph, graphed = capture_cuda_graph(lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths))
-        graphed.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        outs[dependent] = (eager, graphed.clone())
-    assert not outs[False][0].isnan().any()
-    for out in (*outs[True], outs[False][1]):
-        assert torch.equal(out, outs[False][0])
