@@ -50,11 +50,11 @@ MIN_ROWS, MAX_ROWS = 16, 64
 
 
 @triton.jit
-def _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch, tokens, start, end,
-                  qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right, k_page_rows, v_page_rows,
-                  BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
-                  LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  UPCAST_DOT: tl.constexpr):
+def _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch, kv_head, tokens, start,
+                  end, qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right, k_page_rows, v_page_rows,
+                  BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_AXIS: tl.constexpr,
+                  HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr, LEFT_BOUNDED: tl.constexpr,
+                  RIGHT_BOUNDED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
     for n0 in tl.range(start, end, BLOCK_N):
         if PAGE_SIZE > 0:
             page = tl.load(BLOCK_TABLE + batch * stride_bt + n0 // PAGE_SIZE)
@@ -62,8 +62,12 @@ def _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_
         else:
             page = batch
             offset = n0
-        k = k_desc.load([page * k_page_rows + offset, 0])
-        v = v_desc.load([page * v_page_rows + offset, 0])
+        if HEAD_AXIS:  # (rows, kv heads, head_dim) descriptors: one pair serves every kv head
+            k = k_desc.load([page * k_page_rows + offset, kv_head, 0]).reshape(BLOCK_N, HEAD_DIM_PAD)
+            v = v_desc.load([page * v_page_rows + offset, kv_head, 0]).reshape(BLOCK_N, HEAD_DIM_PAD)
+        else:  # one kv head's (rows, head_dim)
+            k = k_desc.load([page * k_page_rows + offset, 0])
+            v = v_desc.load([page * v_page_rows + offset, 0])
         cols = n0 + tl.arange(0, BLOCK_N)
         s = attention_logits(q, k, tokens, cols, qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
                              HAS_SOFTCAP, MASKED, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
@@ -74,6 +78,57 @@ def _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_
         acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, s, logit_scale(qk_scale, HAS_SOFTCAP), v,
                                                     MASKED, DOT_PRECISION, UPCAST_DOT)
     return acc, row_max, row_sum
+
+
+@triton.jit
+def _query_rows(q_base, t0, kv_head, seqlen_q, stride_qs, stride_qh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    """The queries of one kv head's GQA group at tokens [t0, t0 + BLOCK_T): row r is token t0 + r // GROUP_PAD
+    and query head kv_head * GROUP + r % GROUP_PAD. Returns q, tokens, heads, row_ok, tile_ok."""
+    r = tl.arange(0, BLOCK_T * GROUP_PAD)
+    tokens = t0 + r // GROUP_PAD
+    heads = kv_head * GROUP + r % GROUP_PAD
+    row_ok = (tokens < seqlen_q) & (r % GROUP_PAD < GROUP)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    tile_ok = row_ok[:, None] & (dims[None, :] < HEAD_DIM)
+    q = tl.load(q_base + tokens[:, None] * stride_qs + heads[:, None] * stride_qh + dims[None, :],
+                mask=tile_ok, other=0.0)
+    return q, tokens, heads, row_ok, tile_ok
+
+
+@triton.jit
+def _attend(q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch, kv_head, tokens, lo, hi, un_lo, un_hi,
+            qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right, k_page_rows, v_page_rows,
+            BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_AXIS: tl.constexpr,
+            HAS_SOFTCAP: tl.constexpr, LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr,
+            DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """Attention of the rows to keys [lo, hi) (tile aligned, inside key_range's span, whose [un_lo, un_hi)
+    needs no mask): the normalised output and lse per row; a row that sees no key gets 0 and -inf."""
+    un_lo = tl.minimum(tl.maximum(un_lo, lo), hi)
+    un_hi = tl.minimum(tl.maximum(un_hi, un_lo), hi)
+    row_max = tl.full([q.shape[0]], float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros([q.shape[0]], dtype=tl.float32)
+    acc = tl.zeros([q.shape[0], HEAD_DIM_PAD], dtype=tl.float32)
+    acc, row_max, row_sum = _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch,
+                                          kv_head, tokens, lo, un_lo, qk_scale, softcap_log2, seqlen_q, seqlen_k,
+                                          window_left, window_right, k_page_rows, v_page_rows, BLOCK_N, PAGE_SIZE,
+                                          HEAD_DIM_PAD, HEAD_AXIS, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED,
+                                          DOT_PRECISION, UPCAST_DOT)
+    acc, row_max, row_sum = _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch,
+                                          kv_head, tokens, un_lo, un_hi, qk_scale, softcap_log2, seqlen_q, seqlen_k,
+                                          window_left, window_right, k_page_rows, v_page_rows, BLOCK_N, PAGE_SIZE,
+                                          HEAD_DIM_PAD, HEAD_AXIS, HAS_SOFTCAP, False, LEFT_BOUNDED, RIGHT_BOUNDED,
+                                          DOT_PRECISION, UPCAST_DOT)
+    acc, row_max, row_sum = _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch,
+                                          kv_head, tokens, un_hi, hi, qk_scale, softcap_log2, seqlen_q, seqlen_k,
+                                          window_left, window_right, k_page_rows, v_page_rows, BLOCK_N, PAGE_SIZE,
+                                          HEAD_DIM_PAD, HEAD_AXIS, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED,
+                                          DOT_PRECISION, UPCAST_DOT)
+    # A row that saw no key: output 0 and lse = -inf (log of an empty sum).
+    empty = row_sum == 0.0
+    acc = acc / tl.where(empty, 1.0, row_sum)[:, None]
+    lse = tl.where(empty, float("-inf"), (row_max + tl.log2(tl.where(empty, 1.0, row_sum))) * LN2)
+    return acc, lse
 
 
 # Launched through launch.CompiledLaunch: no int is specialised, and of the pointers only the caller's
@@ -123,14 +178,8 @@ def _decode_kernel(
         lse_base = batch * heads_q * seqlen_q
     if t0 >= seqlen_q:  # a token block past a shorter packed sequence's end
         return
-    r = tl.arange(0, BLOCK_T * GROUP_PAD)
-    tokens = t0 + r // GROUP_PAD
-    heads = kv_head * GROUP + r % GROUP_PAD
-    row_ok = (tokens < seqlen_q) & (r % GROUP_PAD < GROUP)
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    tile_ok = row_ok[:, None] & (dims[None, :] < HEAD_DIM)
-    q = tl.load(q_base + tokens[:, None] * stride_qs + heads[:, None] * stride_qh + dims[None, :],
-                mask=tile_ok, other=0.0)
+    q, tokens, heads, row_ok, tile_ok = _query_rows(q_base, t0, kv_head, seqlen_q, stride_qs, stride_qh, GROUP,
+                                                    GROUP_PAD, BLOCK_T, HEAD_DIM, HEAD_DIM_PAD)
     k_desc = tl.make_tensor_descriptor(K + kv_head * stride_kh, shape=[k_rows, HEAD_DIM], strides=[stride_ks, 1],
                                        block_shape=[BLOCK_N, HEAD_DIM_PAD])
     v_desc = tl.make_tensor_descriptor(V + kv_head * stride_vh, shape=[v_rows, HEAD_DIM], strides=[stride_vs, 1],
@@ -142,29 +191,11 @@ def _decode_kernel(
     split_tiles = tl.cdiv((end - start) // BLOCK_N, num_splits)
     lo = tl.minimum(start + split * split_tiles * BLOCK_N, end)
     hi = tl.minimum(lo + split_tiles * BLOCK_N, end)
-    un_lo = tl.minimum(tl.maximum(un_lo, lo), hi)
-    un_hi = tl.minimum(tl.maximum(un_hi, un_lo), hi)
-
-    row_max = tl.full([BLOCK_T * GROUP_PAD], float("-inf"), dtype=tl.float32)
-    row_sum = tl.zeros([BLOCK_T * GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_T * GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
-    acc, row_max, row_sum = _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch,
-                                          tokens, lo, un_lo, qk_scale, softcap_log2, seqlen_q, seqlen_k,
-                                          window_left, window_right, k_page_rows, v_page_rows, BLOCK_N, PAGE_SIZE,
-                                          HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
-    acc, row_max, row_sum = _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch,
-                                          tokens, un_lo, un_hi, qk_scale, softcap_log2, seqlen_q, seqlen_k,
-                                          window_left, window_right, k_page_rows, v_page_rows, BLOCK_N, PAGE_SIZE,
-                                          HAS_SOFTCAP, False, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
-    acc, row_max, row_sum = _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch,
-                                          tokens, un_hi, hi, qk_scale, softcap_log2, seqlen_q, seqlen_k,
-                                          window_left, window_right, k_page_rows, v_page_rows, BLOCK_N, PAGE_SIZE,
-                                          HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
-
-    # A row that saw no key: output 0 and lse = -inf (log of an empty sum).
-    empty = row_sum == 0.0
-    acc = acc / tl.where(empty, 1.0, row_sum)[:, None]
-    lse = tl.where(empty, float("-inf"), (row_max + tl.log2(tl.where(empty, 1.0, row_sum))) * LN2)
+    acc, lse = _attend(q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch, kv_head, tokens, lo, hi, un_lo, un_hi,
+                       qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right, k_page_rows,
+                       v_page_rows, BLOCK_N, PAGE_SIZE, HEAD_DIM_PAD, False, HAS_SOFTCAP, LEFT_BOUNDED, RIGHT_BOUNDED,
+                       DOT_PRECISION, UPCAST_DOT)
+    dims = tl.arange(0, HEAD_DIM_PAD)
     # out and the partials are contiguous (batch, seqlen_q or total_q, heads_q[, splits], head_dim): one flat
     # row index; lse is (batch, heads_q, seqlen_q), or (heads_q, total_q) with stride_lse_h = total_q.
     out_row = (out_first + tokens) * heads_q + heads
