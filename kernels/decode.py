@@ -47,6 +47,9 @@ MAX_SPLITS = 64
 # Query rows (tokens x padded GQA group) per program: at least tl.dot's minimum M, at most a size that
 # keeps the score tile in registers when a long chunk of queries attends to the cache.
 MIN_ROWS, MAX_ROWS = 16, 64
+# Programs per SM of the stream-K split (_decode_stream_k_kernel), 0 = split per (sequence, kv head) as
+# choose_num_splits says. Off until the H200 has timed it against those splits (bench_decode.py --stream-k).
+STREAM_K_PER_SM = 0
 
 
 @triton.jit
@@ -208,18 +211,96 @@ def _decode_kernel(
         tl.store(LSE + lse_base + heads * stride_lse_h + tokens, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "heads_q", "num_splits"])  # CompiledLaunch; pointers: fresh buffers
-def _combine_kernel(O_PART, LSE_PART, O, LSE, seqlen_q, heads_q, num_splits,
+@triton.jit
+def _owner(tile, programs, total_tiles):
+    """The stream-K program whose share [p G / P, (p + 1) G / P) holds global tile ``tile`` (G = total_tiles)."""
+    return ((tile + 1) * programs - 1) // total_tiles
+
+
+# Launched through launch.CompiledLaunch, as _decode_kernel.
+@triton.jit(do_not_specialize=["stride_qb", "stride_qs", "stride_qh", "stride_ks", "stride_kh", "stride_vs",
+                               "stride_vh", "stride_bt", "seqlen_q", "heads_kv", "batch_heads", "slots",
+                               "k_page_rows", "v_page_rows", "k_rows", "v_rows", "cache_len", "head_tiles",
+                               "window_right"],
+            do_not_specialize_on_alignment=["SEQLENS_K", "BLOCK_TABLE"])
+def _decode_stream_k_kernel(
+    Q, K, V, O_PART, LSE_PART, SEQLENS_K, BLOCK_TABLE,
+    stride_qb, stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt,
+    seqlen_q, heads_kv, batch_heads, slots, k_page_rows, v_page_rows, k_rows, v_rows, cache_len, head_tiles,
+    qk_scale, softcap_log2, window_right,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, RIGHT_BOUNDED: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, PER_SEQUENCE_LENGTHS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    # Every (sequence, kv head) bh owns head_tiles virtual key tiles (tile j: keys [j BLOCK_N, (j + 1) BLOCK_N),
+    # empty past that sequence's length), G = batch_heads x head_tiles in all. Program p of P takes the
+    # equal share [p G / P, (p + 1) G / P), crossing from one bh into the next where its share does, and
+    # writes one partial per bh it touched, in slot p - (the owner of bh's first tile). Equal shares keep
+    # every SM busy to the end, which a split count per bh cannot when batch_heads x splits is not a
+    # multiple of the SM count. One token block (seqlen_q x GROUP_PAD <= BLOCK_T x GROUP_PAD), no left window.
+    program = tl.program_id(0).to(tl.int64)
+    programs = tl.num_programs(0)
+    total_tiles = batch_heads.to(tl.int64) * head_tiles
+    tile = program * total_tiles // programs
+    share_end = (program + 1) * total_tiles // programs
+    # One descriptor pair over (rows, kv heads, head_dim) for the whole share: a per-head 2-D descriptor
+    # would be rebuilt inside the loop below.
+    k_desc = tl.make_tensor_descriptor(K, shape=[k_rows, heads_kv, HEAD_DIM], strides=[stride_ks, stride_kh, 1],
+                                       block_shape=[BLOCK_N, 1, HEAD_DIM_PAD])
+    v_desc = tl.make_tensor_descriptor(V, shape=[v_rows, heads_kv, HEAD_DIM], strides=[stride_vs, stride_vh, 1],
+                                       block_shape=[BLOCK_N, 1, HEAD_DIM_PAD])
+    heads_q = heads_kv * GROUP
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    while tile < share_end:
+        bh = tile // head_tiles
+        first_tile = bh * head_tiles
+        segment_end = tl.minimum(share_end, first_tile + head_tiles)
+        batch = (bh // heads_kv).to(tl.int32)
+        kv_head = (bh % heads_kv).to(tl.int32)
+        if PER_SEQUENCE_LENGTHS:
+            seqlen_k = tl.load(SEQLENS_K + batch)
+        else:
+            seqlen_k = cache_len
+        q, tokens, heads, row_ok, tile_ok = _query_rows(Q + batch * stride_qb, 0, kv_head, seqlen_q, stride_qs,
+                                                        stride_qh, GROUP, GROUP_PAD, BLOCK_T, HEAD_DIM, HEAD_DIM_PAD)
+        start, un_lo, un_hi, end = key_range(0, seqlen_q, seqlen_k, -1, window_right, BLOCK_T, BLOCK_N, False,
+                                             RIGHT_BOUNDED)
+        lo = tl.minimum(((tile - first_tile) * BLOCK_N).to(tl.int32), end)  # start is 0 without a left bound
+        hi = tl.minimum(((segment_end - first_tile) * BLOCK_N).to(tl.int32), end)
+        acc, lse = _attend(q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch, kv_head, tokens, lo, hi, un_lo, un_hi,
+                           qk_scale, softcap_log2, seqlen_q, seqlen_k, -1, window_right, k_page_rows, v_page_rows,
+                           BLOCK_N, PAGE_SIZE, HEAD_DIM_PAD, True, HAS_SOFTCAP, False, RIGHT_BOUNDED, DOT_PRECISION,
+                           UPCAST_DOT)
+        slot = program - _owner(first_tile, programs, total_tiles)
+        part_row = ((batch * seqlen_q + tokens) * heads_q + heads).to(tl.int64) * slots + slot
+        tl.store(O_PART + part_row[:, None] * HEAD_DIM + dims[None, :], acc, mask=tile_ok)
+        tl.store(LSE_PART + part_row, lse, mask=row_ok)
+        tile = segment_end
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "heads_q", "num_splits", "group", "batch_heads", "programs",
+                               "head_tiles"])  # CompiledLaunch; pointers: fresh buffers
+def _combine_kernel(O_PART, LSE_PART, O, LSE, seqlen_q, heads_q, num_splits, group, batch_heads, programs, head_tiles,
                     SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                    VARLEN_Q: tl.constexpr):
-    # One program per (batch, token, query head) row: out = sum_s exp(lse_s - lse) * out_s. Packed
-    # queries (VARLEN_Q) have rows (token, head) with seqlen_q = total_q, and lse (heads_q, total_q).
+                    VARLEN_Q: tl.constexpr, STREAM_K: tl.constexpr):
+    # One program per (batch, token, query head) row: out = sum_s exp(lse_s - lse) * out_s, over the row's
+    # num_splits slots. Packed queries (VARLEN_Q) have rows (token, head) with seqlen_q = total_q, and lse
+    # (heads_q, total_q). After the stream-K kernel a row's slots are the programs that shared its
+    # (sequence, kv head): from the owner of its first tile to the owner of its last.
     row = tl.program_id(0)
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
-    lse_s = tl.load(LSE_PART + row * num_splits + splits, mask=splits < num_splits, other=float("-inf"))
+    if STREAM_K:
+        bh = ((row // (seqlen_q * heads_q)) * (heads_q // group) + (row % heads_q) // group).to(tl.int64)
+        total_tiles = batch_heads.to(tl.int64) * head_tiles
+        used = (_owner(bh * head_tiles + head_tiles - 1, programs, total_tiles)
+                - _owner(bh * head_tiles, programs, total_tiles) + 1)
+    else:
+        used = num_splits
+    lse_s = tl.load(LSE_PART + row * num_splits + splits, mask=splits < used, other=float("-inf"))
     out_s = tl.load(O_PART + (row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :],
-                    mask=(splits[:, None] < num_splits) & (dims[None, :] < HEAD_DIM), other=0.0)
+                    mask=(splits[:, None] < used) & (dims[None, :] < HEAD_DIM), other=0.0)
     lse_max = tl.max(lse_s, 0)
     # Every split empty: keep lse -inf and output 0 without computing inf - inf.
     lse_max_safe = tl.where(lse_max == float("-inf"), 0.0, lse_max)
@@ -277,8 +358,7 @@ def choose_num_splits(programs, keys, device):
     Args:
         programs: programs without splitting; keys: the most keys one of them reads.
     """
-    sms = sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else DEFAULT_SMS
+    sms = _sms(device)
     most = max(1, min(keys // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
     fewest = max(1, min(most, sms // programs))
     candidates = range(fewest, max(fewest, min(keys // TARGET_KEYS_PER_SPLIT, most)) + 1)
@@ -291,6 +371,12 @@ def choose_num_splits(programs, keys, device):
     return max(filled) if filled else max(candidates, key=fill)
 
 
+def _sms(device):
+    if device.type != "cuda":
+        return DEFAULT_SMS
+    return sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _wave_fill(programs, slots):
     """Share of the launched waves' slots that ``programs`` occupy."""
     return programs / (cdiv(programs, slots) * slots)
@@ -299,9 +385,10 @@ def _wave_fill(programs, slots):
 class _Plan(NamedTuple):
     """What a decode call's launches take besides its tensors and cache length, fixed by the layouts,
     shapes and options (see _plan_key): computed once, since a batch-1 step is host-bound."""
+    stream_k: bool  # _decode_stream_k_kernel, not _decode_kernel
     grid: tuple
     ints: tuple  # the decode kernel's int arguments before cache_len
-    scalars: tuple  # and after it
+    scalars: tuple  # and after it (and after head_tiles in the stream-K kernel)
     meta: dict
     partial_shapes: tuple  # () without splits
     combine_grid: tuple
@@ -320,7 +407,7 @@ def _plan_key(q, k_cache, v_cache, block_table, per_sequence, max_seqlen_k, soft
     budget = min(max_seqlen_k // MIN_KEYS_PER_SPLIT, MAX_SPLITS) if num_splits == 0 else 0
     return (q.shape, q.stride(), q.dtype, k_cache.dtype, q.device, k_cache.shape, k_cache.stride(), v_cache.shape,
             v_cache.stride(), None if block_table is None else block_table.stride(), per_sequence, softmax_scale,
-            window_left, window_right, softcap, num_splits, budget, packed_q)
+            window_left, window_right, softcap, num_splits, budget, packed_q, STREAM_K_PER_SM)
 
 
 def _build_plan(q, k_cache, v_cache, block_table, per_sequence, max_seqlen_k, softmax_scale, window_left,
@@ -341,6 +428,7 @@ def _build_plan(q, k_cache, v_cache, block_table, per_sequence, max_seqlen_k, so
     group_pad = next_power_of_2(group)
     block_t = min(max(next_power_of_2(seqlen_q), MIN_ROWS // group_pad), max(1, MAX_ROWS // group_pad))
     token_blocks = cdiv(seqlen_q, block_t)
+    num_splits_asked = num_splits
     if num_splits == 0:
         keys = max_seqlen_k
         if window_left >= 0 and window_right >= 0:  # a two-sided window bounds the keys a program reads
@@ -349,23 +437,40 @@ def _build_plan(q, k_cache, v_cache, block_table, per_sequence, max_seqlen_k, so
     block_n, num_warps, num_stages = _launch_config(q.device, head_dim_pad, page_size)
     split = num_splits > 1
     qk_scale, softcap_log2 = log2_scales(softmax_scale, softcap)
+    common = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_N=block_n, PAGE_SIZE=page_size,
+                  HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, RIGHT_BOUNDED=window_right >= 0,
+                  HAS_SOFTCAP=softcap > 0.0, PER_SEQUENCE_LENGTHS=per_sequence, DOT_PRECISION=dot_precision(q.dtype),
+                  UPCAST_DOT=upcast_dot(q.dtype), num_warps=num_warps, num_stages=num_stages)
+    batch_heads = batch * heads_kv
+    programs = _sms(q.device) * STREAM_K_PER_SM
+    # Where the automatic choice splits: the stream-K kernel's shape limits, and a merge that holds a
+    # (sequence, kv head)'s share of programs (at most cdiv(programs, batch_heads) + 1 of them).
+    if (split and STREAM_K_PER_SM and num_splits_asked == 0 and packed_q is None and token_blocks == 1
+            and window_left < 0 and cdiv(programs, batch_heads) + 1 <= MAX_SPLITS):
+        slots = cdiv(programs, batch_heads) + 1
+        return _Plan(
+            stream_k=True, grid=(programs,),
+            ints=(*q_strides, *k_cache.stride()[1:3], *v_cache.stride()[1:3],
+                  block_table.stride(0) if block_table is not None else 0,
+                  seqlen_q, heads_kv, batch_heads, slots, k_page_rows, v_page_rows, k_rows, v_rows),
+            scalars=(qk_scale, softcap_log2, window_right), meta=common,
+            partial_shapes=((*rows, heads_q, slots, head_dim), (*rows, heads_q, slots)),
+            combine_grid=(math.prod(rows) * heads_q,),
+            combine_ints=(seqlen_q, heads_q, slots, group, batch_heads, programs),
+            combine_meta=dict(SPLITS_PAD=max(2, next_power_of_2(slots)), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+                              VARLEN_Q=False, STREAM_K=True, num_warps=4))
     return _Plan(
-        grid=(token_blocks * batch * heads_kv, num_splits),
+        stream_k=False, grid=(token_blocks * batch * heads_kv, num_splits),
         ints=(*q_strides, *k_cache.stride()[1:3], *v_cache.stride()[1:3],
               block_table.stride(0) if block_table is not None else 0, lse_head_stride,
               seqlen_q, heads_kv, num_splits, k_page_rows, v_page_rows, k_rows, v_rows),
         scalars=(qk_scale, softcap_log2, window_left, window_right),
-        meta=dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_N=block_n, PAGE_SIZE=page_size,
-                  HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, LEFT_BOUNDED=window_left >= 0,
-                  RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0, SPLIT=split,
-                  PER_SEQUENCE_LENGTHS=per_sequence, VARLEN_Q=packed_q is not None,
-                  DOT_PRECISION=dot_precision(q.dtype), UPCAST_DOT=upcast_dot(q.dtype),
-                  num_warps=num_warps, num_stages=num_stages),
+        meta=dict(common, LEFT_BOUNDED=window_left >= 0, SPLIT=split, VARLEN_Q=packed_q is not None),
         partial_shapes=((*rows, heads_q, num_splits, head_dim), (*rows, heads_q, num_splits)) if split else (),
         combine_grid=(math.prod(rows) * heads_q,),
-        combine_ints=(seqlen_q if packed_q is None else rows[0], heads_q, num_splits),
+        combine_ints=(seqlen_q if packed_q is None else rows[0], heads_q, num_splits, 1, 1, 1),
         combine_meta=dict(SPLITS_PAD=max(2, next_power_of_2(num_splits)), HEAD_DIM=head_dim,
-                          HEAD_DIM_PAD=head_dim_pad, VARLEN_Q=packed_q is not None, num_warps=4),
+                          HEAD_DIM_PAD=head_dim_pad, VARLEN_Q=packed_q is not None, STREAM_K=False, num_warps=4),
     )
 
 
@@ -427,15 +532,24 @@ def decode_attention(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, 
     ensure_allocator(q.device)
     # The plan's key fixes every argument type (the caches' dtype is q's, checked by the API; a lengths
     # tensor and a block table are int32; a cache length fits int32) and every constexpr.
-    _decode_launch.launch_keyed(
-        ("decode", key), plan.grid, q, k_cache, v_cache, out, lse, out_part, lse_part,
-        seqlens_k if per_sequence else None, block_table, cu_seqlens_q, *plan.ints, 0 if per_sequence else seqlens_k,
-        *plan.scalars, **plan.meta)
+    cache_len = 0 if per_sequence else seqlens_k
+    head_tiles = cdiv(max_seqlen_k, plan.meta["BLOCK_N"])  # the stream-K kernel's key tiles per (sequence, kv head)
+    if plan.stream_k:
+        _stream_k_launch.launch_keyed(
+            ("decode stream-k", key), plan.grid, q, k_cache, v_cache, out_part, lse_part,
+            seqlens_k if per_sequence else None, block_table, *plan.ints, cache_len, head_tiles, *plan.scalars,
+            **plan.meta)
+    else:
+        _decode_launch.launch_keyed(
+            ("decode", key), plan.grid, q, k_cache, v_cache, out, lse, out_part, lse_part,
+            seqlens_k if per_sequence else None, block_table, cu_seqlens_q, *plan.ints, cache_len, *plan.scalars,
+            **plan.meta)
     if plan.partial_shapes:
         _combine_launch.launch_keyed(("combine", key), plan.combine_grid, out_part, lse_part, out, lse,
-                                     *plan.combine_ints, **plan.combine_meta)
+                                     *plan.combine_ints, head_tiles, **plan.combine_meta)
     return out, lse if return_lse else None
 
 
 _decode_launch = CompiledLaunch(_decode_kernel)
+_stream_k_launch = CompiledLaunch(_decode_stream_k_kernel)
 _combine_launch = CompiledLaunch(_combine_kernel)

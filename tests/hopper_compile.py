@@ -276,6 +276,14 @@ CASES = {
                                     HEAD_DIM_PAD=128, LEFT_BOUNDED=False, RIGHT_BOUNDED=True, HAS_SOFTCAP=False,
                                     SPLIT=True, PER_SEQUENCE_LENGTHS=True, VARLEN_Q=False, DOT_PRECISION="tf32",
                                     UPCAST_DOT=False), 4, 3),
+    # the stream-K split at one token of a GQA group of 4 (16 rows: mma, not wgmma): equal shares of every
+    # (sequence, kv head)'s key tiles, one descriptor pair per program
+    "stream_k-d128-gqa4-paged": (decode._decode_stream_k_kernel,
+                                        dict(GROUP=4, GROUP_PAD=4, BLOCK_T=4, BLOCK_N=64, PAGE_SIZE=256, HEAD_DIM=128,
+                                             HEAD_DIM_PAD=128, RIGHT_BOUNDED=True, HAS_SOFTCAP=False,
+                                             PER_SEQUENCE_LENGTHS=True, DOT_PRECISION="tf32", UPCAST_DOT=False), 4, 3),
+    "combine-stream-k-d128": (decode._combine_kernel, dict(SPLITS_PAD=32, HEAD_DIM=128, HEAD_DIM_PAD=128,
+                                                           VARLEN_Q=False, STREAM_K=True), 4, 1),
     # flash_attn_varlen_func's paged form: packed queries
     "decode-d128-gqa4-paged-varlen": (decode._decode_kernel,
                                       dict(GROUP=4, GROUP_PAD=4, BLOCK_T=16, BLOCK_N=64, PAGE_SIZE=256, HEAD_DIM=128,
@@ -324,6 +332,8 @@ def main(selected):
                         # the register counts the partitions ask for (empty: no setmaxnreg)
                         "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
                                                                          ptx)}),
+                        # the most loops around a TMA descriptor's creation (in global memory, fenced: never per tile)
+                        "tensormap_loop_depth": max(loop_depths(ptx, r"tensormap\.replace"), default=None),
                         # the fewest loops around a TMA load / store: a persistent kernel's tile loop adds one
                         "tma_load_loop_depth": min(loop_depths(ptx, TMA_LOAD), default=None),
                         "tma_store_loop_depth": min(loop_depths(ptx, TMA_STORE), default=None),
