@@ -50,6 +50,8 @@ MIN_ROWS, MAX_ROWS = 16, 64
 # Programs per SM of the stream-K split (_decode_stream_k_kernel), 0 = split per (sequence, kv head) as
 # choose_num_splits says. Off until the H200 has timed it against those splits (bench_decode.py --stream-k).
 STREAM_K_PER_SM = 0
+# Its programs hold every sequence's length in registers.
+STREAM_K_MAX_BATCH = 256
 
 
 @triton.jit
@@ -217,31 +219,54 @@ def _owner(tile, programs, total_tiles):
     return ((tile + 1) * programs - 1) // total_tiles
 
 
+@triton.jit
+def _sequence_tiles(SEQLENS_K, batch, cache_len, heads_kv, BLOCK_N: tl.constexpr, BATCH_PAD: tl.constexpr,
+                    PER_SEQUENCE_LENGTHS: tl.constexpr):
+    """The stream-K tile space: per sequence its key count, its tiles per kv head and its first global tile
+    (sequences in order, each one's kv heads in order), and the total. Read on the device, so that the
+    shares follow the lengths the cache holds, not its capacity."""
+    seqs = tl.arange(0, BATCH_PAD)
+    if PER_SEQUENCE_LENGTHS:
+        lengths = tl.load(SEQLENS_K + seqs, mask=seqs < batch, other=0)
+    else:
+        lengths = tl.where(seqs < batch, cache_len, 0)
+    tiles = tl.cdiv(lengths, BLOCK_N).to(tl.int64)
+    first = (tl.cumsum(tiles, 0) - tiles) * heads_kv
+    return lengths, tiles, first, tl.sum(tiles, 0) * heads_kv
+
+
+@triton.jit
+def _pick(values, index, BATCH_PAD: tl.constexpr):
+    """values[index] of a vector held in registers."""
+    return tl.sum(tl.where(tl.arange(0, BATCH_PAD) == index, values, 0), 0)
+
+
 # Launched through launch.CompiledLaunch, as _decode_kernel.
 @triton.jit(do_not_specialize=["stride_qb", "stride_qs", "stride_qh", "stride_ks", "stride_kh", "stride_vs",
-                               "stride_vh", "stride_bt", "seqlen_q", "heads_kv", "batch_heads", "slots",
-                               "k_page_rows", "v_page_rows", "k_rows", "v_rows", "cache_len", "head_tiles",
-                               "window_right"],
+                               "stride_vh", "stride_bt", "seqlen_q", "heads_kv", "batch", "slots", "k_page_rows",
+                               "v_page_rows", "k_rows", "v_rows", "cache_len", "window_right"],
             do_not_specialize_on_alignment=["SEQLENS_K", "BLOCK_TABLE"])
 def _decode_stream_k_kernel(
     Q, K, V, O_PART, LSE_PART, SEQLENS_K, BLOCK_TABLE,
     stride_qb, stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt,
-    seqlen_q, heads_kv, batch_heads, slots, k_page_rows, v_page_rows, k_rows, v_rows, cache_len, head_tiles,
+    seqlen_q, heads_kv, batch, slots, k_page_rows, v_page_rows, k_rows, v_rows, cache_len,
     qk_scale, softcap_log2, window_right,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, RIGHT_BOUNDED: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, PER_SEQUENCE_LENGTHS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, PER_SEQUENCE_LENGTHS: tl.constexpr, BATCH_PAD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    # Every (sequence, kv head) bh owns head_tiles virtual key tiles (tile j: keys [j BLOCK_N, (j + 1) BLOCK_N),
-    # empty past that sequence's length), G = batch_heads x head_tiles in all. Program p of P takes the
-    # equal share [p G / P, (p + 1) G / P), crossing from one bh into the next where its share does, and
-    # writes one partial per bh it touched, in slot p - (the owner of bh's first tile). Equal shares keep
-    # every SM busy to the end, which a split count per bh cannot when batch_heads x splits is not a
-    # multiple of the SM count. One token block (seqlen_q x GROUP_PAD <= BLOCK_T x GROUP_PAD), no left window.
+    # The key tiles of every (sequence, kv head), laid end to end (_sequence_tiles), G in all: program p of P
+    # takes the equal share [p G / P, (p + 1) G / P), crossing from one (sequence, kv head) into the next
+    # where its share does, and writes one partial per (sequence, kv head) it touched, in slot p - (the
+    # owner of that one's first tile). Equal shares keep every SM busy to the end, which a split count per
+    # (sequence, kv head) cannot when batch x kv heads x splits is no multiple of the SM count. One token
+    # block (seqlen_q x GROUP_PAD <= BLOCK_T x GROUP_PAD), no left window: tile j is keys [j BLOCK_N, (j + 1)
+    # BLOCK_N).
     program = tl.program_id(0).to(tl.int64)
     programs = tl.num_programs(0)
-    total_tiles = batch_heads.to(tl.int64) * head_tiles
+    lengths, seq_tiles, seq_first, total_tiles = _sequence_tiles(SEQLENS_K, batch, cache_len, heads_kv, BLOCK_N,
+                                                                 BATCH_PAD, PER_SEQUENCE_LENGTHS)
     tile = program * total_tiles // programs
     share_end = (program + 1) * total_tiles // programs
     # One descriptor pair over (rows, kv heads, head_dim) for the whole share: a per-head 2-D descriptor
@@ -253,49 +278,53 @@ def _decode_stream_k_kernel(
     heads_q = heads_kv * GROUP
     dims = tl.arange(0, HEAD_DIM_PAD)
     while tile < share_end:
-        bh = tile // head_tiles
-        first_tile = bh * head_tiles
-        segment_end = tl.minimum(share_end, first_tile + head_tiles)
-        batch = (bh // heads_kv).to(tl.int32)
-        kv_head = (bh % heads_kv).to(tl.int32)
-        if PER_SEQUENCE_LENGTHS:
-            seqlen_k = tl.load(SEQLENS_K + batch)
-        else:
-            seqlen_k = cache_len
-        q, tokens, heads, row_ok, tile_ok = _query_rows(Q + batch * stride_qb, 0, kv_head, seqlen_q, stride_qs,
+        # The sequence holding the tile: the last one starting at or before it (sequences without keys
+        # start where the next one does).
+        sequence = tl.sum((seq_first <= tile).to(tl.int32), 0) - 1
+        tiles = _pick(seq_tiles, sequence, BATCH_PAD)
+        kv_head = ((tile - _pick(seq_first, sequence, BATCH_PAD)) // tiles).to(tl.int32)
+        head_first = _pick(seq_first, sequence, BATCH_PAD) + kv_head * tiles
+        segment_end = tl.minimum(share_end, head_first + tiles)
+        seqlen_k = _pick(lengths, sequence, BATCH_PAD)
+        q, tokens, heads, row_ok, tile_ok = _query_rows(Q + sequence * stride_qb, 0, kv_head, seqlen_q, stride_qs,
                                                         stride_qh, GROUP, GROUP_PAD, BLOCK_T, HEAD_DIM, HEAD_DIM_PAD)
         start, un_lo, un_hi, end = key_range(0, seqlen_q, seqlen_k, -1, window_right, BLOCK_T, BLOCK_N, False,
                                              RIGHT_BOUNDED)
-        lo = tl.minimum(((tile - first_tile) * BLOCK_N).to(tl.int32), end)  # start is 0 without a left bound
-        hi = tl.minimum(((segment_end - first_tile) * BLOCK_N).to(tl.int32), end)
-        acc, lse = _attend(q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch, kv_head, tokens, lo, hi, un_lo, un_hi,
-                           qk_scale, softcap_log2, seqlen_q, seqlen_k, -1, window_right, k_page_rows, v_page_rows,
-                           BLOCK_N, PAGE_SIZE, HEAD_DIM_PAD, True, HAS_SOFTCAP, False, RIGHT_BOUNDED, DOT_PRECISION,
-                           UPCAST_DOT)
-        slot = program - _owner(first_tile, programs, total_tiles)
-        part_row = ((batch * seqlen_q + tokens) * heads_q + heads).to(tl.int64) * slots + slot
+        lo = tl.minimum(((tile - head_first) * BLOCK_N).to(tl.int32), end)  # start is 0 without a left bound
+        hi = tl.minimum(((segment_end - head_first) * BLOCK_N).to(tl.int32), end)
+        acc, lse = _attend(q, k_desc, v_desc, BLOCK_TABLE, stride_bt, sequence, kv_head, tokens, lo, hi, un_lo,
+                           un_hi, qk_scale, softcap_log2, seqlen_q, seqlen_k, -1, window_right, k_page_rows,
+                           v_page_rows, BLOCK_N, PAGE_SIZE, HEAD_DIM_PAD, True, HAS_SOFTCAP, False, RIGHT_BOUNDED,
+                           DOT_PRECISION, UPCAST_DOT)
+        slot = program - _owner(head_first, programs, total_tiles)
+        part_row = ((sequence * seqlen_q + tokens) * heads_q + heads).to(tl.int64) * slots + slot
         tl.store(O_PART + part_row[:, None] * HEAD_DIM + dims[None, :], acc, mask=tile_ok)
         tl.store(LSE_PART + part_row, lse, mask=row_ok)
         tile = segment_end
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "heads_q", "num_splits", "group", "batch_heads", "programs",
-                               "head_tiles"])  # CompiledLaunch; pointers: fresh buffers
-def _combine_kernel(O_PART, LSE_PART, O, LSE, seqlen_q, heads_q, num_splits, group, batch_heads, programs, head_tiles,
-                    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                    VARLEN_Q: tl.constexpr, STREAM_K: tl.constexpr):
+@triton.jit(do_not_specialize=["seqlen_q", "heads_q", "num_splits", "group", "batch", "programs", "cache_len"],
+            do_not_specialize_on_alignment=["SEQLENS_K"])  # CompiledLaunch; other pointers: fresh buffers
+def _combine_kernel(O_PART, LSE_PART, O, LSE, SEQLENS_K, seqlen_q, heads_q, num_splits, group, batch, programs,
+                    cache_len, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                    VARLEN_Q: tl.constexpr, STREAM_K: tl.constexpr, BLOCK_N: tl.constexpr, BATCH_PAD: tl.constexpr,
+                    PER_SEQUENCE_LENGTHS: tl.constexpr):
     # One program per (batch, token, query head) row: out = sum_s exp(lse_s - lse) * out_s, over the row's
     # num_splits slots. Packed queries (VARLEN_Q) have rows (token, head) with seqlen_q = total_q, and lse
     # (heads_q, total_q). After the stream-K kernel a row's slots are the programs that shared its
-    # (sequence, kv head): from the owner of its first tile to the owner of its last.
+    # (sequence, kv head): from the owner of its first tile to the owner of its last, none without keys.
     row = tl.program_id(0)
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
     if STREAM_K:
-        bh = ((row // (seqlen_q * heads_q)) * (heads_q // group) + (row % heads_q) // group).to(tl.int64)
-        total_tiles = batch_heads.to(tl.int64) * head_tiles
-        used = (_owner(bh * head_tiles + head_tiles - 1, programs, total_tiles)
-                - _owner(bh * head_tiles, programs, total_tiles) + 1)
+        heads_kv = heads_q // group
+        _, seq_tiles, seq_first, total_tiles = _sequence_tiles(SEQLENS_K, batch, cache_len, heads_kv, BLOCK_N,
+                                                               BATCH_PAD, PER_SEQUENCE_LENGTHS)
+        sequence = row // (seqlen_q * heads_q)
+        tiles = _pick(seq_tiles, sequence, BATCH_PAD)
+        head_first = _pick(seq_first, sequence, BATCH_PAD) + (row % heads_q) // group * tiles
+        used = tl.where(tiles == 0, 0, _owner(head_first + tiles - 1, programs, total_tiles)
+                        - _owner(head_first, programs, total_tiles) + 1)
     else:
         used = num_splits
     lse_s = tl.load(LSE_PART + row * num_splits + splits, mask=splits < used, other=float("-inf"))
@@ -388,11 +417,11 @@ class _Plan(NamedTuple):
     stream_k: bool  # _decode_stream_k_kernel, not _decode_kernel
     grid: tuple
     ints: tuple  # the decode kernel's int arguments before cache_len
-    scalars: tuple  # and after it (and after head_tiles in the stream-K kernel)
+    scalars: tuple  # and after it
     meta: dict
     partial_shapes: tuple  # () without splits
     combine_grid: tuple
-    combine_ints: tuple
+    combine_ints: tuple  # the combine kernel's int arguments before cache_len
     combine_meta: dict
 
 
@@ -441,24 +470,26 @@ def _build_plan(q, k_cache, v_cache, block_table, per_sequence, max_seqlen_k, so
                   HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, RIGHT_BOUNDED=window_right >= 0,
                   HAS_SOFTCAP=softcap > 0.0, PER_SEQUENCE_LENGTHS=per_sequence, DOT_PRECISION=dot_precision(q.dtype),
                   UPCAST_DOT=upcast_dot(q.dtype), num_warps=num_warps, num_stages=num_stages)
-    batch_heads = batch * heads_kv
     programs = _sms(q.device) * STREAM_K_PER_SM
-    # Where the automatic choice splits: the stream-K kernel's shape limits, and a merge that holds a
-    # (sequence, kv head)'s share of programs (at most cdiv(programs, batch_heads) + 1 of them).
+    # A (sequence, kv head) holds at most 1 / heads_kv of all tiles, so at most cdiv(programs, heads_kv) + 1
+    # programs share it: the merge's slots.
+    slots = cdiv(programs, heads_kv) + 1
+    # Where the automatic choice splits, within the stream-K kernel's shape limits.
     if (split and STREAM_K_PER_SM and num_splits_asked == 0 and packed_q is None and token_blocks == 1
-            and window_left < 0 and cdiv(programs, batch_heads) + 1 <= MAX_SPLITS):
-        slots = cdiv(programs, batch_heads) + 1
+            and window_left < 0 and slots <= MAX_SPLITS and batch <= STREAM_K_MAX_BATCH):
+        batch_pad = next_power_of_2(batch)
         return _Plan(
             stream_k=True, grid=(programs,),
             ints=(*q_strides, *k_cache.stride()[1:3], *v_cache.stride()[1:3],
                   block_table.stride(0) if block_table is not None else 0,
-                  seqlen_q, heads_kv, batch_heads, slots, k_page_rows, v_page_rows, k_rows, v_rows),
-            scalars=(qk_scale, softcap_log2, window_right), meta=common,
+                  seqlen_q, heads_kv, batch, slots, k_page_rows, v_page_rows, k_rows, v_rows),
+            scalars=(qk_scale, softcap_log2, window_right), meta=dict(common, BATCH_PAD=batch_pad),
             partial_shapes=((*rows, heads_q, slots, head_dim), (*rows, heads_q, slots)),
             combine_grid=(math.prod(rows) * heads_q,),
-            combine_ints=(seqlen_q, heads_q, slots, group, batch_heads, programs),
+            combine_ints=(seqlen_q, heads_q, slots, group, batch, programs),
             combine_meta=dict(SPLITS_PAD=max(2, next_power_of_2(slots)), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-                              VARLEN_Q=False, STREAM_K=True, num_warps=4))
+                              VARLEN_Q=False, STREAM_K=True, BLOCK_N=block_n, BATCH_PAD=batch_pad,
+                              PER_SEQUENCE_LENGTHS=per_sequence, num_warps=4))
     return _Plan(
         stream_k=False, grid=(token_blocks * batch * heads_kv, num_splits),
         ints=(*q_strides, *k_cache.stride()[1:3], *v_cache.stride()[1:3],
@@ -470,7 +501,8 @@ def _build_plan(q, k_cache, v_cache, block_table, per_sequence, max_seqlen_k, so
         combine_grid=(math.prod(rows) * heads_q,),
         combine_ints=(seqlen_q if packed_q is None else rows[0], heads_q, num_splits, 1, 1, 1),
         combine_meta=dict(SPLITS_PAD=max(2, next_power_of_2(num_splits)), HEAD_DIM=head_dim,
-                          HEAD_DIM_PAD=head_dim_pad, VARLEN_Q=packed_q is not None, STREAM_K=False, num_warps=4),
+                          HEAD_DIM_PAD=head_dim_pad, VARLEN_Q=packed_q is not None, STREAM_K=False, BLOCK_N=block_n,
+                          BATCH_PAD=1, PER_SEQUENCE_LENGTHS=False, num_warps=4),
     )
 
 
@@ -532,21 +564,18 @@ def decode_attention(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, 
     ensure_allocator(q.device)
     # The plan's key fixes every argument type (the caches' dtype is q's, checked by the API; a lengths
     # tensor and a block table are int32; a cache length fits int32) and every constexpr.
-    cache_len = 0 if per_sequence else seqlens_k
-    head_tiles = cdiv(max_seqlen_k, plan.meta["BLOCK_N"])  # the stream-K kernel's key tiles per (sequence, kv head)
+    lengths, cache_len = (seqlens_k, 0) if per_sequence else (None, seqlens_k)
     if plan.stream_k:
-        _stream_k_launch.launch_keyed(
-            ("decode stream-k", key), plan.grid, q, k_cache, v_cache, out_part, lse_part,
-            seqlens_k if per_sequence else None, block_table, *plan.ints, cache_len, head_tiles, *plan.scalars,
-            **plan.meta)
+        _stream_k_launch.launch_keyed(("decode stream-k", key), plan.grid, q, k_cache, v_cache, out_part, lse_part,
+                                      lengths, block_table, *plan.ints, cache_len, *plan.scalars, **plan.meta)
     else:
         _decode_launch.launch_keyed(
             ("decode", key), plan.grid, q, k_cache, v_cache, out, lse, out_part, lse_part,
-            seqlens_k if per_sequence else None, block_table, cu_seqlens_q, *plan.ints, cache_len, *plan.scalars,
-            **plan.meta)
+            lengths, block_table, cu_seqlens_q, *plan.ints, cache_len, *plan.scalars, **plan.meta)
     if plan.partial_shapes:
         _combine_launch.launch_keyed(("combine", key), plan.combine_grid, out_part, lse_part, out, lse,
-                                     *plan.combine_ints, head_tiles, **plan.combine_meta)
+                                     lengths if plan.stream_k else None, *plan.combine_ints, cache_len,
+                                     **plan.combine_meta)
     return out, lse if return_lse else None
 
 

@@ -281,9 +281,11 @@ CASES = {
     "stream_k-d128-gqa4-paged": (decode._decode_stream_k_kernel,
                                         dict(GROUP=4, GROUP_PAD=4, BLOCK_T=4, BLOCK_N=64, PAGE_SIZE=256, HEAD_DIM=128,
                                              HEAD_DIM_PAD=128, RIGHT_BOUNDED=True, HAS_SOFTCAP=False,
-                                             PER_SEQUENCE_LENGTHS=True, DOT_PRECISION="tf32", UPCAST_DOT=False), 4, 3),
+                                             PER_SEQUENCE_LENGTHS=True, BATCH_PAD=64, DOT_PRECISION="tf32",
+                                             UPCAST_DOT=False), 4, 3),
     "combine-stream-k-d128": (decode._combine_kernel, dict(SPLITS_PAD=32, HEAD_DIM=128, HEAD_DIM_PAD=128,
-                                                           VARLEN_Q=False, STREAM_K=True), 4, 1),
+                                                           VARLEN_Q=False, STREAM_K=True, BLOCK_N=64, BATCH_PAD=64,
+                                                           PER_SEQUENCE_LENGTHS=True), 4, 1),
     # flash_attn_varlen_func's paged form: packed queries
     "decode-d128-gqa4-paged-varlen": (decode._decode_kernel,
                                       dict(GROUP=4, GROUP_PAD=4, BLOCK_T=16, BLOCK_N=64, PAGE_SIZE=256, HEAD_DIM=128,
