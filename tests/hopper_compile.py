@@ -19,7 +19,7 @@ from triton.compiler import ASTSource
 
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from flashformer.kernels import (bwd_stats, cross_entropy, decode, flash_bwd, flash_bwd_dq_hopper, flash_bwd_hopper,
+from flashformer.kernels import (bwd_stats, cross_entropy, decode_kernels, flash_bwd, flash_bwd_dq_hopper, flash_bwd_hopper,
                                  flash_fwd, flash_fwd_hopper, tuning)
 from flashformer.kernels.interface import GLUON_TRITON_VERSIONS
 from flashformer.kernels.sizes import pad_head_dim
@@ -271,23 +271,23 @@ CASES = {
     "bwd_dq-d64-window": (flash_bwd._bwd_dq_kernel, attention_constexprs(64, 64, 64, window=True), 4, 3),
     "bwd_preprocess-d128": (bwd_stats._bwd_preprocess,
                             dict(HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK=64, IS_VARLEN=False, SEQS_PAD=1, HAS_DLSE=True), 4, 1),
-    "decode-d128-gqa4-paged": (decode._decode_kernel,
+    "decode-d128-gqa4-paged": (decode_kernels.decode_kernel,
                                dict(GROUP=4, GROUP_PAD=4, BLOCK_T=16, BLOCK_N=64, PAGE_SIZE=256, HEAD_DIM=128,
                                     HEAD_DIM_PAD=128, LEFT_BOUNDED=False, RIGHT_BOUNDED=True, HAS_SOFTCAP=False,
                                     SPLIT=True, PER_SEQUENCE_LENGTHS=True, VARLEN_Q=False, DOT_PRECISION="tf32",
                                     UPCAST_DOT=False), 4, 3),
     # the stream-K split at one token of a GQA group of 4 (16 rows: mma, not wgmma): equal shares of every
     # (sequence, kv head)'s key tiles, one descriptor pair per program
-    "stream_k-d128-gqa4-paged": (decode._decode_stream_k_kernel,
+    "stream_k-d128-gqa4-paged": (decode_kernels.decode_stream_k_kernel,
                                         dict(GROUP=4, GROUP_PAD=4, BLOCK_T=4, BLOCK_N=64, PAGE_SIZE=256, HEAD_DIM=128,
                                              HEAD_DIM_PAD=128, RIGHT_BOUNDED=True, HAS_SOFTCAP=False,
                                              PER_SEQUENCE_LENGTHS=True, BATCH_PAD=64, DOT_PRECISION="tf32",
                                              UPCAST_DOT=False), 4, 3),
-    "combine-stream-k-d128": (decode._combine_kernel, dict(SPLITS_PAD=32, HEAD_DIM=128, HEAD_DIM_PAD=128,
+    "combine-stream-k-d128": (decode_kernels.combine_kernel, dict(SPLITS_PAD=32, HEAD_DIM=128, HEAD_DIM_PAD=128,
                                                            VARLEN_Q=False, STREAM_K=True, BLOCK_N=64, BATCH_PAD=64,
                                                            PER_SEQUENCE_LENGTHS=True), 4, 1),
     # flash_attn_varlen_func's paged form: packed queries
-    "decode-d128-gqa4-paged-varlen": (decode._decode_kernel,
+    "decode-d128-gqa4-paged-varlen": (decode_kernels.decode_kernel,
                                       dict(GROUP=4, GROUP_PAD=4, BLOCK_T=16, BLOCK_N=64, PAGE_SIZE=256, HEAD_DIM=128,
                                            HEAD_DIM_PAD=128, LEFT_BOUNDED=False, RIGHT_BOUNDED=True,
                                            HAS_SOFTCAP=False, SPLIT=True, PER_SEQUENCE_LENGTHS=True, VARLEN_Q=True,

@@ -57,6 +57,7 @@ LAYERS = [
     ("kernels: the backward compiled during the forward", ["flashformer.kernels.compile_ahead"]),
     ("kernels: argument checks", ["flashformer.kernels.checks"]),
     ("kernels: backward, decoding", ["flashformer.kernels.flash_bwd", "flashformer.kernels.decode"]),
+    ("kernels: the decode kernels' bodies", ["flashformer.kernels.decode_kernels"]),
     ("kernels: the backward's row statistics", ["flashformer.kernels.bwd_stats"]),
     ("kernels: forward", ["flashformer.kernels.flash_fwd"]),
     ("kernels: Hopper backward in Gluon: dQ", ["flashformer.kernels.flash_bwd_dq_hopper"]),
