@@ -8,7 +8,8 @@ training step does. The child then times the shape and the tuned shapes beside i
 and softcap included, at the power-of-two lengths below and at or above it, the latter picking its tiles,
 the same number of tokens) with do_bench: a window or a softcap is compared with itself at a tuned
 length, not with plain causal attention, which does other work per tile. TFLOP/s count the (query, key)
-pairs each mask attends. A second cache, filled by a
+pairs each mask attends; the last column compares the kernels' device time alone (torch.profiler), so
+that a short call whose host time sets its pace reads apart from a slower kernel. A second cache, filled by a
 process that ran the tuned shape, then times the shape's first step as a user's machine sees it after
 earlier runs (launchers and other specialisations built; this shape's kernels not). With
 --without-compile-ahead a third process, on an empty cache too, times the first step with
@@ -96,12 +97,18 @@ def nearest(seqlen, neighbours):
     return min(neighbours, key=lambda shape: abs(math.log2(shape[1] / seqlen)))
 
 
+# Forward + backward calls traced for their kernels' device time.
+KERNEL_TIME_CALLS = 20
+
+
 def time_shape(batch, seqlen, head_dim, options, steady=True):
-    """(first step's wall seconds, steady forward + backward TFLOP/s, forward TFLOP/s), the rates None
-    without ``steady``, of one shape in this process."""
+    """(first step's wall seconds, steady forward + backward TFLOP/s, forward TFLOP/s, forward + backward
+    TFLOP/s of the kernels' device time alone), the rates None without ``steady``, of one shape in this
+    process. A short call whose host time exceeds its kernels' shows a wall rate below the kernel rate."""
     import triton
 
     from flashformer.kernels import flash_attn_func
+    from flashformer.profiling import kernel_times
 
     heads = max(1, HEADS_TIMES_HEAD_DIM // head_dim)
     q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -113,7 +120,7 @@ def time_shape(batch, seqlen, head_dim, options, steady=True):
     torch.cuda.synchronize()
     first = time.perf_counter() - start
     if not steady:
-        return first, None, None
+        return first, None, None, None
 
     def step():
         flash_attn_func(q, k, v, **options).backward(grad_out)
@@ -122,11 +129,17 @@ def time_shape(batch, seqlen, head_dim, options, steady=True):
         with torch.no_grad():
             flash_attn_func(q, k, v, **options)
 
+    def fresh_step():  # gradients written, not accumulated: no add kernels beside ours
+        q.grad = k.grad = v.grad = None
+        step()
+
     ms = triton.testing.do_bench(step, warmup=25, rep=100, grad_to_none=[q, k, v], return_mode="median")
     forward_ms = triton.testing.do_bench(forward, warmup=25, rep=100, return_mode="median")
+    kernel_ms = sum(kernel_times(fresh_step, KERNEL_TIME_CALLS)[0].values())
     pairs = attended_pairs(seqlen, options["causal"], options.get("window_size", (-1, 0))[0])
     forward_flops = 4 * batch * heads * pairs * head_dim
-    return first, 3.5 * forward_flops / ms / 1e9, forward_flops / forward_ms / 1e9  # backward 2.5x the forward
+    step_flops = 3.5 * forward_flops  # backward 2.5x the forward
+    return first, step_flops / ms / 1e9, forward_flops / forward_ms / 1e9, step_flops / kernel_ms / 1e9
 
 
 def child(spec):
@@ -137,15 +150,16 @@ def child(spec):
     torch.ones(1, device="cuda").sum().item()  # CUDA's own start-up is not the kernels'
     setup_s = time.perf_counter() - start
     batch, seqlen, head_dim, options = parse_shape(spec)
-    first_s, tflops, forward_tflops = time_shape(batch, seqlen, head_dim, options)
+    first_s, tflops, forward_tflops, kernel_tflops = time_shape(batch, seqlen, head_dim, options)
     row = {"shape": spec, "setup_s": setup_s, "first_step_s": first_s, "tflops": tflops,
-           "forward_tflops": forward_tflops, "tuned": []}
+           "forward_tflops": forward_tflops, "kernel_tflops": kernel_tflops, "tuned": []}
     neighbours = tuned_neighbours(batch, seqlen)
     for tuned_batch, tuned_seqlen in neighbours:
-        tuned_first_s, tuned_tflops, tuned_forward_tflops = time_shape(tuned_batch, tuned_seqlen, head_dim, options)
+        tuned_first_s, tuned_tflops, tuned_forward_tflops, tuned_kernel_tflops = time_shape(
+            tuned_batch, tuned_seqlen, head_dim, options)
         row["tuned"].append({"shape": f"{tuned_batch}x{tuned_seqlen}x{head_dim}:{mask_name(spec)}",
                              "first_step_s": tuned_first_s, "tflops": tuned_tflops,
-                             "forward_tflops": tuned_forward_tflops})
+                             "forward_tflops": tuned_forward_tflops, "kernel_tflops": tuned_kernel_tflops})
     near = neighbours.index(nearest(seqlen, neighbours))
     row["nearest_tuned"] = row["tuned"][near]["shape"]
     row["tuned_shape"] = row["tuned"][-1]["shape"]  # the one whose tiles it takes, cached by --child-warm
@@ -200,10 +214,10 @@ def _seconds(value):
 def markdown_table(rows):
     lines = ["| shape | first step (s), empty cache | without compile-ahead | after another shape's run | TFLOP/s "
              "(fwd+bwd / fwd) | tuned shapes beside it: TFLOP/s (fwd+bwd / fwd) | ratio to the nearest | "
-             "ratio to the one above |", "|---|---|---|---|---|---|---|---|"]
+             "ratio to the one above | kernels alone: ratio to the nearest |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['shape']} | error: {row['error'][:80]} | | | | | | |")
+            lines.append(f"| {row['shape']} | error: {row['error'][:80]} | | | | | | | |")
             continue
         tuned = {t["shape"]: t for t in row["tuned"]}
         beside = ", ".join(f"{t['shape']} {t['tflops']:.0f} / {t['forward_tflops']:.0f}" for t in row["tuned"])
@@ -212,7 +226,8 @@ def markdown_table(rows):
                      f"{_seconds(row.get('first_step_after_other_shape_s'))} | "
                      f"{row['tflops']:.0f} / {row['forward_tflops']:.0f} | {beside} | "
                      f"{row['tflops'] / tuned[row['nearest_tuned']]['tflops']:.2f} | "
-                     f"{row['tflops'] / tuned[row['tuned_shape']]['tflops']:.2f} |")
+                     f"{row['tflops'] / tuned[row['tuned_shape']]['tflops']:.2f} | "
+                     f"{row['kernel_tflops'] / tuned[row['nearest_tuned']]['kernel_tflops']:.2f} |")
     return "\n".join(lines)
 
 

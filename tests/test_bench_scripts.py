@@ -468,13 +468,14 @@ def test_first_call_shapes_parse_and_bad_ones_name_the_spec():
 def test_first_call_table_shows_the_step_without_compile_ahead_where_it_was_timed():
     first_call = _load_script("bench_first_call")
     row = {"shape": "23x704x128:causal", "first_step_s": 5.04, "tflops": 300.0, "forward_tflops": 320.0,
-           "tuned": [{"shape": "31x512x128:causal", "tflops": 250.0, "forward_tflops": 260.0},
-                     {"shape": "15x1024x128:causal", "tflops": 400.0, "forward_tflops": 420.0}],
+           "kernel_tflops": 330.0,
+           "tuned": [{"shape": "31x512x128:causal", "tflops": 250.0, "forward_tflops": 260.0, "kernel_tflops": 300.0},
+                     {"shape": "15x1024x128:causal", "tflops": 400.0, "forward_tflops": 420.0, "kernel_tflops": 410.0}],
            "nearest_tuned": "31x512x128:causal", "tuned_shape": "15x1024x128:causal"}
     table = first_call.markdown_table([{**row, "first_step_without_compile_ahead_s": 10.0}, row])
     assert "| 23x704x128:causal | 5.0 | 10.0 | - | 300 / 320 |" in table
     assert ("| 23x704x128:causal | 5.0 | - | - | 300 / 320 | 31x512x128:causal 250 / 260, 15x1024x128:causal 400 / 420 "
-            "| 1.20 | 0.75 |") in table
+            "| 1.20 | 0.75 | 1.10 |") in table
 
 
 def test_host_bench_shapes_parse_and_its_table_shows_host_over_device():
