@@ -62,17 +62,26 @@ def _wait_until_at_least(pointers, targets):
 
 
 @gluon.jit
-def _release_after_bulk_writes(pointers):
+def _release_after_bulk_writes(pointers, increments):
     """Wait until this thread's bulk reductions have written global memory (tma.store_wait waits only
-    until they have read shared memory), then release-add 1 to ``pointers``."""
+    until they have read shared memory), then release-add ``increments`` (1, or 0 for nothing to release)
+    to ``pointers``."""
     return gl.inline_asm_elementwise(
-        "cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tatom.release.gpu.global.add.u32 $0, [$1], 1;",
-        "=r,l", [pointers], dtype=gl.int32, is_pure=False, pack=1)
+        "cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tatom.release.gpu.global.add.u32 $0, [$1], $2;",
+        "=r,l,r", [pointers, increments], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
-def add_dq_share(dq, stage, dq_desc, head, m0, col, semaphore, rank, ORDERED: gl.constexpr, THREADS: gl.constexpr,
-                 ONE_PER_THREAD: gl.constexpr):
+def release_dq_share(semaphore, released, THREADS: gl.constexpr, ONE_PER_THREAD: gl.constexpr):
+    """ORDERED: once this consumer's last reduction has landed, count it into ``semaphore`` (its tile's
+    counter), from each of the THREADS threads; ``released`` False adds nothing (no share was added)."""
+    counters = semaphore + gl.zeros([THREADS], gl.int32, ONE_PER_THREAD)
+    _release_after_bulk_writes(counters, gl.full([THREADS], 1, gl.int32, ONE_PER_THREAD) * released.to(gl.int32))
+
+
+@gluon.jit
+def add_dq_share(dq, stage, dq_desc, head, m0, col, semaphore, rank, previous, has_previous, ORDERED: gl.constexpr,
+                 THREADS: gl.constexpr, ONE_PER_THREAD: gl.constexpr):
     """Add a consumer's dQ share into rows m0.. and columns col.. of query ``head`` of the accumulator
     behind ``dq_desc``.
 
@@ -83,17 +92,21 @@ def add_dq_share(dq, stage, dq_desc, head, m0, col, semaphore, rank, ORDERED: gl
             the share's width).
         semaphore, rank: ORDERED only: the tile's counter and this contributor's place among its
             contributors. Each of the consumer's THREADS threads waits (acquire) until the counter
-            reaches THREADS x rank, and after its reductions have landed adds 1 (release); the TMA
-            messages of one tile are spread over several threads, and counting every thread makes the
-            next contributor wait for all of them without a barrier.
+            reaches THREADS x rank; the TMA messages of one tile are spread over several threads, and
+            counting every thread makes the next contributor wait for all of them without a barrier.
+        previous, has_previous: ORDERED only: the counter of this consumer's previous share (if any),
+            released here, a query tile after its reduction was issued (see release_dq_share), so that
+            the consumer never waits for its own reduction's round trip to L2; the caller releases its
+            last share after the loop.
         ONE_PER_THREAD: a 1-D layout of THREADS elements, one per thread.
     """
-    tma.store_wait(0)  # the previous share has left the stage (a whole query tile ago)
+    if ORDERED:  # also: the previous share has left the stage
+        release_dq_share(previous, has_previous, THREADS, ONE_PER_THREAD)
+    else:
+        tma.store_wait(0)  # the previous share has left the stage (a whole query tile ago)
     stage.store(dq)
     fence_async_shared()
     if ORDERED:
         counters = semaphore + gl.zeros([THREADS], gl.int32, ONE_PER_THREAD)
         _wait_until_at_least(counters, gl.full([THREADS], rank * THREADS, gl.int32, ONE_PER_THREAD))
     async_reduce_add_shared_to_global(dq_desc, [head, m0, col], tma_view(stage))
-    if ORDERED:
-        _release_after_bulk_writes(counters)

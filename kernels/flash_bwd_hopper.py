@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .flash_fwd_hopper import _mma_layout, _rows_descriptor, unspecialised_jit
 from .launch import ensure_allocator, launcher
-from .dq_reduce_hopper import add_dq_share, heads_descriptor, tma_view
+from .dq_reduce_hopper import add_dq_share, heads_descriptor, release_dq_share, tma_view
 from .tile_ops import last_key_block, query_range, tanh, visible
 
 CONSUMER_WARPS = gl.constexpr(4)
@@ -139,6 +139,8 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
 
     for t in gl.static_range(DQ_PARTS):  # with DQ_SPLIT the dQ products read both K tiles
         mbarrier.wait(kv_bars.index((TILE + t) % 2), 0)
+    # DQ_ORDERED: the counter of the share added last, released a query tile later (add_dq_share)
+    previous_share = semaphore_group
     for i in range(GROUP * tiles_per_head):
         stage = i % NUM_STAGES
         phase = (i // NUM_STAGES) & 1
@@ -217,8 +219,13 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
             # before it), consumer 0 first; with DQ_SPLIT both halves (different columns) take the first.
             rank = 2 * (last_key_block(m0, seqlen_q, seqlen_k, window_right, BLOCK_M, BLOCK_N, RIGHT_BOUNDED)
                         - n0 // BLOCK_N) + (0 if DQ_SPLIT else CONSUMER)
-            add_dq_share(dq, dq_stage, dq_desc, head, m0, DQ_COL, semaphore_group + head * q_tiles + m0 // BLOCK_M,
-                         rank, DQ_MODE == DQ_ORDERED, CONSUMER_WARPS * 32, ROW_VECTOR)
+            share = semaphore_group + head * q_tiles + m0 // BLOCK_M
+            add_dq_share(dq, dq_stage, dq_desc, head, m0, DQ_COL, share, rank, previous_share, i > 0,
+                         DQ_MODE == DQ_ORDERED, CONSUMER_WARPS * 32, ROW_VECTOR)
+            if DQ_MODE == DQ_ORDERED:  # carried through the loop only where it is read
+                previous_share = share
+    if DQ_MODE == DQ_ORDERED:  # the last share's release
+        release_dq_share(previous_share, GROUP * tiles_per_head > 0, CONSUMER_WARPS * 32, ROW_VECTOR)
 
     # K and V are read by no product any more (with a split head_dim or DQ_SPLIT: by neither consumer,
     # once both have arrived): their tiles stage this consumer's dK and dV.
