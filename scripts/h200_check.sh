@@ -49,7 +49,7 @@ for stage in "${stages[@]}"; do
     first-call) timeout 420 python3 scripts/bench_first_call.py ${FIRST_CALL_ARGS:-} --out "$RES/first_call.json" 2>&1 \
               | tee "$RES/first_call.log" | grep "^|" ;;
     host)   timeout 300 python3 scripts/bench_host.py ${HOST_ARGS:-} --out "$RES/host.json" 2>&1 | tee "$RES/host.log" | grep "^|" ;;
-    fused-bwd) timeout 480 python3 scripts/bench_gluon_backward.py --variants two-kernel fused fused-nondet \
+    fused-bwd) timeout 480 python3 scripts/bench_gluon_backward.py --check --variants two-kernel fused fused-nondet \
               fused-split fused-split-nondet --head-dims 128 --seqlens 4096 16384 --out "$RES/gluon_fused_backward.json" 2>&1 \
               | tee "$RES/fused_bwd.log" | grep "^|\|smoke" ;;
     compile) FLASHFORMER_AUTOTUNE=0 timeout 60 python3 -m pytest tests/test_kernels_flash.py -k compile -q \
