@@ -1,9 +1,8 @@
 """FlashAttention backward for Hopper (sm_90) in Gluon: flash_bwd.py's dK/dV kernel (the dQ kernel is in
 flash_bwd_dq_hopper.py), scheduled by hand as FlashAttention-3 does it. flash_bwd.py's preprocess forms the row
 statistics (delta, lse in log2 units) first; then two launches, each a producer warp (24 registers, TMA into a ring of
-NUM_STAGES shared-memory slots with "ready" and "empty" mbarriers per slot and tensor) and two consumer warpgroups
-(240 registers each, setmaxnreg) that release slots on their own, so they drift apart and one's products overlap the
-other's exponentials.
+NUM_STAGES slots, "ready" and "empty" mbarriers per slot and tensor) and two consumer warpgroups (240 registers each,
+setmaxnreg) that release slots on their own, so they drift apart and one's products overlap the other's exponentials.
 
 dK/dV: a program owns BLOCK_N = 128 keys of one kv head (64 at head_dim 256, see SPLIT_HEAD_DIM_ABOVE) and walks the
 query tiles that see them, for every query head of its GQA group (one loop inside the program: deterministic, no
@@ -12,14 +11,12 @@ dP^T - delta = V dO^T - delta (its accumulator starts at -delta) back to back as
 alone and forms P^T while dP^T is still on the tensor cores, then dV += P^T dO, dS^T = P^T (dP^T - delta) and
 dK += dS^T Q, P^T and dS^T in registers as the A operands.
 
-Each product's register operand is waited for before its registers are reused. The semantics are flash_bwd.py's:
-bottom-right causal, windows, softcap, GQA, the lse gradient (through delta); keys past seqlen_k and rows past
-seqlen_q (zeros read by TMA) get p = 0 and so dS = 0.
+Each product's register operand is waited for before its registers are reused. Semantics as flash_bwd.py's (bottom-
+right causal, windows, softcap, GQA, the lse gradient through delta); keys and rows past the ends get p = 0, dS = 0.
 
-Fused (DQ_MODE, launch_fused; deterministic=False's form where tuning.gluon_backward_form has it): a consumer also
-forms its share of the query tile's dQ, dS K, from dS^T in shared memory, and adds it into an fp32 accumulator with
-one TMA bulk reduction (dq_reduce_hopper.py): 5 products per tile instead of 7 (DQ_SPLIT, FlashAttention-3's layout:
-half of dQ's columns per consumer over both consumers' dS^T tiles).
+Fused (DQ_MODE, launch_fused; deterministic=False's form where tuning.gluon_backward_form has it): a consumer also adds
+its share of the query tile's dQ, dS K from dS^T in shared memory, into an fp32 accumulator by one TMA reduction
+(dq_reduce_hopper.py): 5 products per tile, not 7 (DQ_SPLIT: half of dQ's columns per consumer, over both dS^T tiles).
 """
 
 from __future__ import annotations
@@ -40,14 +37,12 @@ from .tile_ops import last_key_block, query_range, tanh, visible
 
 CONSUMER_WARPS = gl.constexpr(4)
 CONSUMER_KEYS = gl.constexpr(64)
-# Above this padded head_dim a consumer's dK and dV (64 x head_dim fp32 each) do not fit its registers:
-# both consumers then take the same 64 keys and each accumulates one half of dK's and dV's columns,
-# both computing the whole S^T and dP^T (1.5x the matrix products of the 128-key program).
+# Above this padded head_dim a consumer's dK and dV (64 x head_dim fp32 each) overflow its registers: both consumers
+# take the same 64 keys and half of dK's and dV's columns each (1.5x the products of the 128-key program).
 SPLIT_HEAD_DIM_ABOVE = 128
-# Where dQ goes (DQ_MODE). SEPARATE: flash_bwd_dq_hopper.py's kernel recomputes S and dP for it (7 tile
-# products per query tile and key block). ORDERED and UNORDERED: each consumer also forms its share dS K
-# and reduces it into an fp32 accumulator (5 products), in a fixed key-block order behind a semaphore per
-# query tile (ORDERED: deterministic) or in arrival order.
+# Where dQ goes (DQ_MODE). SEPARATE: flash_bwd_dq_hopper.py's kernel recomputes S and dP (7 products per tile pair).
+# ORDERED / UNORDERED: each consumer reduces its share dS K into an fp32 accumulator (5 products) in a fixed key-block
+# order behind a semaphore per query tile (ORDERED) or as the shares arrive.
 DQ_SEPARATE = gl.constexpr(0)
 DQ_ORDERED = gl.constexpr(1)
 DQ_UNORDERED = gl.constexpr(2)
@@ -139,8 +134,7 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
 
     for t in gl.static_range(DQ_PARTS):  # with DQ_SPLIT the dQ products read both K tiles
         mbarrier.wait(kv_bars.index((TILE + t) % 2), 0)
-    # DQ_ORDERED: the counter of the share added last, released a query tile later (add_dq_share)
-    previous_share = semaphore_group
+    previous_share = semaphore_group  # DQ_ORDERED: the share added last, released a query tile later
     for i in range(GROUP * tiles_per_head):
         stage = i % NUM_STAGES
         phase = (i // NUM_STAGES) & 1
@@ -333,11 +327,10 @@ def _attn_bwd_dkdv_hopper_kernel(
         [CONSUMER_WARPS, 1], [240, 24])
 
 
-# (BLOCK_M, NUM_STAGES) per padded head_dim, FlashAttention-3's tile: two stages of Q and dO tiles
-# plus the K and V tiles take 66-196 KB of shared memory. Registers bound BLOCK_M: a consumer holds
-# S^T and dP^T (64 x BLOCK_M fp32 each) beside its dK and dV columns (64 x 128 fp32 each at head_dim
-# 128 and 256). There ptxas spills a few scalars (under 128 B, stored before the query loop and
-# reloaded after it); softcap's tanh tile (64 x BLOCK_M more) needs BLOCK_M = 32.
+# (BLOCK_M, NUM_STAGES) per padded head_dim, FlashAttention-3's tile: two stages of Q and dO tiles plus the K and V
+# tiles take 66-196 KB of shared memory. Registers bound BLOCK_M: a consumer holds S^T and dP^T (64 x BLOCK_M fp32
+# each) beside its dK and dV columns (64 x 128 fp32 each at head_dim 128 and 256). There ptxas spills a few scalars
+# (under 128 B, stored before the query loop, reloaded after it); softcap's tanh tile (64 x BLOCK_M) needs BLOCK_M 32.
 CONFIGS = {64: (64, 2), 128: (64, 2), 256: (64, 2)}
 SOFTCAP_BLOCK_M = {64: 64, 128: 32, 256: 32}
 
