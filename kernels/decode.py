@@ -6,10 +6,7 @@ owns one kv head of one sequence: every query head of its GQA group and every qu
 the rows (M) of its tiles, so K and V are read once per kv head. To fill the GPU when
 batch x kv_heads is small, the cache is cut into ``num_splits`` chunks, each program writes a
 partial (out, lse) in fp32, and a second small kernel merges the splits through log-sum-exp.
-
-Where the split count cannot fill whole waves of the SMs, the stream-K kernel (off until timed, see
-STREAM_K_PER_SM) gives each of a fixed number of programs an equal share of all (sequence, kv head) key
-tiles instead. The kernels' bodies are in decode_kernels.py; this module plans and launches them.
+The kernels' bodies are in decode_kernels.py; this module plans and launches them.
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from .decode_kernels import combine_kernel, decode_kernel, decode_stream_k_kernel
+from .decode_kernels import combine_kernel, decode_kernel
 from .flash_fwd import log2_scales
 from .launch import (CompiledLaunch, as_descriptor_compatible, dot_precision, ensure_allocator, new_output,
                      reused_buffers, sm_count, upcast_dot)
@@ -38,11 +35,6 @@ MAX_SPLITS = 64
 # Query rows (tokens x padded GQA group) per program: at least tl.dot's minimum M, at most a size that
 # keeps the score tile in registers when a long chunk of queries attends to the cache.
 MIN_ROWS, MAX_ROWS = 16, 64
-# Programs per SM of the stream-K split (decode_stream_k_kernel), 0 = split per (sequence, kv head) as
-# choose_num_splits says. Off until the H200 has timed it against those splits (bench_decode.py --stream-k).
-STREAM_K_PER_SM = 0
-# Its programs hold every sequence's length in registers.
-STREAM_K_MAX_BATCH = 256
 
 
 def _page_pool(cache):
@@ -85,7 +77,8 @@ def choose_num_splits(programs, keys, device):
     Args:
         programs: programs without splitting; keys: the most keys one of them reads.
     """
-    sms = _sms(device)
+    sms = sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else DEFAULT_SMS
     most = max(1, min(keys // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
     fewest = max(1, min(most, sms // programs))
     candidates = range(fewest, max(fewest, min(keys // TARGET_KEYS_PER_SPLIT, most)) + 1)
@@ -98,12 +91,6 @@ def choose_num_splits(programs, keys, device):
     return max(filled) if filled else max(candidates, key=fill)
 
 
-def _sms(device):
-    if device.type != "cuda":
-        return DEFAULT_SMS
-    return sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def _wave_fill(programs, slots):
     """Share of the launched waves' slots that ``programs`` occupy."""
     return programs / (cdiv(programs, slots) * slots)
@@ -112,14 +99,13 @@ def _wave_fill(programs, slots):
 class _Plan(NamedTuple):
     """What a decode call's launches take besides its tensors and cache length, fixed by the layouts,
     shapes and options (see _plan_key): computed once, since a batch-1 step is host-bound."""
-    stream_k: bool  # decode_stream_k_kernel, not decode_kernel
     grid: tuple
     ints: tuple  # the decode kernel's int arguments before cache_len
     scalars: tuple  # and after it
     meta: dict
     partial_shapes: tuple  # () without splits
     combine_grid: tuple
-    combine_ints: tuple  # the combine kernel's int arguments before cache_len
+    combine_ints: tuple
     combine_meta: dict
 
 
@@ -134,7 +120,7 @@ def _plan_key(q, k_cache, v_cache, block_table, per_sequence, max_seqlen_k, soft
     budget = min(max_seqlen_k // MIN_KEYS_PER_SPLIT, MAX_SPLITS) if num_splits == 0 else 0
     return (q.shape, q.stride(), q.dtype, k_cache.dtype, q.device, k_cache.shape, k_cache.stride(), v_cache.shape,
             v_cache.stride(), None if block_table is None else block_table.stride(), per_sequence, softmax_scale,
-            window_left, window_right, softcap, num_splits, budget, packed_q, STREAM_K_PER_SM)
+            window_left, window_right, softcap, num_splits, budget, packed_q)
 
 
 def _build_plan(q, k_cache, v_cache, block_table, per_sequence, max_seqlen_k, softmax_scale, window_left,
@@ -155,7 +141,6 @@ def _build_plan(q, k_cache, v_cache, block_table, per_sequence, max_seqlen_k, so
     group_pad = next_power_of_2(group)
     block_t = min(max(next_power_of_2(seqlen_q), MIN_ROWS // group_pad), max(1, MAX_ROWS // group_pad))
     token_blocks = cdiv(seqlen_q, block_t)
-    num_splits_asked = num_splits
     if num_splits == 0:
         keys = max_seqlen_k
         if window_left >= 0 and window_right >= 0:  # a two-sided window bounds the keys a program reads
@@ -164,43 +149,23 @@ def _build_plan(q, k_cache, v_cache, block_table, per_sequence, max_seqlen_k, so
     block_n, num_warps, num_stages = _launch_config(q.device, head_dim_pad, page_size)
     split = num_splits > 1
     qk_scale, softcap_log2 = log2_scales(softmax_scale, softcap)
-    common = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_N=block_n, PAGE_SIZE=page_size,
-                  HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, RIGHT_BOUNDED=window_right >= 0,
-                  HAS_SOFTCAP=softcap > 0.0, PER_SEQUENCE_LENGTHS=per_sequence, DOT_PRECISION=dot_precision(q.dtype),
-                  UPCAST_DOT=upcast_dot(q.dtype), num_warps=num_warps, num_stages=num_stages)
-    programs = _sms(q.device) * STREAM_K_PER_SM
-    # A (sequence, kv head) holds at most 1 / heads_kv of all tiles, so at most cdiv(programs, heads_kv) + 1
-    # programs share it: the merge's slots.
-    slots = cdiv(programs, heads_kv) + 1
-    # Where the automatic choice splits, within the stream-K kernel's shape limits.
-    if (split and STREAM_K_PER_SM and num_splits_asked == 0 and packed_q is None and token_blocks == 1
-            and window_left < 0 and slots <= MAX_SPLITS and batch <= STREAM_K_MAX_BATCH):
-        batch_pad = next_power_of_2(batch)
-        return _Plan(
-            stream_k=True, grid=(programs,),
-            ints=(*q_strides, *k_cache.stride()[1:3], *v_cache.stride()[1:3],
-                  block_table.stride(0) if block_table is not None else 0,
-                  seqlen_q, heads_kv, batch, slots, k_page_rows, v_page_rows, k_rows, v_rows),
-            scalars=(qk_scale, softcap_log2, window_right), meta=dict(common, BATCH_PAD=batch_pad),
-            partial_shapes=((*rows, heads_q, slots, head_dim), (*rows, heads_q, slots)),
-            combine_grid=(math.prod(rows) * heads_q,),
-            combine_ints=(seqlen_q, heads_q, slots, group, batch, programs),
-            combine_meta=dict(SPLITS_PAD=max(2, next_power_of_2(slots)), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-                              VARLEN_Q=False, STREAM_K=True, BLOCK_N=block_n, BATCH_PAD=batch_pad,
-                              PER_SEQUENCE_LENGTHS=per_sequence, num_warps=4))
     return _Plan(
-        stream_k=False, grid=(token_blocks * batch * heads_kv, num_splits),
+        grid=(token_blocks * batch * heads_kv, num_splits),
         ints=(*q_strides, *k_cache.stride()[1:3], *v_cache.stride()[1:3],
               block_table.stride(0) if block_table is not None else 0, lse_head_stride,
               seqlen_q, heads_kv, num_splits, k_page_rows, v_page_rows, k_rows, v_rows),
         scalars=(qk_scale, softcap_log2, window_left, window_right),
-        meta=dict(common, LEFT_BOUNDED=window_left >= 0, SPLIT=split, VARLEN_Q=packed_q is not None),
+        meta=dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_N=block_n, PAGE_SIZE=page_size,
+                  HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, LEFT_BOUNDED=window_left >= 0,
+                  RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0, SPLIT=split,
+                  PER_SEQUENCE_LENGTHS=per_sequence, VARLEN_Q=packed_q is not None,
+                  DOT_PRECISION=dot_precision(q.dtype), UPCAST_DOT=upcast_dot(q.dtype), num_warps=num_warps,
+                  num_stages=num_stages),
         partial_shapes=((*rows, heads_q, num_splits, head_dim), (*rows, heads_q, num_splits)) if split else (),
         combine_grid=(math.prod(rows) * heads_q,),
-        combine_ints=(seqlen_q if packed_q is None else rows[0], heads_q, num_splits, 1, 1, 1),
+        combine_ints=(seqlen_q if packed_q is None else rows[0], heads_q, num_splits),
         combine_meta=dict(SPLITS_PAD=max(2, next_power_of_2(num_splits)), HEAD_DIM=head_dim,
-                          HEAD_DIM_PAD=head_dim_pad, VARLEN_Q=packed_q is not None, STREAM_K=False, BLOCK_N=block_n,
-                          BATCH_PAD=1, PER_SEQUENCE_LENGTHS=False, num_warps=4),
+                          HEAD_DIM_PAD=head_dim_pad, VARLEN_Q=packed_q is not None, num_warps=4),
     )
 
 
@@ -262,21 +227,15 @@ def decode_attention(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, 
     ensure_allocator(q.device)
     # The plan's key fixes every argument type (the caches' dtype is q's, checked by the API; a lengths
     # tensor and a block table are int32; a cache length fits int32) and every constexpr.
-    lengths, cache_len = (seqlens_k, 0) if per_sequence else (None, seqlens_k)
-    if plan.stream_k:
-        _stream_k_launch.launch_keyed(("decode stream-k", key), plan.grid, q, k_cache, v_cache, out_part, lse_part,
-                                      lengths, block_table, *plan.ints, cache_len, *plan.scalars, **plan.meta)
-    else:
-        _decode_launch.launch_keyed(
-            ("decode", key), plan.grid, q, k_cache, v_cache, out, lse, out_part, lse_part,
-            lengths, block_table, cu_seqlens_q, *plan.ints, cache_len, *plan.scalars, **plan.meta)
+    _decode_launch.launch_keyed(
+        ("decode", key), plan.grid, q, k_cache, v_cache, out, lse, out_part, lse_part,
+        seqlens_k if per_sequence else None, block_table, cu_seqlens_q, *plan.ints, 0 if per_sequence else seqlens_k,
+        *plan.scalars, **plan.meta)
     if plan.partial_shapes:
         _combine_launch.launch_keyed(("combine", key), plan.combine_grid, out_part, lse_part, out, lse,
-                                     lengths if plan.stream_k else None, *plan.combine_ints, cache_len,
-                                     **plan.combine_meta)
+                                     *plan.combine_ints, **plan.combine_meta)
     return out, lse if return_lse else None
 
 
 _decode_launch = CompiledLaunch(decode_kernel)
-_stream_k_launch = CompiledLaunch(decode_stream_k_kernel)
 _combine_launch = CompiledLaunch(combine_kernel)

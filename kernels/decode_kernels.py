@@ -6,9 +6,8 @@ window tile ranges (tile_ops.key_range) apply with tokens as rows.
 
 Both cache layouts are read through tensor descriptors: cache row ``page * page_rows + offset``, where a
 contiguous cache is a pool with one page per sequence (page = batch index) and a paged cache looks its page
-up in block_table. Key tiles never straddle a page (BLOCK_N divides the page size). The split kernel makes
-one 2-D (rows, head_dim) descriptor pair per kv head; the stream-K kernel, whose programs cross kv heads,
-one 3-D (rows, kv heads, head_dim) pair.
+up in block_table. Key tiles never straddle a page (BLOCK_N divides the page size). Each program makes one
+2-D (rows, head_dim) descriptor pair for its kv head.
 """
 
 import math
@@ -22,11 +21,11 @@ LN2 = tl.constexpr(math.log(2.0))
 
 
 @triton.jit
-def _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch, kv_head, tokens, start,
-                  end, qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right, k_page_rows, v_page_rows,
-                  BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_AXIS: tl.constexpr,
-                  HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr, LEFT_BOUNDED: tl.constexpr,
-                  RIGHT_BOUNDED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+def _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch, tokens, start, end,
+                  qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right, k_page_rows, v_page_rows,
+                  BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                  MASKED: tl.constexpr, LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
     for n0 in tl.range(start, end, BLOCK_N):
         if PAGE_SIZE > 0:
             page = tl.load(BLOCK_TABLE + batch * stride_bt + n0 // PAGE_SIZE)
@@ -34,12 +33,8 @@ def _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_
         else:
             page = batch
             offset = n0
-        if HEAD_AXIS:  # (rows, kv heads, head_dim) descriptors: one pair serves every kv head
-            k = k_desc.load([page * k_page_rows + offset, kv_head, 0]).reshape(BLOCK_N, HEAD_DIM_PAD)
-            v = v_desc.load([page * v_page_rows + offset, kv_head, 0]).reshape(BLOCK_N, HEAD_DIM_PAD)
-        else:  # one kv head's (rows, head_dim)
-            k = k_desc.load([page * k_page_rows + offset, 0])
-            v = v_desc.load([page * v_page_rows + offset, 0])
+        k = k_desc.load([page * k_page_rows + offset, 0])
+        v = v_desc.load([page * v_page_rows + offset, 0])
         cols = n0 + tl.arange(0, BLOCK_N)
         s = attention_logits(q, k, tokens, cols, qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
                              HAS_SOFTCAP, MASKED, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
@@ -69,11 +64,11 @@ def _query_rows(q_base, t0, kv_head, seqlen_q, stride_qs, stride_qh, GROUP: tl.c
 
 
 @triton.jit
-def _attend(q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch, kv_head, tokens, lo, hi, un_lo, un_hi,
+def _attend(q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch, tokens, lo, hi, un_lo, un_hi,
             qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right, k_page_rows, v_page_rows,
-            BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_AXIS: tl.constexpr,
-            HAS_SOFTCAP: tl.constexpr, LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr,
-            DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+            BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+            LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+            UPCAST_DOT: tl.constexpr):
     """Attention of the rows to keys [lo, hi) (tile aligned, inside key_range's span, whose [un_lo, un_hi)
     needs no mask): the normalised output and lse per row; a row that sees no key gets 0 and -inf."""
     un_lo = tl.minimum(tl.maximum(un_lo, lo), hi)
@@ -82,19 +77,19 @@ def _attend(q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch, kv_head, tokens, l
     row_sum = tl.zeros([q.shape[0]], dtype=tl.float32)
     acc = tl.zeros([q.shape[0], HEAD_DIM_PAD], dtype=tl.float32)
     acc, row_max, row_sum = _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch,
-                                          kv_head, tokens, lo, un_lo, qk_scale, softcap_log2, seqlen_q, seqlen_k,
+                                          tokens, lo, un_lo, qk_scale, softcap_log2, seqlen_q, seqlen_k,
                                           window_left, window_right, k_page_rows, v_page_rows, BLOCK_N, PAGE_SIZE,
-                                          HEAD_DIM_PAD, HEAD_AXIS, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED,
+                                          HEAD_DIM_PAD, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED,
                                           DOT_PRECISION, UPCAST_DOT)
     acc, row_max, row_sum = _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch,
-                                          kv_head, tokens, un_lo, un_hi, qk_scale, softcap_log2, seqlen_q, seqlen_k,
+                                          tokens, un_lo, un_hi, qk_scale, softcap_log2, seqlen_q, seqlen_k,
                                           window_left, window_right, k_page_rows, v_page_rows, BLOCK_N, PAGE_SIZE,
-                                          HEAD_DIM_PAD, HEAD_AXIS, HAS_SOFTCAP, False, LEFT_BOUNDED, RIGHT_BOUNDED,
+                                          HEAD_DIM_PAD, HAS_SOFTCAP, False, LEFT_BOUNDED, RIGHT_BOUNDED,
                                           DOT_PRECISION, UPCAST_DOT)
     acc, row_max, row_sum = _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch,
-                                          kv_head, tokens, un_hi, hi, qk_scale, softcap_log2, seqlen_q, seqlen_k,
+                                          tokens, un_hi, hi, qk_scale, softcap_log2, seqlen_q, seqlen_k,
                                           window_left, window_right, k_page_rows, v_page_rows, BLOCK_N, PAGE_SIZE,
-                                          HEAD_DIM_PAD, HEAD_AXIS, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED,
+                                          HEAD_DIM_PAD, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED,
                                           DOT_PRECISION, UPCAST_DOT)
     # A row that saw no key: output 0 and lse = -inf (log of an empty sum).
     empty = row_sum == 0.0
@@ -163,9 +158,9 @@ def decode_kernel(
     split_tiles = tl.cdiv((end - start) // BLOCK_N, num_splits)
     lo = tl.minimum(start + split * split_tiles * BLOCK_N, end)
     hi = tl.minimum(lo + split_tiles * BLOCK_N, end)
-    acc, lse = _attend(q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch, kv_head, tokens, lo, hi, un_lo, un_hi,
+    acc, lse = _attend(q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch, tokens, lo, hi, un_lo, un_hi,
                        qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right, k_page_rows,
-                       v_page_rows, BLOCK_N, PAGE_SIZE, HEAD_DIM_PAD, False, HAS_SOFTCAP, LEFT_BOUNDED, RIGHT_BOUNDED,
+                       v_page_rows, BLOCK_N, PAGE_SIZE, HEAD_DIM_PAD, HAS_SOFTCAP, LEFT_BOUNDED, RIGHT_BOUNDED,
                        DOT_PRECISION, UPCAST_DOT)
     dims = tl.arange(0, HEAD_DIM_PAD)
     # out and the partials are contiguous (batch, seqlen_q or total_q, heads_q[, splits], head_dim): one flat
@@ -180,123 +175,18 @@ def decode_kernel(
         tl.store(LSE + lse_base + heads * stride_lse_h + tokens, lse, mask=row_ok)
 
 
-@triton.jit
-def _owner(tile, programs, total_tiles):
-    """The stream-K program whose share [p G / P, (p + 1) G / P) holds global tile ``tile`` (G = total_tiles)."""
-    return ((tile + 1) * programs - 1) // total_tiles
-
-
-@triton.jit
-def _sequence_tiles(SEQLENS_K, batch, cache_len, heads_kv, BLOCK_N: tl.constexpr, BATCH_PAD: tl.constexpr,
-                    PER_SEQUENCE_LENGTHS: tl.constexpr):
-    """The stream-K tile space: per sequence its key count, its tiles per kv head and its first global tile
-    (sequences in order, each one's kv heads in order), and the total. Read on the device, so that the
-    shares follow the lengths the cache holds, not its capacity."""
-    seqs = tl.arange(0, BATCH_PAD)
-    if PER_SEQUENCE_LENGTHS:
-        lengths = tl.load(SEQLENS_K + seqs, mask=seqs < batch, other=0)
-    else:
-        lengths = tl.where(seqs < batch, cache_len, 0)
-    tiles = tl.cdiv(lengths, BLOCK_N).to(tl.int64)
-    first = (tl.cumsum(tiles, 0) - tiles) * heads_kv
-    return lengths, tiles, first, tl.sum(tiles, 0) * heads_kv
-
-
-@triton.jit
-def _pick(values, index, BATCH_PAD: tl.constexpr):
-    """values[index] of a vector held in registers."""
-    return tl.sum(tl.where(tl.arange(0, BATCH_PAD) == index, values, 0), 0)
-
-
-# Launched through launch.CompiledLaunch, as decode_kernel.
-@triton.jit(do_not_specialize=["stride_qb", "stride_qs", "stride_qh", "stride_ks", "stride_kh", "stride_vs",
-                               "stride_vh", "stride_bt", "seqlen_q", "heads_kv", "batch", "slots", "k_page_rows",
-                               "v_page_rows", "k_rows", "v_rows", "cache_len", "window_right"],
-            do_not_specialize_on_alignment=["SEQLENS_K", "BLOCK_TABLE"])
-def decode_stream_k_kernel(
-    Q, K, V, O_PART, LSE_PART, SEQLENS_K, BLOCK_TABLE,
-    stride_qb, stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt,
-    seqlen_q, heads_kv, batch, slots, k_page_rows, v_page_rows, k_rows, v_rows, cache_len,
-    qk_scale, softcap_log2, window_right,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, RIGHT_BOUNDED: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, PER_SEQUENCE_LENGTHS: tl.constexpr, BATCH_PAD: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-):
-    # The key tiles of every (sequence, kv head), laid end to end (_sequence_tiles), G in all: program p of P
-    # takes the equal share [p G / P, (p + 1) G / P), crossing from one (sequence, kv head) into the next
-    # where its share does, and writes one partial per (sequence, kv head) it touched, in slot p - (the
-    # owner of that one's first tile). Equal shares keep every SM busy to the end, which a split count per
-    # (sequence, kv head) cannot when batch x kv heads x splits is no multiple of the SM count. One token
-    # block (seqlen_q x GROUP_PAD <= BLOCK_T x GROUP_PAD), no left window: tile j is keys [j BLOCK_N, (j + 1)
-    # BLOCK_N).
-    program = tl.program_id(0).to(tl.int64)
-    programs = tl.num_programs(0)
-    lengths, seq_tiles, seq_first, total_tiles = _sequence_tiles(SEQLENS_K, batch, cache_len, heads_kv, BLOCK_N,
-                                                                 BATCH_PAD, PER_SEQUENCE_LENGTHS)
-    tile = program * total_tiles // programs
-    share_end = (program + 1) * total_tiles // programs
-    # One descriptor pair over (rows, kv heads, head_dim) for the whole share: a per-head 2-D descriptor
-    # would be rebuilt inside the loop below.
-    k_desc = tl.make_tensor_descriptor(K, shape=[k_rows, heads_kv, HEAD_DIM], strides=[stride_ks, stride_kh, 1],
-                                       block_shape=[BLOCK_N, 1, HEAD_DIM_PAD])
-    v_desc = tl.make_tensor_descriptor(V, shape=[v_rows, heads_kv, HEAD_DIM], strides=[stride_vs, stride_vh, 1],
-                                       block_shape=[BLOCK_N, 1, HEAD_DIM_PAD])
-    heads_q = heads_kv * GROUP
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    while tile < share_end:
-        # The sequence holding the tile: the last one starting at or before it (sequences without keys
-        # start where the next one does).
-        sequence = tl.sum((seq_first <= tile).to(tl.int32), 0) - 1
-        tiles = _pick(seq_tiles, sequence, BATCH_PAD)
-        kv_head = ((tile - _pick(seq_first, sequence, BATCH_PAD)) // tiles).to(tl.int32)
-        head_first = _pick(seq_first, sequence, BATCH_PAD) + kv_head * tiles
-        segment_end = tl.minimum(share_end, head_first + tiles)
-        seqlen_k = _pick(lengths, sequence, BATCH_PAD)
-        q, tokens, heads, row_ok, tile_ok = _query_rows(Q + sequence * stride_qb, 0, kv_head, seqlen_q, stride_qs,
-                                                        stride_qh, GROUP, GROUP_PAD, BLOCK_T, HEAD_DIM, HEAD_DIM_PAD)
-        start, un_lo, un_hi, end = key_range(0, seqlen_q, seqlen_k, -1, window_right, BLOCK_T, BLOCK_N, False,
-                                             RIGHT_BOUNDED)
-        lo = tl.minimum(((tile - head_first) * BLOCK_N).to(tl.int32), end)  # start is 0 without a left bound
-        hi = tl.minimum(((segment_end - head_first) * BLOCK_N).to(tl.int32), end)
-        acc, lse = _attend(q, k_desc, v_desc, BLOCK_TABLE, stride_bt, sequence, kv_head, tokens, lo, hi, un_lo,
-                           un_hi, qk_scale, softcap_log2, seqlen_q, seqlen_k, -1, window_right, k_page_rows,
-                           v_page_rows, BLOCK_N, PAGE_SIZE, HEAD_DIM_PAD, True, HAS_SOFTCAP, False, RIGHT_BOUNDED,
-                           DOT_PRECISION, UPCAST_DOT)
-        slot = program - _owner(head_first, programs, total_tiles)
-        part_row = ((sequence * seqlen_q + tokens) * heads_q + heads).to(tl.int64) * slots + slot
-        tl.store(O_PART + part_row[:, None] * HEAD_DIM + dims[None, :], acc, mask=tile_ok)
-        tl.store(LSE_PART + part_row, lse, mask=row_ok)
-        tile = segment_end
-
-
-@triton.jit(do_not_specialize=["seqlen_q", "heads_q", "num_splits", "group", "batch", "programs", "cache_len"],
-            do_not_specialize_on_alignment=["SEQLENS_K"])  # CompiledLaunch; other pointers: fresh buffers
-def combine_kernel(O_PART, LSE_PART, O, LSE, SEQLENS_K, seqlen_q, heads_q, num_splits, group, batch, programs,
-                    cache_len, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                    VARLEN_Q: tl.constexpr, STREAM_K: tl.constexpr, BLOCK_N: tl.constexpr, BATCH_PAD: tl.constexpr,
-                    PER_SEQUENCE_LENGTHS: tl.constexpr):
-    # One program per (batch, token, query head) row: out = sum_s exp(lse_s - lse) * out_s, over the row's
-    # num_splits slots. Packed queries (VARLEN_Q) have rows (token, head) with seqlen_q = total_q, and lse
-    # (heads_q, total_q). After the stream-K kernel a row's slots are the programs that shared its
-    # (sequence, kv head): from the owner of its first tile to the owner of its last, none without keys.
+@triton.jit(do_not_specialize=["seqlen_q", "heads_q", "num_splits"])  # CompiledLaunch; pointers: fresh buffers
+def combine_kernel(O_PART, LSE_PART, O, LSE, seqlen_q, heads_q, num_splits,
+                   SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                   VARLEN_Q: tl.constexpr):
+    # One program per (batch, token, query head) row: out = sum_s exp(lse_s - lse) * out_s. Packed
+    # queries (VARLEN_Q) have rows (token, head) with seqlen_q = total_q, and lse (heads_q, total_q).
     row = tl.program_id(0)
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
-    if STREAM_K:
-        heads_kv = heads_q // group
-        _, seq_tiles, seq_first, total_tiles = _sequence_tiles(SEQLENS_K, batch, cache_len, heads_kv, BLOCK_N,
-                                                               BATCH_PAD, PER_SEQUENCE_LENGTHS)
-        sequence = row // (seqlen_q * heads_q)
-        tiles = _pick(seq_tiles, sequence, BATCH_PAD)
-        head_first = _pick(seq_first, sequence, BATCH_PAD) + (row % heads_q) // group * tiles
-        used = tl.where(tiles == 0, 0, _owner(head_first + tiles - 1, programs, total_tiles)
-                        - _owner(head_first, programs, total_tiles) + 1)
-    else:
-        used = num_splits
-    lse_s = tl.load(LSE_PART + row * num_splits + splits, mask=splits < used, other=float("-inf"))
+    lse_s = tl.load(LSE_PART + row * num_splits + splits, mask=splits < num_splits, other=float("-inf"))
     out_s = tl.load(O_PART + (row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :],
-                    mask=(splits[:, None] < used) & (dims[None, :] < HEAD_DIM), other=0.0)
+                    mask=(splits[:, None] < num_splits) & (dims[None, :] < HEAD_DIM), other=0.0)
     lse_max = tl.max(lse_s, 0)
     # Every split empty: keep lse -inf and output 0 without computing inf - inf.
     lse_max_safe = tl.where(lse_max == float("-inf"), 0.0, lse_max)

@@ -100,35 +100,27 @@ def parse_launch_config(spec):
 
 
 @contextlib.contextmanager
-def decode_patched(name, value):
-    """decode.py with its module attribute ``name`` set to ``value``; its plans and compiled launches are
-    dropped on the way in and out."""
-    chosen = getattr(decode, name)
+def launch_config(config):
+    """decode.py's kernel launched with ``config`` (BLOCK_N, num_warps, num_stages) in place of
+    _launch_config's choice; its plans and compiled launches are dropped on the way in and out."""
+    chosen = decode._launch_config
 
     def forget():
         decode._PLANS.clear()
-        for launcher in (decode._decode_launch, decode._stream_k_launch, decode._combine_launch):
-            launcher.compiled.clear()
-    setattr(decode, name, value)
+        decode._decode_launch.compiled.clear()
+    decode._launch_config = lambda device, head_dim_pad, page_size: config
     forget()
     try:
         yield
     finally:
-        setattr(decode, name, chosen)
+        decode._launch_config = chosen
         forget()
 
 
-def launch_config(config):
-    """decode.py's kernels launched with ``config`` (BLOCK_N, num_warps, num_stages) in place of
-    _launch_config's choice."""
-    return decode_patched("_launch_config", lambda device, head_dim_pad, page_size: config)
-
-
-def run_cell(batch, length, split_sweep=(), launch_configs=(), stream_k=()):
+def run_cell(batch, length, split_sweep=(), launch_configs=()):
     """Times and max |ours - SDPA flash| of one (batch, cache length) cell; with ``split_sweep``, also the
     CUDA-graph TB/s of ours at each of those split counts; with ``launch_configs``, at each of those
-    (BLOCK_N, num_warps, num_stages) with the automatic splits; with ``stream_k``, eager and in CUDA graphs
-    with the stream-K split at each of those programs per SM (decode.STREAM_K_PER_SM)."""
+    (BLOCK_N, num_warps, num_stages) with the automatic splits."""
     device = torch.device("cuda")
     scale = HEAD_DIM**-0.5
     q = torch.randn(batch, 1, HEADS_Q, HEAD_DIM, device=device, dtype=DTYPE)
@@ -153,13 +145,6 @@ def run_cell(batch, length, split_sweep=(), launch_configs=(), stream_k=()):
                     config_ms[config], out = None, str(error).splitlines()[0]
             config_diffs[config] = (out.float() - outs["ours"].float()).abs().max().item() \
                 if config_ms[config] is not None else out
-        stream_k_ms, stream_k_diffs = {}, {}
-        for per_sm in stream_k:
-            with decode_patched("STREAM_K_PER_SM", per_sm):
-                stream_k_ms[per_sm] = {"eager": _time(ours)[0]}
-                stream_k_ms[per_sm]["graph"], out = _time_graphed(ours)
-            stream_k_diffs[per_sm] = (out.float() - outs["ours"].float()).abs().max().item() \
-                if stream_k_ms[per_sm]["graph"] is not None else out
 
         pages = length // PAGE_SIZE
         table = torch.randperm(batch * pages, device=device).view(batch, pages)
@@ -206,10 +191,6 @@ def run_cell(batch, length, split_sweep=(), launch_configs=(), stream_k=()):
                                    else None for config, ms in config_ms.items()},
         # against the default config's output: a config that breaks the kernel shows here (or its error)
         "launch_config_max_abs_diff": {"x".join(map(str, config)): diff for config, diff in config_diffs.items()},
-        "stream_k_tb_per_s": {str(per_sm): {mode: kv_bytes / (ms * 1e-3) / 1e12 if ms is not None else None
-                                            for mode, ms in times_by_mode.items()}
-                              for per_sm, times_by_mode in stream_k_ms.items()},
-        "stream_k_max_abs_diff": {str(per_sm): diff for per_sm, diff in stream_k_diffs.items()},
     }
 
 
@@ -384,9 +365,6 @@ def main():
                         metavar="BLOCK_NxWARPSxSTAGES",
                         help="also time ours in CUDA graphs with each of these kernel configs (automatic splits), to "
                              "check decode._launch_config")
-    parser.add_argument("--stream-k", type=int, nargs="+", default=[], metavar="PROGRAMS_PER_SM",
-                        help="also time ours with the stream-K split (decode.STREAM_K_PER_SM) at each of these "
-                             "programs-per-SM counts, eager and in CUDA graphs, on the same inputs")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode.py needs a CUDA device")
@@ -398,7 +376,7 @@ def main():
             reason = f"skipped ({peak / 1e9:.0f} GB)" if peak > MEMORY_LIMIT else f"skipped (not a multiple of {PAGE_SIZE})"
             cells.append({"batch": batch, "cache_len": length, "skipped": reason})
             continue
-        cells.append(run_cell(batch, length, args.split_sweep, args.launch_configs, args.stream_k))
+        cells.append(run_cell(batch, length, args.split_sweep, args.launch_configs))
         torch.cuda.empty_cache()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
@@ -415,8 +393,6 @@ def main():
         print("\n" + split_sweep_table(cells, args.split_sweep))
     if args.launch_configs:
         print("\n" + launch_config_table(cells, args.launch_configs))
-    if args.stream_k:
-        print("\n" + stream_k_table(cells, args.stream_k))
 
 
 def split_sweep_table(cells, split_counts):
@@ -436,27 +412,6 @@ def launch_config_table(cells, configs):
                                      _fmt(cell["tb_per_s"]["SDPA cuDNN graph"], ".2f"),
                                      _fmt(cell["tb_per_s"]["ours graph"], ".2f")]
                        + [_fmt(cell["launch_config_tb_per_s"][name], ".2f") for name in names])
-
-
-def stream_k_table(cells, programs_per_sm):
-    """Markdown: per cell, TB/s of SDPA cuDNN, of ours with the split per (sequence, kv head), and of the
-    stream-K split at each programs-per-SM count, eager and in CUDA graphs, with the graph ratios to cuDNN."""
-    def row(cell):
-        rates = cell["tb_per_s"]
-        cudnn = rates["SDPA cuDNN graph"]
-        values = [str(cell["batch"]), str(cell["cache_len"]), _fmt(rates["SDPA cuDNN"], ".2f"), _fmt(cudnn, ".2f"),
-                  _fmt(rates["ours"], ".2f"), _fmt(rates["ours graph"], ".2f")]
-        for per_sm in programs_per_sm:
-            measured, diff = cell["stream_k_tb_per_s"][str(per_sm)], cell["stream_k_max_abs_diff"][str(per_sm)]
-            graph = measured["graph"]
-            values += [_fmt(measured["eager"], ".2f"), _fmt(graph, ".2f"),
-                       _fmt(graph / cudnn if graph and cudnn else None, ".3f"),
-                       diff[:60] if isinstance(diff, str) else _fmt(diff, ".1e")]
-        return values
-    header = ["batch", "cache length", "cuDNN", "cuDNN graph", "ours split", "ours split graph"]
-    for per_sm in programs_per_sm:
-        header += [f"stream-K {per_sm}/SM", f"stream-K {per_sm}/SM graph", "graph / cuDNN graph", "max abs diff"]
-    return _cell_table(cells, header, row)
 
 
 def _cell_table(cells, header, row):

@@ -19,8 +19,8 @@ from triton.compiler import ASTSource
 
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from flashformer.kernels import (bwd_stats, cross_entropy, decode_kernels, flash_bwd, flash_bwd_dq_hopper, flash_bwd_hopper,
-                                 flash_fwd, flash_fwd_hopper, tuning)
+from flashformer.kernels import (bwd_stats, cross_entropy, decode_kernels, flash_bwd, flash_bwd_dq_hopper,
+                                 flash_bwd_hopper, flash_fwd, flash_fwd_hopper, tuning)
 from flashformer.kernels.interface import GLUON_TRITON_VERSIONS
 from flashformer.kernels.sizes import pad_head_dim
 from flashformer.kernels.tile_schedule import q_buffers
@@ -276,16 +276,6 @@ CASES = {
                                     HEAD_DIM_PAD=128, LEFT_BOUNDED=False, RIGHT_BOUNDED=True, HAS_SOFTCAP=False,
                                     SPLIT=True, PER_SEQUENCE_LENGTHS=True, VARLEN_Q=False, DOT_PRECISION="tf32",
                                     UPCAST_DOT=False), 4, 3),
-    # the stream-K split at one token of a GQA group of 4 (16 rows: mma, not wgmma): equal shares of every
-    # (sequence, kv head)'s key tiles, one descriptor pair per program
-    "stream_k-d128-gqa4-paged": (decode_kernels.decode_stream_k_kernel,
-                                        dict(GROUP=4, GROUP_PAD=4, BLOCK_T=4, BLOCK_N=64, PAGE_SIZE=256, HEAD_DIM=128,
-                                             HEAD_DIM_PAD=128, RIGHT_BOUNDED=True, HAS_SOFTCAP=False,
-                                             PER_SEQUENCE_LENGTHS=True, BATCH_PAD=64, DOT_PRECISION="tf32",
-                                             UPCAST_DOT=False), 4, 3),
-    "combine-stream-k-d128": (decode_kernels.combine_kernel, dict(SPLITS_PAD=32, HEAD_DIM=128, HEAD_DIM_PAD=128,
-                                                           VARLEN_Q=False, STREAM_K=True, BLOCK_N=64, BATCH_PAD=64,
-                                                           PER_SEQUENCE_LENGTHS=True), 4, 1),
     # flash_attn_varlen_func's paged form: packed queries
     "decode-d128-gqa4-paged-varlen": (decode_kernels.decode_kernel,
                                       dict(GROUP=4, GROUP_PAD=4, BLOCK_T=16, BLOCK_N=64, PAGE_SIZE=256, HEAD_DIM=128,
@@ -334,8 +324,6 @@ def main(selected):
                         # the register counts the partitions ask for (empty: no setmaxnreg)
                         "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
                                                                          ptx)}),
-                        # the most loops around a TMA descriptor's creation (in global memory, fenced: never per tile)
-                        "tensormap_loop_depth": max(loop_depths(ptx, r"tensormap\.replace"), default=None),
                         # the fewest loops around a TMA load / store: a persistent kernel's tile loop adds one
                         "tma_load_loop_depth": min(loop_depths(ptx, TMA_LOAD), default=None),
                         "tma_store_loop_depth": min(loop_depths(ptx, TMA_STORE), default=None),

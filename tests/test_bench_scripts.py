@@ -178,24 +178,6 @@ def test_decode_launch_configs_parse_and_take_effect_until_the_block_ends():
     assert lines[2] == "| 8 | 16384 | 3.90 | 3.80 | 3.80 | – |"
 
 
-def test_decode_stream_k_table_and_switch():
-    decode_bench = _load_script("bench_decode")
-    from flashformer.kernels import decode
-
-    with decode_bench.decode_patched("STREAM_K_PER_SM", 2):
-        assert decode.STREAM_K_PER_SM == 2
-    assert decode.STREAM_K_PER_SM == 0
-    cell = {"batch": 1, "cache_len": 16384,
-            "tb_per_s": {"SDPA cuDNN": 2.0, "SDPA cuDNN graph": 2.1, "ours": 1.9, "ours graph": 2.0},
-            "stream_k_tb_per_s": {"1": {"eager": 2.0, "graph": 2.1}, "2": {"eager": None, "graph": None}},
-            "stream_k_max_abs_diff": {"1": 1.2e-4, "2": "OutOfResources: shared memory"}}
-    lines = decode_bench.stream_k_table([cell], [1, 2]).splitlines()
-    assert lines[0].startswith("| batch | cache length | cuDNN | cuDNN graph | ours split | ours split graph | "
-                               "stream-K 1/SM | stream-K 1/SM graph | graph / cuDNN graph |")
-    assert lines[2] == ("| 1 | 16384 | 2.00 | 2.10 | 1.90 | 2.00 | 2.00 | 2.10 | 1.000 | 1.2e-04 | – | – | – | "
-                        "OutOfResources: shared memory |")
-
-
 def test_kernel_times_attribute_time_to_the_ops_that_ran():
     """flashformer.profiling on CPU ops (the GPU path reads the same profiler's device events)."""
     from flashformer.profiling import kernel_times

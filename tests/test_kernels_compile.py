@@ -62,15 +62,6 @@ def test_attention_kernels_use_wgmma_and_tma(report):
             assert case["shared_bytes"] <= 227 * 1024, f"{name} needs {case['shared_bytes']} B of shared memory"
 
 
-def test_stream_k_decode_builds_its_descriptors_once(report):
-    """The stream-K decode kernel crosses from one kv head into the next inside its loop: it reads every
-    head through one pair of 3-D TMA descriptors made before the loop, and keeps its tiles in registers."""
-    case = report["stream_k-d128-gqa4-paged"]
-    assert case["tma"] and case["tma_load_loop_depth"] >= 1, case
-    assert case["tensormap_loop_depth"] == 0, case
-    assert case["spill_bytes"] == 0 and not case["local_memory"], case
-
-
 def test_head_dim_256_backward_fits_the_registers(report):
     """The default head_dim-256 backward configs (kernels/tuning.py) keep their accumulators in
     registers: a few hundred bytes of spill at most (4 warps spilled 7.8 KB per thread; the 8-warp

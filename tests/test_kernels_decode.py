@@ -13,7 +13,7 @@ import torch
 import triton
 from attention_checks import assert_within_2x
 
-from flashformer.kernels import attention_materialized, decode, launch
+from flashformer.kernels import attention_materialized, launch
 from flashformer.kernels.decode import DEFAULT_SMS, RESIDENT_PER_SM, TARGET_KEYS_PER_SPLIT, choose_num_splits
 from flashformer.kernels.kvcache import flash_attn_with_kvcache
 
@@ -226,59 +226,6 @@ def test_splits_equal_one_split(device, triton_path):
         out_s, lse_s = case.run(num_splits=num_splits)
         torch.testing.assert_close(out_s, out_1, atol=2e-3, rtol=0)
         torch.testing.assert_close(lse_s, lse_1, atol=1e-5, rtol=0)
-
-
-# The stream-K split (decode.STREAM_K_PER_SM) at the interpreter's 132 SMs: caches long enough that the
-# automatic choice splits (>= 1024 keys), so that the programs' equal shares cross kv heads and sequences.
-STREAM_K_CASES = [
-    # cache_lens,  seqlen_q, new, heads, head_dim, mask, dtype, page_size, programs per SM, max_cache
-    ((1100, 2000, 37, 1500, 0), 1, 1, (8, 4), 64, 0, 1, None, 1, None),
-    ((1500, 1025), 3, 3, (8, 4), 64, 4, 0, 16, 1, None),  # query tokens, softcap, paged
-    ((1300, 0, 1999), 1, 0, (4, 4), 128, 1, 0, 32, 1, None),  # MHA, no mask, a sequence without keys
-    ((40, 1100, 7), 1, 1, (8, 8), 64, 0, 0, None, 1, 4096),  # lengths far below the capacity
-    ((1023,), 1, 1, (8, 8), 64, 0, 1, None, 2, 1024),  # 256 tiles for 264 programs: some take none
-]
-
-
-@pytest.mark.parametrize("cache_lens,seqlen_q,new,heads,head_dim,mask,dtype,page_size,per_sm,max_cache", STREAM_K_CASES)
-def test_stream_k_matches_reference(cache_lens, seqlen_q, new, heads, head_dim, mask, dtype, page_size, per_sm,
-                                    max_cache, device, triton_path, monkeypatch):
-    monkeypatch.setattr(decode, "STREAM_K_PER_SM", per_sm)
-    decode._PLANS.clear()
-    causal, window_size, softcap = MASKS[mask]
-    case = Case(cache_lens, seqlen_q, new, heads, head_dim, DTYPES[dtype], page_size, device, max_cache=max_cache)
-    out, lse = case.run(causal=causal, window_size=window_size, softcap=softcap)
-    assert [plan.stream_k for plan in decode._PLANS.values()] == [True]
-    _check_against_reference(case, out, lse, causal, window_size, softcap)
-    case.assert_cache_appended()
-
-
-def test_stream_k_with_one_shared_length(device, triton_path, monkeypatch):
-    """cache_seqlens as an int (no lengths tensor) gives the tensor's result."""
-    case = Case((1200, 1200), 1, 0, (8, 8), 64, torch.float16, None, device, max_cache=1300)
-    runs = {}
-    for per_sm, lengths in ((0, case.cache_seqlens), (1, 1200), (1, case.cache_seqlens)):
-        monkeypatch.setattr(decode, "STREAM_K_PER_SM", per_sm)
-        decode._PLANS.clear()
-        runs[per_sm, isinstance(lengths, int)] = flash_attn_with_kvcache(case.q, case.k_cache, case.v_cache,
-                                                                         cache_seqlens=lengths, return_lse=True)
-        assert [plan.stream_k for plan in decode._PLANS.values()] == [bool(per_sm)]
-    (out, lse), *others = runs.values()
-    for out_k, lse_k in others:
-        torch.testing.assert_close(out_k, out, atol=2e-3, rtol=0)
-        torch.testing.assert_close(lse_k, lse, atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("seqlen_q,window_size,num_splits", [(1, (17, -1), 0), (1, (-1, -1), 3), (70, (-1, -1), 0)])
-def test_stream_k_leaves_what_it_cannot_take(seqlen_q, window_size, num_splits, device, triton_path, monkeypatch):
-    """A left window, a split count asked for, or more query rows than one token block keep the split per
-    (sequence, kv head)."""
-    monkeypatch.setattr(decode, "STREAM_K_PER_SM", 1)
-    decode._PLANS.clear()
-    case = Case((1500,), seqlen_q, 0, (8, 8), 64, torch.bfloat16, None, device)
-    out, lse = case.run(causal=True, window_size=window_size, num_splits=num_splits)
-    assert [plan.stream_k for plan in decode._PLANS.values()] == [False]
-    _check_against_reference(case, out, lse, True, window_size, 0.0)
 
 
 def test_split_heuristic():
