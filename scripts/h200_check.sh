@@ -3,15 +3,16 @@
 # Each stage has its own time limit so that one slow stage cannot eat the lease; results come back
 # as $OUT/results.tgz (and $OUT/tuned_configs.json after the tune stage).
 # Usage on the device machine: bash scripts/h200_check.sh [stage ...]   (default: all stages)
-# Stages: readme quick compile slow tune descriptors decode generate attention varlen first-call host fused-bwd train
-# train-chunked memory pi longctx-2m longctx-wait
+# Stages: readme quick compile slow tune descriptors decode generate attention varlen first-call host fused-bwd counters
+# train train-chunked memory pi longctx-2m longctx-wait
 # Each stage's limit fits one 10-minute device call with its neighbours: pi beside (half of) slow, quick + tune +
 # attention + varlen + decode when narrowed. Two instances may run at once on a machine of two GPUs
 # (CUDA_VISIBLE_DEVICES=0 / 1, the second started a few seconds later), each with its own RES (results
 # directory) and RESULTS (archive name). Narrowing knobs: TUNE_ARGS (default: --head-dims 64 128 256), ATTN_ARGS (default:
 # all impls, head dims 64 128 256), SLOW_FILTER (a pytest -k expression splitting the slow sweep across calls), SLOW_TIMEOUT,
 # DECODE_ARGS (default: --host-profile 200), TRAIN_ARGS (default: --seqlens 1024 4096 16384 --steps 50 --profile 5),
-# FIRST_CALL_ARGS (bench_first_call's --shapes and --timeout), HOST_ARGS (bench_host's --shapes). The interpreter test in `readme` needs numpy<2.4
+# FIRST_CALL_ARGS (bench_first_call's --shapes and --timeout), HOST_ARGS (bench_host's --shapes), COUNTERS_ARGS
+# (kernel_counters.py's --impls / --passes / --seqlens). The interpreter test in `readme` needs numpy<2.4
 # under Triton 3.6, as the README pins: carry that wheel in .whl/ where the machine's numpy is newer.
 set -uo pipefail
 OUT="${OUT:-out}"; mkdir -p "$OUT"
@@ -52,6 +53,9 @@ for stage in "${stages[@]}"; do
     fused-bwd) timeout 480 python3 scripts/bench_gluon_backward.py --check --variants two-kernel fused fused-nondet \
               fused-split fused-split-nondet --head-dims 128 --seqlens 4096 16384 --out "$RES/gluon_fused_backward.json" 2>&1 \
               | tee "$RES/fused_bwd.log" | grep "^|\|smoke" ;;
+    counters) # Nsight Compute's counters per kernel of one backward (ours, deterministic=False, cuDNN): COUNTERS_ARGS
+            timeout 540 python3 scripts/kernel_counters.py ${COUNTERS_ARGS:-} --out "$RES/kernel_counters.json" 2>&1 \
+              | tee "$RES/kernel_counters.log" | grep "^|\|error" ;;
     compile) FLASHFORMER_AUTOTUNE=0 timeout 60 python3 -m pytest tests/test_kernels_flash.py -k compile -q \
               -p no:cacheprovider -W ignore 2>&1 | tail -2 ;;  # also part of quick
     slow)   # SIGINT at the limit: pytest stops and prints its counts. -v names every result as it lands:

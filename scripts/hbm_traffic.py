@@ -34,7 +34,7 @@ import subprocess
 import sys
 
 METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum")
-IMPLS = ("ours", "sdpa-cudnn", "sdpa-flash", "materialized")
+IMPLS = ("ours", "ours-nondet", "sdpa-cudnn", "sdpa-flash", "materialized")
 PASSES = ("fwd", "bwd")
 # ncu's byte units: SI prefixes are powers of 1000 (its "Mbyte"), with the binary ones for completeness
 UNIT_BYTES = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12, "KB": 1e3, "MB": 1e6,
@@ -96,23 +96,46 @@ def dram_bytes(rows):
     return totals[METRICS[0]], totals[METRICS[1]], len(kernels)
 
 
+def ncu_path(name):
+    """The path of the Nsight Compute CLI ``name`` (--ncu), or exit saying how to get one."""
+    path = shutil.which(name)
+    if path is None:
+        sys.exit(f"--ncu {name!r}: Nsight Compute's CLI is not on PATH; install Nsight Compute (it comes "
+                 "with the CUDA toolkit) or pass --ncu /path/to/ncu")
+    return path
+
+
+def exit_without_counters(output):
+    """Exit, saying why, where an ncu child's output says it may not read the GPU's counters: every other
+    child would fail the same way."""
+    if "ERR_NVGPUCTRPERM" in output:
+        sys.exit("ncu may not read the GPU's counters (ERR_NVGPUCTRPERM): run as root, or load the driver "
+                 "with NVreg_RestrictProfilingToAdminUsers=0")
+
+
+def child_command(impl, pass_, seqlen, head_dim, batch, heads):
+    """The argv of this script in --child mode: one profiled call of ``impl``'s ``pass_`` (causal, bf16)
+    between cudaProfilerStart / Stop, for an ncu started with ``--profile-from-start off``."""
+    return [sys.executable, os.path.abspath(__file__), "--child", impl, pass_, "--seqlens", str(seqlen),
+            "--head-dims", str(head_dim), "--batch", str(batch), "--heads", str(heads)]
+
+
 def ncu_command(ncu, impl, pass_, seqlen, head_dim, batch, heads):
-    """The argv of one ncu child: this script in --child mode, profiled only between its
-    cudaProfilerStart / Stop, the metrics printed as CSV in plain bytes."""
+    """The argv of one ncu child (child_command), the metrics printed as CSV in plain bytes."""
     return [ncu, "--metrics", ",".join(METRICS), "--csv", "--print-units", "base", "--target-processes", "all",
-            "--profile-from-start", "off", sys.executable, os.path.abspath(__file__), "--child", impl, pass_,
-            "--seqlens", str(seqlen), "--head-dims", str(head_dim), "--batch", str(batch), "--heads", str(heads)]
+            "--profile-from-start", "off", *child_command(impl, pass_, seqlen, head_dim, batch, heads)]
 
 
 def profiled_call(impl, pass_, seqlen, head_dim, batch, heads):
     """The child: one warm-up forward + backward, then one profiled forward or backward."""
     import torch
 
-    from bench_attention import SDPA_BACKENDS, _ours, _sdpa  # scripts/ is sys.path[0] when run as a script
+    from bench_attention import SDPA_BACKENDS, _ours, _ours_nondeterministic, _sdpa  # scripts/ is sys.path[0]
     from flashformer.kernels import attention_materialized
 
-    fns = {"ours": _ours, "materialized": lambda q, k, v, causal: attention_materialized(
-        q, k, v, causal=causal, upcast=False)[0], **{name: _sdpa(b) for name, b in SDPA_BACKENDS.items()}}
+    fns = {"ours": _ours, "ours-nondet": _ours_nondeterministic,
+           "materialized": lambda q, k, v, causal: attention_materialized(q, k, v, causal=causal, upcast=False)[0],
+           **{name: _sdpa(b) for name, b in SDPA_BACKENDS.items()}}
     q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16,
                            requires_grad=True) for _ in range(3))
     grad_out = torch.randn_like(q)
@@ -143,9 +166,7 @@ def measure(args, impl, pass_, seqlen, head_dim):
     except subprocess.TimeoutExpired:
         return {**row, "error": f"ncu child ran past --timeout {args.timeout} s"}
     output = done.stdout + "\n" + done.stderr  # the table, ncu's notes and the child's errors
-    if "ERR_NVGPUCTRPERM" in output:
-        sys.exit("ncu may not read the GPU's counters (ERR_NVGPUCTRPERM): run as root, or load the driver "
-                 "with NVreg_RestrictProfilingToAdminUsers=0")
+    exit_without_counters(output)
     try:
         read, written, kernels = dram_bytes(parse_ncu_csv(output))
     except ValueError as error:
@@ -221,11 +242,7 @@ def main(argv=None):
         if args.child[0] not in IMPLS or args.child[1] not in PASSES:
             parser.error(f"--child takes one of {IMPLS} and one of {PASSES}, got {args.child}")
         return profiled_call(*args.child, args.seqlens[0], args.head_dims[0], args.batch, args.heads)
-    ncu = shutil.which(args.ncu)
-    if ncu is None:
-        sys.exit(f"--ncu {args.ncu!r}: Nsight Compute's CLI is not on PATH; install Nsight Compute (it comes "
-                 "with the CUDA toolkit) or pass --ncu /path/to/ncu")
-    args.ncu = ncu
+    args.ncu = ncu_path(args.ncu)
 
     from flashformer.fileio import atomic_write_file
     from flashformer.profiling import benchmark_provenance

@@ -375,6 +375,67 @@ def test_hbm_child_command_profiles_one_range_of_this_script(hbm):
                          "--batch", "4", "--heads", "16"]
 
 
+# What `ncu --page raw --csv --print-units base` prints for a profiled backward of two kernels (one counter
+# per column, the units on the line after the header), with the program's own output before it; each of
+# ncu's lines is one line here (a backslash at a line's end continues it).
+NCU_RAW_CSV = """\
+==PROF== Connected to process 4242 (/usr/bin/python3.12)
+==PROF== Profiling "attn_bwd_dkdv" - 0: 0%....50%....100% - 38 passes
+==PROF== Profiling "attn_bwd_dq" - 1: 0%....50%....100% - 38 passes
+==PROF== Disconnected from process 4242
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC",\
+"gpu__time_duration.sum","launch__registers_per_thread","sm__inst_issued.avg.pct_of_peak_sustained_active",\
+"sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",\
+"sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active","sm__warps_active.avg.pct_of_peak_sustained_active",\
+"smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",\
+"smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",\
+"smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio",\
+"smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",\
+"smsp__average_warps_issue_stalled_sleeping_per_issue_active.ratio"
+"","","","","","","","","","","","nsecond","register/thread","%","%","%","%","inst","inst","inst","inst","inst"
+"0","4242","python3.12","127.0.0.1","attn_bwd_dkdv","1","7","(384, 1, 1)","(128, 16, 1)","0","9.0",\
+"2,081,184","240","31.5","71.25","0","18.7","0.9","3.25","1.5","0.4","2.1"
+"1","4242","python3.12","127.0.0.1","attn_bwd_dq","1","7","(384, 1, 1)","(128, 16, 1)","0","9.0",\
+"1,193,000","n/a","28","64.5","0","18.7","0.2","1.1","2.5","0.3","0"
+"""
+
+
+@pytest.fixture(scope="module")
+def counters(hbm):  # kernel_counters imports hbm_traffic, loaded by the hbm fixture
+    return _load_script("kernel_counters")
+
+
+def test_kernel_counters_read_every_kernel_and_pick_what_the_table_shows(counters):
+    kernels = counters.parse_raw_csv(NCU_RAW_CSV)
+    assert [kernel["Kernel Name"] for kernel in kernels] == ["attn_bwd_dkdv", "attn_bwd_dq"]
+    assert kernels[0]["gpu__time_duration.sum"] == 2_081_184.0 and kernels[1]["launch__registers_per_thread"] == "n/a"
+    dkdv, dq = map(counters.summary, kernels)
+    assert dkdv == {"kernel": "attn_bwd_dkdv", "us": pytest.approx(2081.184), "registers": 240.0,
+                    "tensor_pipe_pct": 71.25, "issue_busy_pct": 31.5, "warps_active_pct": 18.7,
+                    "top_stalls": [("long_scoreboard", 3.25), ("sleeping", 2.1), ("math_pipe_throttle", 1.5),
+                                   ("barrier", 0.9)]}
+    assert dq["registers"] is None and dq["top_stalls"][0] == ("math_pipe_throttle", 2.5)
+    assert counters.summary({"Kernel Name": "k"})["tensor_pipe_pct"] is None
+    assert counters.parse_raw_csv("==PROF== Disconnected from process 4242\n") == []
+    lines = counters.table([{"impl": "ours", "pass": "bwd", "seqlen": 4096, "head_dim": 128, "kernels": kernels},
+                            {"impl": "sdpa-cudnn", "pass": "bwd", "seqlen": 4096, "head_dim": 128,
+                             "error": "ncu child ran past --timeout 240 s"}]).splitlines()
+    assert len(lines) == 5
+    assert lines[2] == ("| ours | bwd | 128 | 4096 | attn_bwd_dkdv | 2081.2 | 240 | 71.2 | 31.5 | 18.7 | "
+                        "long_scoreboard 3.2, sleeping 2.1, math_pipe_throttle 1.5, barrier 0.9 |")
+    assert lines[4].startswith("| sdpa-cudnn | bwd | 128 | 4096 | error: ncu child ran past --timeout 240 s |")
+
+
+def test_kernel_counters_profile_hbm_traffic_child_with_the_clocks_left_alone(counters):
+    command = counters.ncu_command("/opt/ncu", "ours-nondet", "bwd", 16384, 128, 1, 16)
+    child = command[command.index(sys.executable) + 1:]
+    assert child == [os.path.join(SCRIPTS, "hbm_traffic.py"), "--child", "ours-nondet", "bwd", "--seqlens", "16384",
+                     "--head-dims", "128", "--batch", "1", "--heads", "16"]
+    flags = command[1:command.index(sys.executable)]
+    assert flags[flags.index("--clock-control") + 1] == "none" and flags[flags.index("--page") + 1] == "raw"
+    assert [flags[i + 1] for i, flag in enumerate(flags) if flag == "--section"] == list(counters.SECTIONS)
+
+
 def test_hbm_parent_and_child_refuse_what_they_cannot_run(tmp_path):
     script = os.path.join(SCRIPTS, "hbm_traffic.py")
     missing = subprocess.run([sys.executable, script, "--ncu", str(tmp_path / "ncu"), "--out", str(tmp_path / "x.json")],
