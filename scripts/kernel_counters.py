@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import re
 import subprocess
@@ -137,13 +138,10 @@ def main(argv=None):
     from flashformer.profiling import benchmark_provenance
 
     cells = []
-    for head_dim in args.head_dims:
-        for pass_ in args.passes:
-            for seqlen in args.seqlens:
-                for impl in args.impls:
-                    batch = args.batch or max(1, 16384 // seqlen)
-                    cells.append(measure(args, impl, pass_, seqlen, head_dim, batch))
-                    print(json.dumps({key: value for key, value in cells[-1].items() if key != "kernels"}), flush=True)
+    # the implementations of one shape next to each other, as the table shows them
+    for head_dim, pass_, seqlen, impl in itertools.product(args.head_dims, args.passes, args.seqlens, args.impls):
+        cells.append(measure(args, impl, pass_, seqlen, head_dim, args.batch or max(1, 16384 // seqlen)))
+        print(json.dumps({key: value for key, value in cells[-1].items() if key != "kernels"}), flush=True)
     record = {**benchmark_provenance(), "sections": list(SECTIONS), "causal": True, "dtype": "bfloat16",
               "cells": cells}
     atomic_write_file(args.out, lambda f: f.write(json.dumps(record, indent=1).encode()))
