@@ -18,10 +18,10 @@ give 0 and lse -inf); flash_fwd.py stays the portable, interpreter-tested statem
 registers as the A operand of P V.
 
 PERSISTENT (where tuning.gluon_forward_config measured it faster) launches one program per SM instead of one per query
-tile; each walks its share of tile_schedule.py's order (longest tiles first) through the same partitions. The K/V ring
-and its phases run on across the tiles, so the producer streams the next tile's keys while the consumers finish this
-one, and two sets of Q blocks (where shared memory allows) let the next tile's queries load under this tile's work.
-Its TMA descriptors cover whole tensors, built once per program.
+tile; each walks its slice of tile_schedule.py's deal (each tile to the least-loaded program) through the same
+partitions. The K/V ring and its phases run on across the tiles, so the producer streams the next tile's keys while the
+consumers finish this one, and two sets of Q blocks (where shared memory allows) let the next tile's queries load under
+this tile's work. Its TMA descriptors cover whole tensors, built once per program.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .launch import ensure_allocator, launcher, sm_count
 from .tile_ops import tanh, visible
-from .tile_schedule import program_tile, q_buffers, query_block, section_pairs, tile_coords
+from .tile_schedule import (device_schedule, program_tile, q_buffers, query_block, scheduled_tiles, section_pairs,
+                            tile_coords)
 from .tuning import GLUON_FORWARD_FROM_SEQLEN, gluon_forward_config
 
 
@@ -112,10 +113,9 @@ def _partition_warps(consumers):
 @gluon.jit
 def _rows_descriptor(base, rows, stride_rows, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
                      HEAD_DIM_PAD: gl.constexpr, LAYOUT: gl.constexpr):
-    """TMA view of one head, (rows, HEAD_DIM) from ``base`` in (BLOCK, HEAD_DIM_PAD) tiles: zeros are
-    read past either end and stores are clipped there. Each partition builds the descriptors it uses:
-    a descriptor written to global memory reaches the TMA unit only through the writing threads'
-    tensormap fence, which the other partitions' warps never execute."""
+    """TMA view of one head, (rows, HEAD_DIM) from ``base`` in (BLOCK, HEAD_DIM_PAD) tiles: zeros are read past
+    either end and stores are clipped there. Each partition builds the descriptors it uses: one written to global
+    memory reaches the TMA unit only through the writing threads' tensormap fence, which no other warp executes."""
     return tma.make_tensor_descriptor(base, [rows, HEAD_DIM], [stride_rows, 1], [BLOCK, HEAD_DIM_PAD], LAYOUT)
 
 
@@ -129,9 +129,8 @@ def _heads_layout(layout):
 @gluon.jit
 def _heads_descriptor(base, batch_size, rows, heads, stride_b, stride_rows, stride_h, BLOCK: gl.constexpr,
                       HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, LAYOUT: gl.constexpr):
-    """TMA view of a whole (batch, rows, heads, HEAD_DIM) tensor in (1, BLOCK, 1, HEAD_DIM_PAD) tiles, zeros
-    past each head's ends. A persistent program builds it once for all its tiles: rewriting a per-head
-    descriptor for the next tile would race with the TMA copies still reading it."""
+    """TMA view of a whole (batch, rows, heads, HEAD_DIM) tensor in (1, BLOCK, 1, HEAD_DIM_PAD) tiles, zeros past
+    each head's ends, built once per persistent program: a per-head one rewritten per tile races with its copies."""
     return tma.make_tensor_descriptor(base, [batch_size, rows, heads, HEAD_DIM], [stride_b, stride_rows, stride_h, 1],
                                       [1, BLOCK, 1, HEAD_DIM_PAD], _heads_layout(LAYOUT))
 
@@ -178,7 +177,7 @@ def _load_query_tile(q_desc, k_desc, v_desc, batch, head, kv_head, m0, start, nu
 @gluon.jit
 def _load_partition(Q, K, V, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
                     stride_vh, seqlen_q, seqlen_k, window_left, window_right, batch_size, heads, num_m_blocks, section,
-                    q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty,
+                    TILE_SCHEDULE, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty,
                     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
                     NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr, LEFT_BOUNDED: gl.constexpr,
                     RIGHT_BOUNDED: gl.constexpr, Q_BUFFERS: gl.constexpr, PERSISTENT: gl.constexpr,
@@ -192,8 +191,9 @@ def _load_partition(Q, K, V, stride_qb, stride_qs, stride_qh, stride_kb, stride_
         v_desc = _heads_descriptor(V, batch_size, seqlen_k, heads // GROUP, stride_vb, stride_vs, stride_vh, BLOCK_N,
                                    HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
         loaded = 0
-        tile_index = 0
-        for tile in range(gl.program_id(0), batch_size * heads * num_m_blocks, gl.num_programs(0)):
+        first, last = scheduled_tiles(TILE_SCHEDULE)
+        for tile_index in range(last - first):
+            tile = gl.load(TILE_SCHEDULE + first + tile_index)
             batch, head, pid_m = tile_coords(tile, num_m_blocks, heads, batch_size * heads, section, RIGHT_BOUNDED)
             m0, start, _, _, num_tiles = query_block(pid_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M,
                                                      BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
@@ -201,7 +201,6 @@ def _load_partition(Q, K, V, stride_qb, stride_qs, stride_qh, stride_kb, stride_
                              tile_index, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty,
                              BLOCK_N, NUM_STAGES, CONSUMERS, Q_BUFFERS, PERSISTENT)
             loaded += num_tiles
-            tile_index += 1
     else:
         batch, head, pid_m = program_tile(RIGHT_BOUNDED)
         m0, start, _, _, num_tiles = query_block(pid_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M,
@@ -300,18 +299,19 @@ def _store_out(o_desc, batch, row0, head, out, q_tile, PERSISTENT: gl.constexpr)
 @gluon.jit
 def _consume_partition(CONSUMER: gl.constexpr, O, LSE, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
                        seqlen_q, seqlen_k, qk_scale, softcap_log2, window_left, window_right, batch_size, heads,
-                       num_m_blocks, section, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty,
-                       v_empty, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
-                       NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr, LEFT_BOUNDED: gl.constexpr,
-                       RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr, Q_BUFFERS: gl.constexpr,
-                       PERSISTENT: gl.constexpr, Q_SMEM: gl.constexpr):
+                       num_m_blocks, section, TILE_SCHEDULE, q_smem, k_smem, v_smem, q_bars, q_free, k_ready,
+                       v_ready, k_empty, v_empty, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+                       BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                       LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+                       Q_BUFFERS: gl.constexpr, PERSISTENT: gl.constexpr, Q_SMEM: gl.constexpr):
     BLOCK_M: gl.constexpr = CONSUMERS * CONSUMER_ROWS
     if PERSISTENT:
         o_desc = _heads_descriptor(O, batch_size, seqlen_q, heads, stride_ob, stride_os, stride_oh, CONSUMER_ROWS,
                                    HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
         loaded = 0
-        tile_index = 0
-        for tile in range(gl.program_id(0), batch_size * heads * num_m_blocks, gl.num_programs(0)):
+        first, last = scheduled_tiles(TILE_SCHEDULE)
+        for tile_index in range(last - first):
+            tile = gl.load(TILE_SCHEDULE + first + tile_index)
             batch, head, pid_m = tile_coords(tile, num_m_blocks, heads, batch_size * heads, section, RIGHT_BOUNDED)
             m0, start, un_lo, un_hi, num_tiles = query_block(pid_m, seqlen_q, seqlen_k, window_left, window_right,
                                                              BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
@@ -325,7 +325,6 @@ def _consume_partition(CONSUMER: gl.constexpr, O, LSE, stride_ob, stride_os, str
             _store_out(o_desc, batch, row0, head, out, q_smem.index(slot), PERSISTENT)
             mbarrier.arrive(q_free.index(slot), count=1)  # the producer may load this buffer's next Q block
             loaded += num_tiles
-            tile_index += 1
     else:
         batch, head, pid_m = program_tile(RIGHT_BOUNDED)
         m0, start, un_lo, un_hi, num_tiles = query_block(pid_m, seqlen_q, seqlen_k, window_left, window_right,
@@ -343,7 +342,7 @@ def _consume_partition(CONSUMER: gl.constexpr, O, LSE, stride_ob, stride_os, str
 
 @unspecialised_jit
 def _attn_fwd_hopper_kernel(
-    Q, K, V, O, LSE,
+    Q, K, V, O, LSE, TILE_SCHEDULE,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -358,8 +357,8 @@ def _attn_fwd_hopper_kernel(
     Q_BUFFERS: gl.constexpr, PERSISTENT: gl.constexpr, Q_SMEM: gl.constexpr, KV_SMEM: gl.constexpr,
 ):
     """One query tile per program on a (query blocks, heads, batch) grid or, PERSISTENT, a 1-D grid whose
-    programs each walk tile_schedule's tiles (batch_size, heads, num_m_blocks, section describe them),
-    with Q_BUFFERS sets of Q blocks (2: the next tile's queries load while this tile runs)."""
+    programs each walk their slice of TILE_SCHEDULE (tile_schedule.schedule_table), with Q_BUFFERS sets of Q
+    blocks (2: the next tile's queries load while this tile runs)."""
     dtype: gl.constexpr = Q.dtype.element_ty
     q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * CONSUMERS, CONSUMER_ROWS, HEAD_DIM_PAD], Q_SMEM)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM_PAD], KV_SMEM)
@@ -388,15 +387,15 @@ def _attn_fwd_hopper_kernel(
     gl.warp_specialize(
         [(_load_partition, (Q, K, V, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb,
                             stride_vs, stride_vh, seqlen_q, seqlen_k, window_left, window_right, batch_size, heads,
-                            num_m_blocks, section, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty,
-                            v_empty, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, CONSUMERS, LEFT_BOUNDED,
-                            RIGHT_BOUNDED, Q_BUFFERS, PERSISTENT, Q_SMEM, KV_SMEM))
+                            num_m_blocks, section, TILE_SCHEDULE, q_smem, k_smem, v_smem, q_bars, q_free, k_ready,
+                            v_ready, k_empty, v_empty, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, CONSUMERS,
+                            LEFT_BOUNDED, RIGHT_BOUNDED, Q_BUFFERS, PERSISTENT, Q_SMEM, KV_SMEM))
          if c == CONSUMERS else
          (_consume_partition, (c, O, LSE, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, seqlen_q,
                                seqlen_k, qk_scale, softcap_log2, window_left, window_right, batch_size, heads,
-                               num_m_blocks, section, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready,
-                               k_empty, v_empty, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, CONSUMERS, LEFT_BOUNDED,
-                               RIGHT_BOUNDED, HAS_SOFTCAP, Q_BUFFERS, PERSISTENT, Q_SMEM))
+                               num_m_blocks, section, TILE_SCHEDULE, q_smem, k_smem, v_smem, q_bars, q_free,
+                               k_ready, v_ready, k_empty, v_empty, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES,
+                               CONSUMERS, LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP, Q_BUFFERS, PERSISTENT, Q_SMEM))
          for c in (0, 1, 2, 3)[:CONSUMERS + 1]],
         _partition_warps(CONSUMERS), _partition_registers(CONSUMERS))
 
@@ -434,14 +433,15 @@ def launch_forward(q, k, v, out, lse, qk_scale, softcap_log2, window_left, windo
     ensure_allocator(q.device)  # the in-kernel TMA descriptors' scratch
     block_m = consumers * CONSUMER_ROWS.value
     num_m_blocks = triton.cdiv(seqlen_q, block_m)
-    if persistent:
-        grid = (min(num_m_blocks * heads_q * batch, sm_count(q.device.index)),)
-    else:
-        grid = (num_m_blocks, heads_q, batch)
-    launcher(_attn_fwd_hopper_kernel, grid)(
-        q, k, v, out, lse, *strides, *strides_lse, seqlen_q, seqlen_k,
-        qk_scale, softcap_log2, window_left, window_right,
-        batch, heads_q, num_m_blocks, section_pairs(seqlen_k, head_dim_pad, heads_q, heads_kv, q.element_size()),
+    section = section_pairs(seqlen_k, head_dim_pad, heads_q, heads_kv, q.element_size())
+    programs = min(num_m_blocks * heads_q * batch, sm_count(q.device.index))
+    schedule = device_schedule(q.device, programs, batch, heads_q, num_m_blocks, section, seqlen_q, seqlen_k,
+                               window_left, window_right, block_m, block_n) if persistent else None
+    persistent = schedule is not None  # no table yet for this shape inside a CUDA-graph capture: one tile per program
+    grid = (programs,) if persistent else (num_m_blocks, heads_q, batch)
+    launcher(_attn_fwd_hopper_kernel, grid)(  # q stands in for the table a one-tile launch never reads
+        q, k, v, out, lse, q if schedule is None else schedule, *strides, *strides_lse, seqlen_q, seqlen_k,
+        qk_scale, softcap_log2, window_left, window_right, batch, heads_q, num_m_blocks, section,
         GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         CONSUMERS=consumers, BLOCK_N=block_n, NUM_STAGES=num_stages,
         LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,

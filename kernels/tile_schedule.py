@@ -1,21 +1,29 @@
 """Tile schedule of the persistent Hopper forward: which (batch, head, query block) tiles each program
 runs, in what order, and how many sets of Q blocks it holds.
 
-A persistent launch has one program per SM (up to the number of tiles); program p runs tiles p,
-p + programs, p + 2 * programs, ... of one global order, derived from its id alone: a static schedule,
-with no counter in global memory to reset between launches. The order walks the (batch, head) pairs,
-heads inner, in sections whose K and V fit in L2 together (the programs running at one time share
-them); within a section it takes the query blocks longest first and, for each block, all of the
-section's pairs. Under a causal mask (any right bound) the last query blocks see the most keys, so the
-blocks go last to first and the launch ends on short tiles; with only a left window bound the first
-blocks are the longest. Two-sided windows give every block about the same length (shorter only at
-the edges), and so does no mask.
+A persistent launch has one program per SM (up to the number of tiles). The tiles have one global
+order: it walks the (batch, head) pairs, heads inner, in sections whose K and V fit in L2 together (the
+programs running at one time share them); within a section it takes the query blocks longest first and,
+for each block, all of the section's pairs. Under a causal mask (any right bound) the last query blocks
+see the most keys, so the blocks go last to first; with only a left window bound the first blocks are
+the longest. Two-sided windows give every block about the same length (shorter only at the edges), and
+so does no mask.
+
+The host deals the global order out to the programs (balanced_schedule): each tile in turn goes to the
+program with the least work so far, counted in key tiles, which is how a hardware scheduler hands out
+one-tile programs as SMs free up. Taking every program's p-th tile by stride instead (tiles p,
+p + programs, ...) costs 15-30% under a causal mask: each section restarts the long blocks, and the
+programs whose share lands on them run up to 1.3x the mean. The deal is a table in device memory,
+computed once per shape (schedule_table), that each program reads its slice of.
 
 tile_coords is the decoding the kernel runs (a triton.jit function: the Gluon kernel calls it, and the
-interpreter runs it on CPU); schedule() builds the same order from nested loops in plain Python, the
+interpreter runs it on CPU); tile_order() builds the same order from nested loops in plain Python, the
 reference the tests hold tile_coords to.
 """
 
+import heapq
+
+import torch
 import triton
 import triton.language as tl
 
@@ -68,18 +76,97 @@ def query_block(pid_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: t
     return m0, start, un_lo, un_hi, (end - start) // BLOCK_N
 
 
-def schedule(programs, batch, heads, num_m_blocks, section, longest_last):
-    """Tiles of each of ``programs`` programs in the order each runs them, as (batch, head, m_block).
+@triton.jit
+def scheduled_tiles(TILE_SCHEDULE):
+    """[first, last): where this program's tiles sit in the schedule table (schedule_table)."""
+    return tl.load(TILE_SCHEDULE + tl.program_id(0)), tl.load(TILE_SCHEDULE + tl.program_id(0) + 1)
+
+
+def tile_order(batch, heads, num_m_blocks, section, longest_last):
+    """Every (batch, head, query block) in the global order tile_coords decodes.
 
     Args:
-        programs: the grid; batch, heads: query (batch, head) pairs; num_m_blocks: query blocks per head;
-        section: pairs per L2 section; longest_last: blocks go last to first (causal).
+        batch, heads: query (batch, head) pairs; num_m_blocks: query blocks per head; section: pairs per
+        L2 section; longest_last: blocks go last to first (causal).
     """
     pairs = [(b, h) for b in range(batch) for h in range(heads)]
     blocks = range(num_m_blocks - 1, -1, -1) if longest_last else range(num_m_blocks)
-    order = [(b, h, m) for first in range(0, len(pairs), section) for m in blocks
-             for b, h in pairs[first:first + section]]
-    return [order[p::programs] for p in range(programs)]
+    return [(b, h, m) for first in range(0, len(pairs), section) for m in blocks
+            for b, h in pairs[first:first + section]]
+
+
+def block_key_tiles(num_m_blocks, seqlen_q, seqlen_k, window_left, window_right, block_m, block_n):
+    """Key tiles of each query block, as query_block counts them on the device (-1 = unbounded side)."""
+    diag, tiles = seqlen_k - seqlen_q, []
+    for m in range(num_m_blocks):
+        m0, last = m * block_m, min((m + 1) * block_m, seqlen_q) - 1
+        lo = min(max(0, m0 + diag - window_left), seqlen_k) if window_left >= 0 else 0
+        hi = max(min(seqlen_k, last + diag + window_right + 1), 0) if window_right >= 0 else seqlen_k
+        tiles.append(-(-hi // block_n) - lo // block_n)
+    return tiles
+
+
+# A tile's fixed work (its Q load, the epilogue's normalisation and output store) in key tiles, so that a
+# tile without keys still counts.
+TILE_OVERHEAD_KEY_TILES = 1
+
+
+def balanced_schedule(programs, tile_costs):
+    """Each program's tiles (indices into the global order, ascending): tile t goes to the program with the
+    least cost so far (the lowest-numbered among equals), so that the programs finish together.
+
+    Args:
+        tile_costs: the work of each tile of the global order, in key tiles.
+    """
+    loads = [(0, p) for p in range(programs)]
+    shares = [[] for _ in range(programs)]
+    for tile, cost in enumerate(tile_costs):
+        load, program = heapq.heappop(loads)
+        shares[program].append(tile)
+        heapq.heappush(loads, (load + cost + TILE_OVERHEAD_KEY_TILES, program))
+    return shares
+
+
+def schedule_table(programs, order, key_tiles):
+    """The table scheduled_tiles reads: programs + 1 offsets into the table itself, then every program's
+    tiles in turn (global indices, decoded by tile_coords).
+
+    Args:
+        order: tile_order's list; key_tiles: block_key_tiles' list for its query blocks.
+    """
+    shares = balanced_schedule(programs, [key_tiles[m] for _, _, m in order])
+    offsets = [programs + 1]
+    for share in shares:
+        offsets.append(offsets[-1] + len(share))
+    return offsets + [tile for share in shares for tile in share]
+
+
+_TABLES = {}
+MAX_TABLES = 64  # a training run launches a handful of shapes; a long-lived process must not grow without bound
+
+
+def device_schedule(device, programs, batch, heads, num_m_blocks, section, seqlen_q, seqlen_k, window_left,
+                    window_right, block_m, block_n):
+    """schedule_table's int32 tensor on ``device`` for one persistent launch, dealt once per shape; None while
+    a CUDA graph is being captured and this shape has none yet (a host-to-device copy cannot be captured):
+    the caller launches the one-tile grid then.
+
+    Args:
+        window_left, window_right: -1 = unbounded; causal is window_right = 0 (the blocks go last to first).
+    """
+    key = (device, programs, batch, heads, num_m_blocks, section, seqlen_q, seqlen_k, window_left, window_right,
+           block_m, block_n)
+    table = _TABLES.get(key)
+    if table is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        if len(_TABLES) >= MAX_TABLES:
+            _TABLES.clear()
+        order = tile_order(batch, heads, num_m_blocks, section, longest_last=window_right >= 0)
+        key_tiles = block_key_tiles(num_m_blocks, seqlen_q, seqlen_k, window_left, window_right, block_m, block_n)
+        table = _TABLES[key] = torch.tensor(schedule_table(programs, order, key_tiles), dtype=torch.int32,
+                                            device=device)
+    return table
 
 
 def section_pairs(seqlen_k, head_dim_pad, heads_q, heads_kv, element_size):

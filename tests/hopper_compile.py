@@ -28,7 +28,7 @@ from flashformer.kernels.tile_schedule import q_buffers
 FP32_POINTERS = {"LSE", "DELTA", "LSE_LOG2", "DLSE", "LSE_PART", "O_PART", "DQ_ACC", "LOSSES", "TOKEN_SCALE",
                  "ALIBI_SLOPES"}
 INT64_POINTERS = {"TARGETS", "DROPOUT_SEED"}
-INT32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K", "BLOCK_TABLE", "DQ_SEMAPHORES"}
+INT32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K", "BLOCK_TABLE", "DQ_SEMAPHORES", "TILE_SCHEDULE"}
 TMA_LOAD = r"cp\.async\.bulk\.tensor\.\w+\.shared::cluster\.global"
 TMA_STORE = r"cp\.async\.bulk\.tensor\.\w+\.global\.shared"
 FLOAT_SCALARS = {"qk_scale", "softcap_log2", "softmax_scale", "softcap", "dropout_rescale"}

@@ -1,8 +1,9 @@
 """The persistent Hopper forward's tile schedule (kernels/tile_schedule.py).
 
-The decoding the kernel's partitions run (tile_coords, then query_block's key tiles), executed by
-Triton's interpreter, must give every program the tiles of the plain-Python order, cover every
-(batch, head, query block) exactly once, and start the tiles of each L2 section longest first.
+The walk the kernel's partitions run (their slice of the schedule table, tile_coords, then query_block's
+key tiles), executed by Triton's interpreter, must give every program the tiles the host dealt it, cover
+every (batch, head, query block) exactly once, and keep each L2 section's tiles longest first; the deal
+must leave no program far above the mean.
 """
 
 import pytest
@@ -10,37 +11,40 @@ import torch
 import triton
 import triton.language as tl
 
-from flashformer.kernels.tile_schedule import L2_SECTION_BYTES, query_block, schedule, section_pairs, tile_coords
+from flashformer.kernels.tile_schedule import (L2_SECTION_BYTES, TILE_OVERHEAD_KEY_TILES, balanced_schedule,
+                                               block_key_tiles, device_schedule, query_block, scheduled_tiles,
+                                               section_pairs, tile_coords, tile_order)
 
 FIELDS = 4  # batch, head, query block, key tiles
 
 
 @triton.jit
-def _walk_schedule(OUT, batch_size, heads, num_m_blocks, section, max_tiles, seqlen_q, seqlen_k, window_left,
-                   window_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LEFT_BOUNDED: tl.constexpr,
-                   RIGHT_BOUNDED: tl.constexpr):
+def _walk_schedule(OUT, TILE_SCHEDULE, batch_size, heads, num_m_blocks, section, max_tiles, seqlen_q, seqlen_k,
+                   window_left, window_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr):
     """Each program's tiles in the order it runs them, as the persistent forward's partitions walk them."""
-    pid = tl.program_id(0)
-    index = 0
-    for tile in range(pid, batch_size * heads * num_m_blocks, tl.num_programs(0)):
+    first, last = scheduled_tiles(TILE_SCHEDULE)
+    for index in range(last - first):
+        tile = tl.load(TILE_SCHEDULE + first + index)
         batch, head, m_block = tile_coords(tile, num_m_blocks, heads, batch_size * heads, section, RIGHT_BOUNDED)
         _, _, _, _, key_tiles = query_block(m_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
                                             LEFT_BOUNDED, RIGHT_BOUNDED)
-        row = OUT + (pid * max_tiles + index) * 4
+        row = OUT + (tl.program_id(0) * max_tiles + index) * 4
         tl.store(row, batch)
         tl.store(row + 1, head)
         tl.store(row + 2, m_block)
         tl.store(row + 3, key_tiles)
-        index += 1
 
 
 def walk_schedule(programs, batch, heads, seqlen_q, seqlen_k, window, section, device, block_m=192, block_n=128):
-    """Per program, its (batch, head, m_block, key tiles) tiles as the kernel decodes them."""
+    """Per program, its (batch, head, m_block, key tiles) tiles as the kernel walks the table the launch makes."""
     num_m_blocks = triton.cdiv(seqlen_q, block_m)
-    max_tiles = triton.cdiv(batch * heads * num_m_blocks, programs)
+    table = device_schedule(torch.device(device), programs, batch, heads, num_m_blocks, section, seqlen_q, seqlen_k,
+                            window[0], window[1], block_m, block_n)
+    max_tiles = max(table[1:programs + 1] - table[:programs]).item()
     out = torch.full((programs, max_tiles, FIELDS), -1, dtype=torch.int32, device=device)
-    _walk_schedule[(programs,)](out, batch, heads, num_m_blocks, section, max_tiles, seqlen_q, seqlen_k, window[0],
-                                window[1], BLOCK_M=block_m, BLOCK_N=block_n, LEFT_BOUNDED=window[0] >= 0,
+    _walk_schedule[(programs,)](out, table, batch, heads, num_m_blocks, section, max_tiles, seqlen_q, seqlen_k,
+                                window[0], window[1], BLOCK_M=block_m, BLOCK_N=block_n, LEFT_BOUNDED=window[0] >= 0,
                                 RIGHT_BOUNDED=window[1] >= 0)
     return [[tuple(tile) for tile in rows.tolist() if tile[0] >= 0] for rows in out]
 
@@ -53,30 +57,50 @@ CASES = [(2, 3, 1000, 1000, (-1, 0), 5, 4), (2, 3, 1000, 1000, (-1, 0), 132, 6),
 
 
 @pytest.mark.parametrize("batch, heads, seqlen_q, seqlen_k, window, programs, section", CASES)
-def test_schedule_covers_every_tile_once_longest_first(batch, heads, seqlen_q, seqlen_k, window, programs, section,
-                                                      device):
+def test_schedule_covers_every_tile_once_as_dealt_longest_first(batch, heads, seqlen_q, seqlen_k, window, programs,
+                                                                section, device):
     num_m_blocks = triton.cdiv(seqlen_q, 192)
     programs = min(programs, batch * heads * num_m_blocks)
     walked = walk_schedule(programs, batch, heads, seqlen_q, seqlen_k, window, section, device)
-    expected = schedule(programs, batch, heads, num_m_blocks, section, longest_last=window[1] >= 0)
-    assert [[tile[:3] for tile in tiles] for tiles in walked] == expected
+    order = tile_order(batch, heads, num_m_blocks, section, longest_last=window[1] >= 0)
+    key_tiles = block_key_tiles(num_m_blocks, seqlen_q, seqlen_k, window[0], window[1], 192, 128)
+    shares = balanced_schedule(programs, [key_tiles[m] for _, _, m in order])
+    assert [[tile[:3] for tile in tiles] for tiles in walked] == [[order[t] for t in share] for share in shares]
+    # the host's count of each block's key tiles is the kernel's
+    assert all(tile[3] == key_tiles[tile[2]] for tiles in walked for tile in tiles)
+    assert all(share == sorted(share) for share in shares)  # every program walks the order forward
 
     every = sorted(tile[:3] for tiles in walked for tile in tiles)
     assert every == [(b, h, m) for b in range(batch) for h in range(heads) for m in range(num_m_blocks)]
 
-    # Global tile t is program t % programs's (t // programs)-th.
-    order = [walked[t % programs][t // programs] for t in range(len(every))]
     section_tiles = section * num_m_blocks
     for first in range(0, len(order), section_tiles):
-        lengths = [tile[3] for tile in order[first:first + section_tiles]]
+        lengths = [key_tiles[m] for _, _, m in order[first:first + section_tiles]]
         if window[0] >= 0 and window[1] >= 0:
             # Two-sided: a block's window is cut only at the sequence's ends, and where it falls on the
             # key tiles moves its count by one, so last to first is longest first up to that one tile.
             assert all(a >= b - 1 for i, a in enumerate(lengths) for b in lengths[i + 1:]), lengths
         else:
             assert lengths == sorted(lengths, reverse=True), (first, lengths)
-    if window == (-1, 0):
-        assert order[0][3] > order[-1][3]  # causal: the last tiles to start are the short ones
+
+
+# The H200's causal grid (16k tokens per call, 2048 / head_dim heads), and gpt2-124m's attention at 1k and 4k.
+BALANCE_CASES = [(32, 16, 512, 128), (16, 16, 1024, 128), (4, 16, 4096, 128), (1, 16, 16384, 128),
+                 (16, 12, 1024, 64), (16, 12, 4096, 64), (8, 32, 2048, 64), (16, 8, 1024, 256)]
+
+
+@pytest.mark.parametrize("batch, heads, seqlen, head_dim", BALANCE_CASES)
+def test_the_deal_leaves_no_program_far_above_the_mean(batch, heads, seqlen, head_dim):
+    """Causal, 128-row blocks and 128-key tiles over 132 programs: the busiest program has at most 5% more
+    work than the mean. Each program's p-th tile by stride left the busiest at 1.15-1.30x here."""
+    num_m_blocks = seqlen // 128
+    order = tile_order(batch, heads, num_m_blocks, section_pairs(seqlen, head_dim, heads, heads, 2), True)
+    key_tiles = block_key_tiles(num_m_blocks, seqlen, seqlen, -1, 0, 128, 128)
+    assert key_tiles == list(range(1, num_m_blocks + 1))
+    tile_key_tiles = [key_tiles[m] for _, _, m in order]
+    loads = [sum(tile_key_tiles[t] + TILE_OVERHEAD_KEY_TILES for t in share)
+             for share in balanced_schedule(132, tile_key_tiles)]
+    assert max(loads) <= 1.05 * sum(loads) / len(loads), (max(loads), sum(loads) / len(loads))
 
 
 @pytest.mark.parametrize("seqlen_k, head_dim_pad, heads_q, heads_kv", [(1024, 64, 32, 32), (16384, 128, 16, 16),
