@@ -215,12 +215,14 @@ GLUON_FORWARD_CONFIGS = {64: (128, 2, 3), 128: (128, 2, 2), 256: (64, 2, 2)}
 # padded head_dim: 1.03-1.17x the tl kernel at head_dim 128 and 1.14-1.38x at 256 over 1k-16k tokens; at 64
 # the persistent form is 1.11-1.32x tl from 1k (shorter lengths are unmeasured, so tl keeps them).
 GLUON_FORWARD_FROM_SEQLEN = {64: 1024, 128: 1, 256: 1}
-# Key lengths below which the persistent grid wins, per padded head_dim: with few K/V tiles per query tile
-# a program's own costs (launch, descriptors, barriers, the first loads, the ring's fill and drain) weigh,
-# and a persistent program hides them behind its previous tile. Measured on the H200 at 1k: 1.12-1.17x the
-# one-tile grid at head_dim 128, 1.26-1.58x at 64; at 128 it loses from 4k (0.77-0.93x, not yet profiled:
-# docs/perf-notes.md), at 64 it stays ahead or level to 16k. head_dim 256 is unmeasured.
-GLUON_PERSISTENT_BELOW_SEQLEN = {64: float("inf"), 128: 2048}
+# Key lengths below which the persistent grid wins, per (padded head_dim, causal): with few K/V tiles per
+# query tile a program's own costs (launch, descriptors, barriers, the first loads, the ring's fill and drain)
+# weigh, and a persistent program hides them behind its previous tile. Measured on the H200
+# (BENCHMARKS.md): without a mask 1.12-1.17x the one-tile grid at 1k and 0.77-0.93x from 4k at head_dim 128,
+# ahead or level to 16k at 64; causal, with the host's balanced schedule, 1.35x at 1k and 1.06x at 4k at 128
+# (0.99x at 16k), 1.20x / 1.01x / 1.04x at 1k / 4k / 16k at 256. head_dim 256 without a mask is unmeasured.
+GLUON_PERSISTENT_BELOW_SEQLEN = {(64, False): float("inf"), (64, True): float("inf"), (128, False): 2048,
+                                 (128, True): 16384, (256, True): float("inf")}
 
 
 def gluon_forward_config(head_dim_pad, seqlen_k, causal):
@@ -231,7 +233,7 @@ def gluon_forward_config(head_dim_pad, seqlen_k, causal):
             tiles differ in length.
     """
     block_n, num_stages, consumers = GLUON_FORWARD_CONFIGS[head_dim_pad]
-    persistent = seqlen_k < GLUON_PERSISTENT_BELOW_SEQLEN.get(head_dim_pad, 0)
+    persistent = seqlen_k < GLUON_PERSISTENT_BELOW_SEQLEN.get((head_dim_pad, causal), 0)
     if persistent and head_dim_pad == 64 and (causal or seqlen_k < 2048):
         # 128-row tiles: a causal launch's tiles then vary less in length, and at 1k the 192-row blocks'
         # ragged last block wastes a tenth of the work (two consumers 1.06-1.42x three there).
