@@ -28,7 +28,7 @@ from hbm_traffic import IMPLS, PASSES, child_command, exit_without_counters, ncu
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats", "Occupancy", "LaunchStats")
 DURATION = "gpu__time_duration.sum"
 REGISTERS = "launch__registers_per_thread"
-ISSUE_BUSY = "sm__inst_issued.avg.pct_of_peak_sustained_active"
+ISSUE_BUSY = "sm__issue_active.avg.pct_of_peak_sustained_elapsed"  # issue slots busy, as the H200's ncu names it
 WARPS_ACTIVE = "sm__warps_active.avg.pct_of_peak_sustained_active"
 # the tensor pipe's share of active cycles: gmma (wgmma) on Hopper, hmma (mma) elsewhere; the busier one counts
 TENSOR_PIPE = re.compile(r"sm__pipe_tensor_op_[a-z]+_cycles_active\.avg\.pct_of_peak_sustained_active$")

@@ -384,7 +384,7 @@ NCU_RAW_CSV = """\
 ==PROF== Profiling "attn_bwd_dq" - 1: 0%....50%....100% - 38 passes
 ==PROF== Disconnected from process 4242
 "ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC",\
-"gpu__time_duration.sum","launch__registers_per_thread","sm__inst_issued.avg.pct_of_peak_sustained_active",\
+"gpu__time_duration.sum","launch__registers_per_thread","sm__issue_active.avg.pct_of_peak_sustained_elapsed",\
 "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",\
 "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active","sm__warps_active.avg.pct_of_peak_sustained_active",\
 "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",\
