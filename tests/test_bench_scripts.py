@@ -48,6 +48,18 @@ def test_lognormal_lengths_mix_short_and_long_documents(bench):
         assert any(n % 64 for n in lengths)  # not aligned to any kernel block size
 
 
+def test_cudnn_deterministic_flag_holds_for_the_block_and_is_restored(bench):
+    import torch
+    before = torch.backends.cudnn.deterministic
+    with bench.cudnn_deterministic(not before):
+        assert torch.backends.cudnn.deterministic is (not before)
+    assert torch.backends.cudnn.deterministic is before
+    with pytest.raises(RuntimeError), bench.cudnn_deterministic(True):
+        raise RuntimeError("a refused shape")
+    assert torch.backends.cudnn.deterministic is before
+    assert bench.CUDNN_DETERMINISTIC not in bench.SDPA_BACKENDS  # "best SDPA" stays the default flags' cuDNN
+
+
 def test_bad_arguments_raise(bench):
     with pytest.raises(ValueError):
         bench.document_lengths(0)
