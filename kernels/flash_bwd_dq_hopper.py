@@ -26,7 +26,7 @@ DQ_ROWS = gl.constexpr(64)
 
 @gluon.jit
 def _dq_load_partition(q_base, do_base, k_base, v_base, stride_qs, stride_dos, stride_ks, stride_vs, seqlen_q,
-                       seqlen_k, q_smem, do_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, m0,
+                       seqlen_k, q_smem, do_smem, k_smem, v_smem, q_bars, k_ready, v_ready, slot_empty, m0,
                        start, num_tiles, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
                        NUM_STAGES: gl.constexpr, Q_SMEM: gl.constexpr, KV_SMEM: gl.constexpr):
     q_desc = _rows_descriptor(q_base, seqlen_q, stride_qs, DQ_ROWS, HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
@@ -41,18 +41,16 @@ def _dq_load_partition(q_base, do_base, k_base, v_base, stride_qs, stride_dos, s
     for j in range(num_tiles):
         stage = j % NUM_STAGES
         n0 = start + j * BLOCK_N
-        free_phase = ((j // NUM_STAGES) & 1) ^ 1
-        mbarrier.wait(k_empty.index(stage), free_phase, pred=j >= NUM_STAGES)
+        mbarrier.wait(slot_empty.index(stage), ((j // NUM_STAGES) & 1) ^ 1, pred=j >= NUM_STAGES)
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [n0, 0], k_ready.index(stage), k_smem.index(stage))
-        mbarrier.wait(v_empty.index(stage), free_phase, pred=j >= NUM_STAGES)
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [n0, 0], v_ready.index(stage), v_smem.index(stage))
 
 
 @gluon.jit
 def _dq_consume_partition(CONSUMER: gl.constexpr, dq_base, stride_dqs, lse_row, delta_row, q_smem, do_smem, k_smem,
-                          v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, m0, start, un_lo, un_hi, num_tiles,
+                          v_smem, q_bars, k_ready, v_ready, slot_empty, m0, start, un_lo, un_hi, num_tiles,
                           seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2, window_left, window_right,
                           HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
                           NUM_STAGES: gl.constexpr, LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr,
@@ -98,14 +96,13 @@ def _dq_consume_partition(CONSUMER: gl.constexpr, dq_base, stride_dqs, lse_row, 
                            window_right, LEFT_BOUNDED, RIGHT_BOUNDED)
             p = gl.where(keep, p, 0.0)
         dp = warpgroup_mma_wait(0, deps=[dp])
-        mbarrier.arrive(v_empty.index(stage), count=1)
         ds = p * dp
         if HAS_SOFTCAP:
             ds = ds * (1.0 - tanh_s * tanh_s)
         ds_op = gl.convert_layout(ds.to(dtype), A_LAYOUT)
         dq = warpgroup_mma(ds_op, k_tile, dq, is_async=True)
         dq, ds_op = warpgroup_mma_wait(0, deps=[dq, ds_op])
-        mbarrier.arrive(k_empty.index(stage), count=1)
+        mbarrier.arrive(slot_empty.index(stage), count=1)
 
     # Q is read by no product any more: its tile stages dQ.
     q_tile.store((dq * softmax_scale).to(dtype))
@@ -154,31 +151,31 @@ def _attn_bwd_dq_hopper_kernel(
     q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    # A slot's K and V tiles are released together, once dQ's product has read K (flash_bwd_hopper.py's
+    # dK/dV kernel says why).
+    slot_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(2):
         mbarrier.init(q_bars.index(c), count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(slot_empty.index(i), count=2)
     start, un_lo, un_hi, end = key_range(m0, seqlen_q, seqlen_k, window_left, window_right,
                                          BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
     num_tiles = (end - start) // BLOCK_N
     gl.warp_specialize([
         (_dq_consume_partition, (0, dq_base, stride_dqs, lse_row, delta_row, q_smem, do_smem, k_smem, v_smem,
-                                 q_bars, k_ready, v_ready, k_empty, v_empty, m0, start, un_lo, un_hi, num_tiles,
+                                 q_bars, k_ready, v_ready, slot_empty, m0, start, un_lo, un_hi, num_tiles,
                                  seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2, window_left,
                                  window_right, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, LEFT_BOUNDED,
                                  RIGHT_BOUNDED, HAS_SOFTCAP, Q_SMEM)),
         (_dq_consume_partition, (1, dq_base, stride_dqs, lse_row, delta_row, q_smem, do_smem, k_smem, v_smem,
-                                 q_bars, k_ready, v_ready, k_empty, v_empty, m0, start, un_lo, un_hi, num_tiles,
+                                 q_bars, k_ready, v_ready, slot_empty, m0, start, un_lo, un_hi, num_tiles,
                                  seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2, window_left,
                                  window_right, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, LEFT_BOUNDED,
                                  RIGHT_BOUNDED, HAS_SOFTCAP, Q_SMEM)),
         (_dq_load_partition, (q_base, do_base, k_base, v_base, stride_qs, stride_dos, stride_ks, stride_vs, seqlen_q,
-                              seqlen_k, q_smem, do_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
+                              seqlen_k, q_smem, do_smem, k_smem, v_smem, q_bars, k_ready, v_ready, slot_empty,
                               m0, start, num_tiles, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, Q_SMEM, KV_SMEM)),
     ], [CONSUMER_WARPS, 1], [240, 24])
 

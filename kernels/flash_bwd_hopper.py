@@ -32,6 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .flash_fwd_hopper import _mma_layout, _rows_descriptor, unspecialised_jit
 from .launch import ensure_allocator, launcher
+from .bwd_stats import STATS_ROWS
 from .dq_reduce_hopper import add_dq_share, heads_descriptor, release_dq_share, tma_view
 from .tile_ops import last_key_block, query_range, tanh, visible
 
@@ -51,7 +52,7 @@ DQ_UNORDERED = gl.constexpr(2)
 @gluon.jit
 def _dkdv_load_partition(q_base, do_base, k_base, v_base, stride_qh, stride_qs, stride_doh, stride_dos, stride_ks,
                          stride_vs, seqlen_q, seqlen_k, q_smem, do_smem, k_smem, v_smem, kv_bars, q_ready, do_ready,
-                         q_empty, do_empty, n0, start, tiles_per_head,
+                         slot_empty, n0, start, tiles_per_head,
                          GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
                          BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_HEAD_DIM: gl.constexpr,
                          QO_TMA: gl.constexpr, KV_SMEM: gl.constexpr):
@@ -70,12 +71,10 @@ def _dkdv_load_partition(q_base, do_base, k_base, v_base, stride_qh, stride_qs, 
         head = i // tiles_per_head
         m0 = start + (i - head * tiles_per_head) * BLOCK_M
         # The slot's previous use (tile i - NUM_STAGES) must be released by both consumers first.
-        free_phase = ((i // NUM_STAGES) & 1) ^ 1
-        mbarrier.wait(q_empty.index(stage), free_phase, pred=i >= NUM_STAGES)
+        mbarrier.wait(slot_empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1, pred=i >= NUM_STAGES)
         mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [head, m0, 0], q_ready.index(stage),
                                         tma_view(q_smem.index(stage)))
-        mbarrier.wait(do_empty.index(stage), free_phase, pred=i >= NUM_STAGES)
         mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(do_desc, [head, m0, 0], do_ready.index(stage),
                                         tma_view(do_smem.index(stage)))
@@ -92,7 +91,7 @@ def distinct_registers(x):
 @gluon.jit
 def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks, stride_dvs, lse_group,
                             delta_group, stride_lse_h, q_smem, do_smem, k_smem, v_smem, kv_bars, pair_bars, q_ready,
-                            do_ready, q_empty, do_empty, n0, start, un_lo, un_hi, tiles_per_head, seqlen_q, seqlen_k,
+                            do_ready, slot_empty, n0, start, un_lo, un_hi, tiles_per_head, seqlen_q, seqlen_k,
                             softmax_scale, qk_scale, softcap_log2, window_left, window_right, ds_smem, dq_smem,
                             dq_group, stride_dqs, stride_dqh, semaphore_group, q_tiles,
                             GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
@@ -142,25 +141,21 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
         m0 = start + (i - head * tiles_per_head) * BLOCK_M
         q_tile = q_smem.index(stage)
         do_tile = do_smem.index(stage)
-        # Loaded one row per thread, then spread to S^T's columns: pointers in S^T's layout would hold
-        # 64-bit addresses for each of a thread's columns.
-        row_offsets = gl.arange(0, BLOCK_M, layout=ROW_VECTOR)
-        in_seq = m0 + row_offsets < seqlen_q
-        stats_offset = head * stride_lse_h + m0
+        # The row statistics are loaded straight into S^T's column layout: a row vector converted there
+        # goes through shared memory behind two barriers of the warpgroup, twice per query tile. Each
+        # head's rows are padded to STATS_ROWS (+inf / 0 past the end), so no mask.
+        stats = head * stride_lse_h + m0 + gl.arange(0, BLOCK_M, layout=QUERIES)
 
         # dP^T's accumulator starts at -delta, so the product is dP^T - delta: no delta row vector stays
         # live beside the four accumulator tiles. It is filled before S^T is issued: ptxas serialises
         # the two products if registers are written between them.
-        delta = gl.convert_layout(gl.load(delta_group + stats_offset + row_offsets, mask=in_seq, other=0.0),
-                                  QUERIES)
+        delta = gl.load(delta_group + stats)
         dp_t = distinct_registers(st_zero - gl.expand_dims(delta, 0))
         mbarrier.wait(q_ready.index(stage), phase)
         s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         mbarrier.wait(do_ready.index(stage), phase)
         dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), dp_t, is_async=True)
-        # Rows past the end: lse = +inf, so p = 0 and they add nothing.
-        lse_log2 = gl.convert_layout(
-            gl.load(lse_group + stats_offset + row_offsets, mask=in_seq, other=float("inf")), QUERIES)
+        lse_log2 = gl.load(lse_group + stats)  # +inf past the end: p = 0 there
         s_t = warpgroup_mma_wait(1, deps=[s_t])
         s_t = s_t * qk_scale
         if HAS_SOFTCAP:
@@ -175,7 +170,6 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
         p_op = gl.convert_layout(p_t.to(dtype), A_LAYOUT)
         dv = warpgroup_mma(p_op, do_tile.slice(OUT_COL, OUT_DIM, dim=1), dv, is_async=True)
         dv, dp_t, p_op = warpgroup_mma_wait(0, deps=[dv, dp_t, p_op])
-        mbarrier.arrive(do_empty.index(stage), count=1)
         ds_t = p_t * dp_t
         if HAS_SOFTCAP:
             ds_t = ds_t * (1.0 - tanh_t * tanh_t)
@@ -183,7 +177,7 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
             ds_op = gl.convert_layout(ds_t.to(dtype), A_LAYOUT)
             dk = warpgroup_mma(ds_op, q_tile.slice(OUT_COL, OUT_DIM, dim=1), dk, is_async=True)
             dk, ds_op = warpgroup_mma_wait(0, deps=[dk, ds_op])
-            mbarrier.arrive(q_empty.index(stage), count=1)
+            mbarrier.arrive(slot_empty.index(stage), count=1)
         else:
             # dS^T goes through shared memory: as stored it is dK's A operand, and its permuted view
             # (dS, BLOCK_M x keys, MN-major) dQ's; the previous tile's products that read it (DQ_SPLIT: both
@@ -204,7 +198,7 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
                 dq = warpgroup_mma(ds_smem.index(tile).permute((1, 0)), k_smem.index(tile).slice(DQ_COL, DQ_DIM, dim=1),
                                    dq, use_acc=part > 0, is_async=True)
             dk = warpgroup_mma_wait(DQ_PARTS, deps=[dk])
-            mbarrier.arrive(q_empty.index(stage), count=1)
+            mbarrier.arrive(slot_empty.index(stage), count=1)
             dq = warpgroup_mma_wait(0, deps=[dq])
             if DQ_SPLIT:
                 mbarrier.arrive(ds_free, count=1)
@@ -260,6 +254,7 @@ def _attn_bwd_dkdv_hopper_kernel(
 ):
     KV_TILES: gl.constexpr = 1 if SPLIT_HEAD_DIM else 2
     gl.static_assert((BLOCK_N == KV_TILES * CONSUMER_KEYS) & ((DQ_MODE != DQ_SEPARATE) | (not DQ_SPLIT)))
+    gl.static_assert(STATS_ROWS % BLOCK_M == 0)  # the query tiles end inside the row statistics' padding
     dtype: gl.constexpr = Q.dtype.element_ty
     n0 = gl.program_id(0) * BLOCK_N
     if DQ_MODE == DQ_ORDERED:
@@ -295,8 +290,9 @@ def _attn_bwd_dkdv_hopper_kernel(
     pair_bars = gl.allocate_shared_memory(gl.int64, [3 if DQ_SPLIT else 1, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    do_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    # A slot's Q and dO tiles are released together, once dK's product has read Q: a consumer's arrive
+    # (one thread, behind a barrier of its warpgroup) costs the next shared-memory access a barrier too.
+    slot_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(KV_TILES):
         mbarrier.init(kv_bars.index(c), count=1)
     for b in gl.static_range(3 if DQ_SPLIT else 1):
@@ -304,8 +300,7 @@ def _attn_bwd_dkdv_hopper_kernel(
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)
-        mbarrier.init(do_empty.index(i), count=2)
+        mbarrier.init(slot_empty.index(i), count=2)
     start, un_lo, un_hi, end = query_range(n0, seqlen_q, seqlen_k, window_left, window_right,
                                            BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
     tiles_per_head = (end - start) // BLOCK_M
@@ -313,12 +308,12 @@ def _attn_bwd_dkdv_hopper_kernel(
     gl.warp_specialize(
         [(_dkdv_load_partition, (q_base, do_base, k_base, v_base, stride_qh, stride_qs, stride_doh, stride_dos,
                                  stride_ks, stride_vs, seqlen_q, seqlen_k, q_smem, do_smem, k_smem, v_smem, kv_bars,
-                                 q_ready, do_ready, q_empty, do_empty, n0, start, tiles_per_head, GROUP, HEAD_DIM,
+                                 q_ready, do_ready, slot_empty, n0, start, tiles_per_head, GROUP, HEAD_DIM,
                                  HEAD_DIM_PAD, BLOCK_M, NUM_STAGES, SPLIT_HEAD_DIM, QO_TMA, KV_SMEM))
          if c == 2 else
          (_dkdv_consume_partition, (c, dk_base, dv_base, stride_dks, stride_dvs, lse_group, delta_group,
                                     stride_lse_h, q_smem, do_smem, k_smem, v_smem, kv_bars, pair_bars, q_ready,
-                                    do_ready, q_empty, do_empty, n0, start, un_lo, un_hi, tiles_per_head, seqlen_q,
+                                    do_ready, slot_empty, n0, start, un_lo, un_hi, tiles_per_head, seqlen_q,
                                     seqlen_k, softmax_scale, qk_scale, softcap_log2, window_left, window_right,
                                     ds_smem, dq_smem, dq_group, stride_dqs, stride_dqh, semaphore_group, q_tiles,
                                     GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, NUM_STAGES, LEFT_BOUNDED,
