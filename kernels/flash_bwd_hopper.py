@@ -1,18 +1,15 @@
 """FlashAttention backward for Hopper (sm_90) in Gluon: flash_bwd.py's dK/dV kernel (the dQ kernel is in
-flash_bwd_dq_hopper.py), scheduled by hand as FlashAttention-3 does it. flash_bwd.py's preprocess forms the row
-statistics (delta, lse in log2 units) first; then two launches, each a producer warp (24 registers, TMA into a ring of
-NUM_STAGES slots, "ready" and "empty" mbarriers per slot and tensor) and two consumer warpgroups (240 registers each,
-setmaxnreg) that release slots on their own, so they drift apart and one's products overlap the other's exponentials.
+flash_bwd_dq_hopper.py), scheduled by hand as FlashAttention-3 does it, after flash_bwd.py's preprocess (delta, lse in
+log2 units). Each launch: a producer warp (24 registers, TMA into a ring of NUM_STAGES slots, a "ready" mbarrier per
+tile, one "empty" per slot) and two consumer warpgroups (240 registers, setmaxnreg) that drift apart, so that one's
+products overlap the other's exponentials.
 
 dK/dV: a program owns BLOCK_N = 128 keys of one kv head (64 at head_dim 256, see SPLIT_HEAD_DIM_ABOVE) and walks the
-query tiles that see them, for every query head of its GQA group (one loop inside the program: deterministic, no
-atomics). The producer streams Q and dO tiles; a consumer owns 64 keys and, per query tile, issues S^T = K Q^T and
-dP^T - delta = V dO^T - delta (its accumulator starts at -delta) back to back as asynchronous wgmma, waits for S^T
-alone and forms P^T while dP^T is still on the tensor cores, then dV += P^T dO, dS^T = P^T (dP^T - delta) and
-dK += dS^T Q, P^T and dS^T in registers as the A operands.
-
-Each product's register operand is waited for before its registers are reused. Semantics as flash_bwd.py's (bottom-
-right causal, windows, softcap, GQA, the lse gradient through delta); keys and rows past the ends get p = 0, dS = 0.
+query tiles that see them, for every query head of its GQA group in one loop (deterministic, no atomics). A consumer
+owns 64 keys; per query tile it issues S^T = K Q^T and dP^T - delta = V dO^T - delta (accumulator started at -delta)
+as asynchronous wgmma, forms P^T while dP^T runs, issues dV += P^T dO, forms dS^T = P^T (dP^T - delta) while dV runs,
+then dK += dS^T Q; P^T and dS^T are register A operands, kept live until their product is waited for. Semantics as
+flash_bwd.py's (bottom-right causal, windows, softcap, GQA, the lse gradient); keys and rows past the ends get p = 0.
 
 Fused (DQ_MODE, launch_fused; deterministic=False's form where tuning.gluon_backward_form has it): a consumer also adds
 its share of the query tile's dQ, dS K from dS^T in shared memory, into an fp32 accumulator by one TMA reduction
@@ -81,6 +78,16 @@ def _dkdv_load_partition(q_base, do_base, k_base, v_base, stride_qh, stride_qs, 
 
 
 @gluon.jit
+def _row_stats(base, first_row, BLOCK_M: gl.constexpr, QUERIES: gl.constexpr, ROW_VECTOR: gl.constexpr,
+               DIRECT: gl.constexpr):
+    """BLOCK_M row statistics from base + first_row on, in S^T's columns' layout (rows padded to STATS_ROWS: no mask).
+    DIRECT: loaded so; else a row per thread, converted via shared memory (two barriers; fewer spills when fused)."""
+    if DIRECT:
+        return gl.load(base + (first_row + gl.arange(0, BLOCK_M, layout=QUERIES)))
+    return gl.convert_layout(gl.load(base + (first_row + gl.arange(0, BLOCK_M, layout=ROW_VECTOR))), QUERIES)
+
+
+@gluon.jit
 def distinct_registers(x):
     """``x`` with every element in a register of its own. A wgmma accumulator that repeats values (a
     broadcast row) gets register copies emitted right before the product, where ptxas then waits for
@@ -141,21 +148,18 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
         m0 = start + (i - head * tiles_per_head) * BLOCK_M
         q_tile = q_smem.index(stage)
         do_tile = do_smem.index(stage)
-        # The row statistics are loaded straight into S^T's column layout: a row vector converted there
-        # goes through shared memory behind two barriers of the warpgroup, twice per query tile. Each
-        # head's rows are padded to STATS_ROWS (+inf / 0 past the end), so no mask.
-        stats = head * stride_lse_h + m0 + gl.arange(0, BLOCK_M, layout=QUERIES)
+        stats = head * stride_lse_h + m0
 
         # dP^T's accumulator starts at -delta, so the product is dP^T - delta: no delta row vector stays
         # live beside the four accumulator tiles. It is filled before S^T is issued: ptxas serialises
         # the two products if registers are written between them.
-        delta = gl.load(delta_group + stats)
+        delta = _row_stats(delta_group, stats, BLOCK_M, QUERIES, ROW_VECTOR, DQ_MODE == DQ_SEPARATE)
         dp_t = distinct_registers(st_zero - gl.expand_dims(delta, 0))
         mbarrier.wait(q_ready.index(stage), phase)
         s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         mbarrier.wait(do_ready.index(stage), phase)
         dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), dp_t, is_async=True)
-        lse_log2 = gl.load(lse_group + stats)  # +inf past the end: p = 0 there
+        lse_log2 = _row_stats(lse_group, stats, BLOCK_M, QUERIES, ROW_VECTOR, DQ_MODE == DQ_SEPARATE)
         s_t = warpgroup_mma_wait(1, deps=[s_t])
         s_t = s_t * qk_scale
         if HAS_SOFTCAP:
@@ -169,14 +173,17 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
             p_t = gl.where(keep, p_t, 0.0)
         p_op = gl.convert_layout(p_t.to(dtype), A_LAYOUT)
         dv = warpgroup_mma(p_op, do_tile.slice(OUT_COL, OUT_DIM, dim=1), dv, is_async=True)
-        dv, dp_t, p_op = warpgroup_mma_wait(0, deps=[dv, dp_t, p_op])
+        if DQ_MODE == DQ_SEPARATE:  # dV's product runs on while dS^T is formed
+            dp_t = warpgroup_mma_wait(1, deps=[dp_t])
+        else:  # the fused forms' dS^T tile and dQ share leave no registers for it (ptxas spills 100 B more)
+            dv, dp_t, p_op = warpgroup_mma_wait(0, deps=[dv, dp_t, p_op])
         ds_t = p_t * dp_t
         if HAS_SOFTCAP:
             ds_t = ds_t * (1.0 - tanh_t * tanh_t)
         if DQ_MODE == DQ_SEPARATE:
             ds_op = gl.convert_layout(ds_t.to(dtype), A_LAYOUT)
             dk = warpgroup_mma(ds_op, q_tile.slice(OUT_COL, OUT_DIM, dim=1), dk, is_async=True)
-            dk, ds_op = warpgroup_mma_wait(0, deps=[dk, ds_op])
+            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv, dk, p_op, ds_op])
             mbarrier.arrive(slot_empty.index(stage), count=1)
         else:
             # dS^T goes through shared memory: as stored it is dK's A operand, and its permuted view
@@ -290,8 +297,7 @@ def _attn_bwd_dkdv_hopper_kernel(
     pair_bars = gl.allocate_shared_memory(gl.int64, [3 if DQ_SPLIT else 1, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    # A slot's Q and dO tiles are released together, once dK's product has read Q: a consumer's arrive
-    # (one thread, behind a barrier of its warpgroup) costs the next shared-memory access a barrier too.
+    # A slot's Q and dO are released together, after dK's product: each arrive costs two warpgroup barriers.
     slot_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(KV_TILES):
         mbarrier.init(kv_bars.index(c), count=1)
@@ -322,10 +328,9 @@ def _attn_bwd_dkdv_hopper_kernel(
         [CONSUMER_WARPS, 1], [240, 24])
 
 
-# (BLOCK_M, NUM_STAGES) per padded head_dim, FlashAttention-3's tile: two stages of Q and dO tiles plus the K and V
-# tiles take 66-196 KB of shared memory. Registers bound BLOCK_M: a consumer holds S^T and dP^T (64 x BLOCK_M fp32
-# each) beside its dK and dV columns (64 x 128 fp32 each at head_dim 128 and 256). There ptxas spills a few scalars
-# (under 128 B, stored before the query loop, reloaded after it); softcap's tanh tile (64 x BLOCK_M) needs BLOCK_M 32.
+# (BLOCK_M, NUM_STAGES) per padded head_dim, FlashAttention-3's tile: two stages of Q and dO tiles plus K and V take
+# 66-196 KB of shared memory. Registers bound BLOCK_M: a consumer holds S^T and dP^T (64 x BLOCK_M fp32 each) beside
+# its dK and dV columns (64 x 128 fp32 each); softcap's tanh tile (64 x BLOCK_M) needs BLOCK_M 32.
 CONFIGS = {64: (64, 2), 128: (64, 2), 256: (64, 2)}
 SOFTCAP_BLOCK_M = {64: 64, 128: 32, 256: 32}
 
