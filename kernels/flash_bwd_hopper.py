@@ -29,7 +29,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .flash_fwd_hopper import _mma_layout, _rows_descriptor, unspecialised_jit
 from .launch import ensure_allocator, launcher
-from .bwd_stats import STATS_ROWS
 from .dq_reduce_hopper import add_dq_share, heads_descriptor, release_dq_share, tma_view
 from .tile_ops import last_key_block, query_range, tanh, visible
 
@@ -261,7 +260,6 @@ def _attn_bwd_dkdv_hopper_kernel(
 ):
     KV_TILES: gl.constexpr = 1 if SPLIT_HEAD_DIM else 2
     gl.static_assert((BLOCK_N == KV_TILES * CONSUMER_KEYS) & ((DQ_MODE != DQ_SEPARATE) | (not DQ_SPLIT)))
-    gl.static_assert(STATS_ROWS % BLOCK_M == 0)  # the query tiles end inside the row statistics' padding
     dtype: gl.constexpr = Q.dtype.element_ty
     n0 = gl.program_id(0) * BLOCK_N
     if DQ_MODE == DQ_ORDERED:
