@@ -4,7 +4,7 @@
 # as $OUT/results.tgz (and $OUT/tuned_configs.json after the tune stage).
 # Usage on the device machine: bash scripts/h200_check.sh [stage ...]   (default: all stages)
 # Stages: readme quick compile slow tune descriptors decode generate attention varlen first-call host fused-bwd counters
-# train train-chunked memory pi longctx-2m longctx-wait
+# determinism train train-chunked memory pi longctx-2m longctx-wait
 # Each stage's limit fits one 10-minute device call with its neighbours: pi beside (half of) slow, quick + tune +
 # attention + varlen + decode when narrowed. Two instances may run at once on a machine of two GPUs
 # (CUDA_VISIBLE_DEVICES=0 / 1, the second started a few seconds later), each with its own RES (results
@@ -56,6 +56,9 @@ for stage in "${stages[@]}"; do
     counters) # Nsight Compute's counters per kernel of one backward (ours, deterministic=False, cuDNN): COUNTERS_ARGS
             timeout 540 python3 scripts/kernel_counters.py ${COUNTERS_ARGS:-} --out "$RES/kernel_counters.json" 2>&1 \
               | tee "$RES/kernel_counters.log" | grep "^|\|error" ;;
+    determinism) # each backward run 20 times: runs whose gradients differ in any bit, and the kernels each launches
+            timeout 120 python3 scripts/check_determinism.py --out "$RES/determinism.json" 2>&1 \
+              | tee "$RES/determinism.log" | grep "^|\|^[0-9]" ;;
     compile) FLASHFORMER_AUTOTUNE=0 timeout 60 python3 -m pytest tests/test_kernels_flash.py -k compile -q \
               -p no:cacheprovider -W ignore 2>&1 | tail -2 ;;  # also part of quick
     slow)   # SIGINT at the limit: pytest stops and prints its counts. -v names every result as it lands:

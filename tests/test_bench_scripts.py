@@ -546,3 +546,43 @@ def test_host_bench_shapes_parse_and_its_table_shows_host_over_device():
     table = host.markdown([row, {"shape": "1x1x1x16", "mode": "direct", "error": "boom"}]).splitlines()
     assert table[2] == "| 15x1024x16x128 | direct | ours forward | 0.500 | 0.250 | 2.00 |"
     assert table[-1].startswith("| 1x1x1x16 | direct | error: boom |")
+
+
+@pytest.fixture(scope="module")
+def determinism(bench):  # check_determinism imports bench_attention, loaded by the bench fixture
+    return _load_script("check_determinism")
+
+
+class _NoisyGradient(torch.autograd.Function):
+    """The identity, whose backward adds fresh noise to the gradient: a nondeterministic backward in one input."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad + 1e-9 * torch.randn_like(grad)
+
+
+def _exact_attention(q, k, v, causal):
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k)
+    if causal:
+        scores = scores.masked_fill(torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+
+
+def test_determinism_check_counts_only_the_runs_that_differ(determinism):
+    """Exact attention on CPU repeats bit for bit; with noise added to dk's gradient every run differs there only."""
+    q, k, v, grad_out = (torch.randn(2, 33, 2, 16, dtype=torch.float64) for _ in range(4))
+    assert determinism.repeatability(_exact_attention, q, k, v, True, grad_out, runs=3) == ([0, 0, 0], [0.0] * 3)
+    noisy_dk = lambda q, k, v, causal: _exact_attention(q, _NoisyGradient.apply(k), v, causal)  # noqa: E731
+    differing, largest = determinism.repeatability(noisy_dk, q, k, v, True, grad_out, runs=3)
+    assert differing == [0, 3, 0] and 0.0 < largest[1] < 1e-7
+
+
+def test_determinism_check_rejects_bad_arguments(determinism, capsys):
+    for argv, name in ((["--shape", "4x4096x16"], "--shape"), (["--runs", "0"], "--runs")):
+        with pytest.raises(SystemExit):
+            determinism.main(argv)
+        assert name in capsys.readouterr().err
