@@ -1,8 +1,8 @@
 """FlashAttention backward for Hopper (sm_90) in Gluon: flash_bwd.py's dK/dV kernel (the dQ kernel is in
 flash_bwd_dq_hopper.py), scheduled by hand as FlashAttention-3 does it, after flash_bwd.py's preprocess (delta, lse in
 log2 units). Each launch: a producer warp (24 registers, TMA into a ring of NUM_STAGES slots, a "ready" mbarrier per
-tile, one "empty" per slot) and two consumer warpgroups (240 registers, setmaxnreg) that drift apart, so that one's
-products overlap the other's exponentials.
+tile, one "empty" per slot; in dK/dV a query tile's delta and lse ride with its Q and dO) and two consumer warpgroups
+(240 registers, setmaxnreg) that drift apart, so that one's products overlap the other's exponentials.
 
 dK/dV: a program owns BLOCK_N = 128 keys of one kv head (64 at head_dim 256, see SPLIT_HEAD_DIM_ABOVE) and walks the
 query tiles that see them, for every query head of its GQA group in one loop (deterministic, no atomics). A consumer
@@ -46,10 +46,10 @@ DQ_UNORDERED = gl.constexpr(2)
 
 
 @gluon.jit
-def _dkdv_load_partition(q_base, do_base, k_base, v_base, stride_qh, stride_qs, stride_doh, stride_dos, stride_ks,
-                         stride_vs, seqlen_q, seqlen_k, q_smem, do_smem, k_smem, v_smem, kv_bars, q_ready, do_ready,
-                         slot_empty, n0, start, tiles_per_head,
-                         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+def _dkdv_load_partition(q_base, do_base, k_base, v_base, lse_group, delta_group, stride_qh, stride_qs, stride_doh,
+                         stride_dos, stride_ks, stride_vs, stride_lse_h, seqlen_q, seqlen_k, q_smem, do_smem, k_smem,
+                         v_smem, lse_smem, delta_smem, kv_bars, q_ready, do_ready, slot_empty, n0, start,
+                         tiles_per_head, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
                          BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_HEAD_DIM: gl.constexpr,
                          QO_TMA: gl.constexpr, KV_SMEM: gl.constexpr):
     q_desc = heads_descriptor(q_base, GROUP, seqlen_q, stride_qh, stride_qs, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, QO_TMA)
@@ -57,6 +57,9 @@ def _dkdv_load_partition(q_base, do_base, k_base, v_base, stride_qh, stride_qs, 
                                 QO_TMA)
     k_desc = _rows_descriptor(k_base, seqlen_k, stride_ks, CONSUMER_KEYS, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
     v_desc = _rows_descriptor(v_base, seqlen_k, stride_vs, CONSUMER_KEYS, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
+    # The group's row statistics as one run of rows (each head's padded to STATS_ROWS), BLOCK_M rows a copy.
+    lse_desc = tma.make_tensor_descriptor(lse_group, [GROUP * stride_lse_h], [1], [BLOCK_M], lse_smem.layout)
+    delta_desc = tma.make_tensor_descriptor(delta_group, [GROUP * stride_lse_h], [1], [BLOCK_M], lse_smem.layout)
     for c in gl.static_range(1 if SPLIT_HEAD_DIM else 2):
         bar = kv_bars.index(c)
         mbarrier.expect(bar, 2 * k_desc.block_type.nbytes)
@@ -68,20 +71,17 @@ def _dkdv_load_partition(q_base, do_base, k_base, v_base, stride_qh, stride_qs, 
         m0 = start + (i - head * tiles_per_head) * BLOCK_M
         # The slot's previous use (tile i - NUM_STAGES) must be released by both consumers first.
         mbarrier.wait(slot_empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1, pred=i >= NUM_STAGES)
-        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
+        # delta with Q (dP^T's accumulator starts at -delta before S^T is issued), lse with dO
+        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + delta_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [head, m0, 0], q_ready.index(stage),
                                         tma_view(q_smem.index(stage)))
-        mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(delta_desc, [head * stride_lse_h + m0], q_ready.index(stage),
+                                        delta_smem.index(stage))
+        mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes + lse_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(do_desc, [head, m0, 0], do_ready.index(stage),
                                         tma_view(do_smem.index(stage)))
-
-
-@gluon.jit
-def _row_stats(base, first_row, BLOCK_M: gl.constexpr, QUERIES: gl.constexpr, ROW_VECTOR: gl.constexpr):
-    """BLOCK_M row statistics from base + first_row on (rows padded to STATS_ROWS: no mask), spread to S^T's columns.
-    Loaded a row per thread and converted (two barriers): loaded in S^T's layout, each thread issues a load per
-    column it holds, and the dK/dV kernel ran 11% slower so on the H200."""
-    return gl.convert_layout(gl.load(base + (first_row + gl.arange(0, BLOCK_M, layout=ROW_VECTOR))), QUERIES)
+        tma.async_copy_global_to_shared(lse_desc, [head * stride_lse_h + m0], do_ready.index(stage),
+                                        lse_smem.index(stage))
 
 
 @gluon.jit
@@ -93,8 +93,8 @@ def distinct_registers(x):
 
 
 @gluon.jit
-def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks, stride_dvs, lse_group,
-                            delta_group, stride_lse_h, q_smem, do_smem, k_smem, v_smem, kv_bars, pair_bars, q_ready,
+def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks, stride_dvs, q_smem, do_smem,
+                            k_smem, v_smem, lse_smem, delta_smem, kv_bars, pair_bars, q_ready,
                             do_ready, slot_empty, n0, start, un_lo, un_hi, tiles_per_head, seqlen_q, seqlen_k,
                             softmax_scale, qk_scale, softcap_log2, window_left, window_right, ds_smem, dq_smem,
                             dq_group, stride_dqs, stride_dqh, semaphore_group, q_tiles,
@@ -145,18 +145,18 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
         m0 = start + (i - head * tiles_per_head) * BLOCK_M
         q_tile = q_smem.index(stage)
         do_tile = do_smem.index(stage)
-        stats = head * stride_lse_h + m0
 
         # dP^T's accumulator starts at -delta, so the product is dP^T - delta: no delta row vector stays
         # live beside the four accumulator tiles. It is filled before S^T is issued: ptxas serialises
-        # the two products if registers are written between them.
-        delta = _row_stats(delta_group, stats, BLOCK_M, QUERIES, ROW_VECTOR)
-        dp_t = distinct_registers(st_zero - gl.expand_dims(delta, 0))
+        # the two products if registers are written between them. The producer's TMA brought the statistics
+        # with Q and dO: read from shared memory in S^T's column layout, with no global load's latency before
+        # the products and no layout conversion's barriers.
         mbarrier.wait(q_ready.index(stage), phase)
+        dp_t = distinct_registers(st_zero - gl.expand_dims(delta_smem.index(stage).load(QUERIES), 0))
         s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         mbarrier.wait(do_ready.index(stage), phase)
         dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), dp_t, is_async=True)
-        lse_log2 = _row_stats(lse_group, stats, BLOCK_M, QUERIES, ROW_VECTOR)
+        lse_log2 = lse_smem.index(stage).load(QUERIES)
         s_t = warpgroup_mma_wait(1, deps=[s_t])
         s_t = s_t * qk_scale
         if HAS_SOFTCAP:
@@ -283,6 +283,9 @@ def _attn_bwd_dkdv_hopper_kernel(
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM_PAD], QO_SMEM)
     k_smem = gl.allocate_shared_memory(dtype, [KV_TILES, CONSUMER_KEYS, HEAD_DIM_PAD], KV_SMEM)
     v_smem = gl.allocate_shared_memory(dtype, [KV_TILES, CONSUMER_KEYS, HEAD_DIM_PAD], KV_SMEM)
+    STATS_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], STATS_SMEM)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], STATS_SMEM)
     if DQ_MODE == DQ_SEPARATE:
         ds_smem, dq_smem = v_smem, v_smem  # not read
     else:  # each consumer's dS^T tile and dQ share
@@ -308,13 +311,14 @@ def _attn_bwd_dkdv_hopper_kernel(
     tiles_per_head = (end - start) // BLOCK_M
     # Consumers 0 and 1, then the producer (a comprehension: `+` on partition tuples strips constexprs)
     gl.warp_specialize(
-        [(_dkdv_load_partition, (q_base, do_base, k_base, v_base, stride_qh, stride_qs, stride_doh, stride_dos,
-                                 stride_ks, stride_vs, seqlen_q, seqlen_k, q_smem, do_smem, k_smem, v_smem, kv_bars,
-                                 q_ready, do_ready, slot_empty, n0, start, tiles_per_head, GROUP, HEAD_DIM,
-                                 HEAD_DIM_PAD, BLOCK_M, NUM_STAGES, SPLIT_HEAD_DIM, QO_TMA, KV_SMEM))
+        [(_dkdv_load_partition, (q_base, do_base, k_base, v_base, lse_group, delta_group, stride_qh, stride_qs,
+                                 stride_doh, stride_dos, stride_ks, stride_vs, stride_lse_h, seqlen_q, seqlen_k, q_smem,
+                                 do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bars, q_ready, do_ready, slot_empty,
+                                 n0, start, tiles_per_head, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, NUM_STAGES,
+                                 SPLIT_HEAD_DIM, QO_TMA, KV_SMEM))
          if c == 2 else
-         (_dkdv_consume_partition, (c, dk_base, dv_base, stride_dks, stride_dvs, lse_group, delta_group,
-                                    stride_lse_h, q_smem, do_smem, k_smem, v_smem, kv_bars, pair_bars, q_ready,
+         (_dkdv_consume_partition, (c, dk_base, dv_base, stride_dks, stride_dvs, q_smem, do_smem, k_smem, v_smem,
+                                    lse_smem, delta_smem, kv_bars, pair_bars, q_ready,
                                     do_ready, slot_empty, n0, start, un_lo, un_hi, tiles_per_head, seqlen_q,
                                     seqlen_k, softmax_scale, qk_scale, softcap_log2, window_left, window_right,
                                     ds_smem, dq_smem, dq_group, stride_dqs, stride_dqh, semaphore_group, q_tiles,

@@ -317,6 +317,8 @@ def main(selected):
                                                   for op in re.findall(r"\b(?:atom|red)\.[\w.:]+", ptx)),
                         # the ordering of DQ_ORDERED: acquire-loads of the semaphore, release-adds to it
                         "acquire_release": "ld.acquire.gpu" in ptx and "atom.release.gpu" in ptx,
+                        # loads through the load/store units from global memory (TMA copies are not among them)
+                        "global_loads": len(re.findall(r"\bld\.global\b", ptx)),
                         # local memory in the PTX itself (ptxas's own spills are spill_bytes)
                         "local_memory": bool(re.search(r"\b(?:ld|st)\.local\b", ptx)),
                         # wgmma.wait_group N with N >= 1: a product left in flight while the program goes on
