@@ -586,3 +586,26 @@ def test_determinism_check_rejects_bad_arguments(determinism, capsys):
         with pytest.raises(SystemExit):
             determinism.main(argv)
         assert name in capsys.readouterr().err
+
+
+def test_with_tree_runs_a_script_against_another_commits_package(tmp_path):
+    """An exported commit's kernels are the ones a script run through `with_tree.py run` imports: at the commit
+    before the dK/dV kernel took its row statistics by TMA, flash_bwd_hopper still has the helper that loaded them."""
+    repo = os.path.dirname(SCRIPTS)
+    if subprocess.run(["git", "-C", repo, "cat-file", "-e", "0c1b98a"], capture_output=True).returncode:
+        pytest.skip("needs the repository's git history")
+    tree = tmp_path / "tree"
+    subprocess.run([sys.executable, os.path.join(SCRIPTS, "with_tree.py"), "export", "0c1b98a", str(tree)],
+                   cwd=repo, check=True)
+    probe = tmp_path / "probe.py"
+    probe.write_text("import sys\nfrom flashformer.kernels import flash_bwd_hopper\n"
+                     "print(flash_bwd_hopper.__file__, hasattr(flash_bwd_hopper, '_row_stats'), sys.argv[1:])\n")
+    ran = subprocess.run([sys.executable, os.path.join(SCRIPTS, "with_tree.py"), "run", str(tree), str(probe), "--x",
+                          "1"], capture_output=True, text=True, check=True)
+    path, had_helper, args = ran.stdout.split(" ", 2)
+    assert path.startswith(str(tree)) and had_helper == "True" and args.strip() == "['--x', '1']"
+    from flashformer.kernels import flash_bwd_hopper
+    assert not hasattr(flash_bwd_hopper, "_row_stats")  # this tree's kernels, for contrast
+    with pytest.raises(subprocess.CalledProcessError):
+        subprocess.run([sys.executable, os.path.join(SCRIPTS, "with_tree.py"), "export", "0c1b98a", str(tree)],
+                       cwd=repo, check=True, capture_output=True)
