@@ -143,30 +143,43 @@ def schedule_table(programs, order, key_tiles):
 
 _TABLES = {}
 MAX_TABLES = 64  # a training run launches a handful of shapes; a long-lived process must not grow without bound
+# Tables a CUDA graph has captured: its replays read them, so they outlive the cache's eviction.
+_CAPTURED = {}
 
 
 def device_schedule(device, programs, batch, heads, num_m_blocks, section, seqlen_q, seqlen_k, window_left,
                     window_right, block_m, block_n):
     """schedule_table's int32 tensor on ``device`` for one persistent launch, dealt once per shape; None while
     a CUDA graph is being captured and this shape has none yet (a host-to-device copy cannot be captured):
-    the caller launches the one-tile grid then.
+    the caller launches the one-tile grid then. A table the cache later drops stays safe to read: one that a
+    graph captured is kept for the process, and one read on another stream than the one it was made on is
+    recorded on that stream, so the allocator reuses its memory only once that stream's queued work is done.
 
     Args:
         window_left, window_right: -1 = unbounded; causal is window_right = 0 (the blocks go last to first).
     """
     key = (device, programs, batch, heads, num_m_blocks, section, seqlen_q, seqlen_k, window_left, window_right,
            block_m, block_n)
-    table = _TABLES.get(key)
-    if table is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
+    entry = _TABLES.get(key)
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            if entry is not None:
+                _CAPTURED[key] = entry[0]
+            return None if entry is None else entry[0]
+        stream = torch._C._cuda_getCurrentRawStream(device.index)
+        if entry is not None and stream not in entry[1]:
+            entry[0].record_stream(torch.cuda.current_stream(device))
+            entry[1].add(stream)
+    if entry is None:
         if len(_TABLES) >= MAX_TABLES:
             _TABLES.clear()
         order = tile_order(batch, heads, num_m_blocks, section, longest_last=window_right >= 0)
         key_tiles = block_key_tiles(num_m_blocks, seqlen_q, seqlen_k, window_left, window_right, block_m, block_n)
-        table = _TABLES[key] = torch.tensor(schedule_table(programs, order, key_tiles), dtype=torch.int32,
-                                            device=device)
-    return table
+        table = torch.tensor(schedule_table(programs, order, key_tiles), dtype=torch.int32, device=device)
+        # the streams the table has been read on: the one it was made on, then any it is recorded on
+        entry = _TABLES[key] = (table, {torch._C._cuda_getCurrentRawStream(device.index)} if device.type == "cuda"
+                                else set())
+    return entry[0]
 
 
 def section_pairs(seqlen_k, head_dim_pad, heads_q, heads_kv, element_size):

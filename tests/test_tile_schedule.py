@@ -113,3 +113,47 @@ def test_a_section_holds_the_kv_heads_l2_can_keep(seqlen_k, head_dim_pad, heads_
     kv_heads = pairs // group
     assert kv_heads == 1 or kv_heads * kv_head_bytes <= L2_SECTION_BYTES
     assert (kv_heads + 1) * kv_head_bytes > L2_SECTION_BYTES
+
+
+# A persistent launch's table arguments: (programs, batch, heads, num_m_blocks, section, seqlen_q, seqlen_k,
+# window_left, window_right, block_m, block_n), causal; evicting() walks MAX_TABLES + 1 other shapes.
+TABLE_ARGS = (132, 2, 3, 6, 6, 1000, 1000, -1, 0, 192, 128)
+
+
+def evicting(device):
+    from flashformer.kernels.tile_schedule import MAX_TABLES
+    for extra in range(1, MAX_TABLES + 2):
+        device_schedule(device, *TABLE_ARGS[:6], TABLE_ARGS[6] + extra, *TABLE_ARGS[7:])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+def test_a_table_a_cuda_graph_captured_outlives_the_cache():
+    """A graph that read a table keeps reading it after the cache has dropped it and its memory is asked for."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    expected = device_schedule(device, *TABLE_ARGS).clone()
+    copy = torch.empty_like(expected)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        copy.copy_(device_schedule(device, *TABLE_ARGS))
+    evicting(device)
+    claims = [torch.full_like(expected, -7) for _ in range(512)]  # what would reuse the freed tables' memory
+    copy.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(copy, expected), len(claims)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams")
+def test_a_table_read_on_another_stream_survives_eviction_until_that_stream_is_done():
+    device = torch.device("cuda", torch.cuda.current_device())
+    expected = device_schedule(device, *TABLE_ARGS).clone()
+    other = torch.cuda.Stream(device)
+    other.wait_stream(torch.cuda.current_stream(device))
+    copy = torch.zeros_like(expected)
+    with torch.cuda.stream(other):
+        torch.cuda._sleep(200_000_000)  # the copy below reads the table long after the host has moved on
+        copy.copy_(device_schedule(device, *TABLE_ARGS))
+    evicting(device)
+    claims = [torch.full_like(expected, -7) for _ in range(512)]  # on the stream the table was made on
+    torch.cuda.synchronize()
+    assert torch.equal(copy, expected), len(claims)
