@@ -13,6 +13,8 @@ inputs in the same process, and each cell also records ours' max abs difference 
 how ours' backward splits between its dQ and dK/dV kernels against SDPA's. ``--cuda-graphs`` adds a
 second table from CUDA-graph replays: device time alone, where a ~0.2 ms eager call also carries any
 host time longer than do_bench's L2 flush.
+``--rounds N`` times every implementation of a cell N times, in turn (A B C A B C ...), and reports the
+medians: the same kernel timed twice in one run has read up to 10% apart on the H200 (BENCHMARKS.md).
 
 ``--varlen`` instead times a packed batch: seeded random document lengths (short and long ones, no
 block-size multiples) summing exactly to --tokens, through flash_attn_varlen_func, beside ours dense at
@@ -31,6 +33,7 @@ import argparse
 import contextlib
 import json
 import math
+import statistics
 import time
 
 import torch
@@ -186,6 +189,18 @@ def time_fwd_bwd(fn, q, k, v, causal, grad_out, flops):
             "fwd_ms": fwd_ms, "bwd_ms": bwd_ms}, out
 
 
+def merge_rounds(cells):
+    """One cell from the same implementation timed in several rounds: each rate the median over the rounds, with
+    every round's rates kept and the spread (largest over smallest - 1) of each."""
+    if len(cells) == 1:
+        return cells[0]
+    merged = {key: statistics.median(cell[key] for cell in cells) for key in cells[0]}
+    merged["rounds"] = [{key: cell[key] for key in ("fwd_tflops", "bwd_tflops")} for cell in cells]
+    merged["spread"] = {key: max(cell[key] for cell in cells) / min(cell[key] for cell in cells) - 1
+                        for key in ("fwd_tflops", "bwd_tflops")}
+    return merged
+
+
 def time_graphed(fn, q, k, v, causal, grad_out, flops):
     """time_fwd_bwd's cell from CUDA-graph replays: device time alone. An eager call whose host path
     outlasts do_bench's L2 flush before it leaves the GPU idle inside the timed region, which a training
@@ -260,10 +275,15 @@ def main(argv=None):
     parser.add_argument("--kernel-times", type=int, default=0, metavar="N",
                         help="also trace N forward + backward calls per grid cell and implementation and list "
                              "their largest kernels (torch.profiler)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time every implementation of a cell this many times, in turn; each rate is the median "
+                             "of the rounds, and the table gains the largest spread between rounds")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="also time each grid cell from CUDA-graph replays (device time, no host path) and "
                              "print a second table")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     record = benchmark_provenance()
     warm_up_gpu()
@@ -312,18 +332,24 @@ def run_grid(args, causals):
         grad_out = torch.randn_like(q)
         flops = attention_flops(batch, heads, seqlen, head_dim, causal)
         row = {"head_dim": head_dim, "causal": causal, "seqlen": seqlen, "batch": batch, "heads": heads}
-        outputs = {}
-        for name, fn in impls.items():
-            if name == "flex" and (seqlen not in args.flex_seqlens or head_dim not in args.flex_head_dims):
-                continue
-            with cudnn_deterministic(name == CUDNN_DETERMINISTIC):
-                cell, out = time_fwd_bwd(fn, q, k, v, causal, grad_out, flops)
+        outputs, rounds = {}, {}
+        for _ in range(args.rounds):  # the implementations in turn, round after round
+            for name, fn in impls.items():
+                if name == "flex" and (seqlen not in args.flex_seqlens or head_dim not in args.flex_head_dims):
+                    continue
+                with cudnn_deterministic(name == CUDNN_DETERMINISTIC):
+                    cell, out = time_fwd_bwd(fn, q, k, v, causal, grad_out, flops)
                 if cell is not None:
-                    outputs[name], row[name] = out, cell
-                    if args.kernel_times:
-                        cell["kernels"] = fwd_bwd_kernel_times(fn, q, k, v, causal, grad_out, args.kernel_times)
-                    if args.cuda_graphs:
-                        cell["graph"] = time_graphed(fn, q, k, v, causal, grad_out, flops)
+                    outputs.setdefault(name, out)
+                    rounds.setdefault(name, []).append(cell)
+        for name, cells_of_rounds in rounds.items():
+            row[name] = cell = merge_rounds(cells_of_rounds)
+            fn = impls[name]
+            with cudnn_deterministic(name == CUDNN_DETERMINISTIC):
+                if args.kernel_times:
+                    cell["kernels"] = fwd_bwd_kernel_times(fn, q, k, v, causal, grad_out, args.kernel_times)
+                if args.cuda_graphs:
+                    cell["graph"] = time_graphed(fn, q, k, v, causal, grad_out, flops)
         # against the first SDPA backend that ran (all compute the same exact attention)
         sdpa_ran = [name for name in SDPA_BACKENDS if name in outputs]
         if "ours" in outputs and sdpa_ran:
@@ -389,7 +415,9 @@ def autotuned_configs():
 
 def markdown_table(results, names):
     """Fwd / bwd TFLOP/s per implementation, plus ours over the best SDPA backend."""
-    head = "| head_dim | causal | seqlen | batch | " + " | ".join(names) + " | ours / best SDPA (fwd, bwd) | max diff |"
+    spread = any("spread" in r.get(n, {}) for r in results for n in names)
+    head = ("| head_dim | causal | seqlen | batch | " + " | ".join(names) + " | ours / best SDPA (fwd, bwd) | max diff |"
+            + (" largest spread between rounds (fwd, bwd) |" if spread else ""))
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         cells = []
@@ -402,8 +430,12 @@ def markdown_table(results, names):
             best_b = max(s["bwd_tflops"] for s in sdpa)
             ratio = f"{r['ours']['fwd_tflops'] / best_f:.2f}, {r['ours']['bwd_tflops'] / best_b:.2f}"
         diff = r.get("max_abs_diff_vs_sdpa", math.nan)
-        lines.append(f"| {r['head_dim']} | {'yes' if r['causal'] else 'no'} | {r['seqlen']} | {r['batch']} | "
-                     + " | ".join(cells) + f" | {ratio} | {diff:.1e} |")
+        line = (f"| {r['head_dim']} | {'yes' if r['causal'] else 'no'} | {r['seqlen']} | {r['batch']} | "
+                + " | ".join(cells) + f" | {ratio} | {diff:.1e} |")
+        if spread:
+            spreads = [r[n]["spread"] for n in names if "spread" in r.get(n, {})]
+            line += f" {max(x['fwd_tflops'] for x in spreads):.1%}, {max(x['bwd_tflops'] for x in spreads):.1%} |"
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -222,6 +222,21 @@ def test_graph_rows_take_the_graph_cells_and_drop_failed_captures(bench):
     assert "| 120 / 60 | – |" in bench.markdown_table([row], ["ours", "sdpa-flash"])
 
 
+def test_rounds_merge_into_medians_and_the_table_shows_their_largest_spread(bench):
+    rounds = [{"fwd_tflops": 500.0, "bwd_tflops": 300.0, "fwd_ms": 1.0, "bwd_ms": 4.0},
+              {"fwd_tflops": 550.0, "bwd_tflops": 303.0, "fwd_ms": 0.9, "bwd_ms": 3.96},
+              {"fwd_tflops": 520.0, "bwd_tflops": 297.0, "fwd_ms": 0.95, "bwd_ms": 4.04}]
+    cell = bench.merge_rounds(rounds)
+    assert (cell["fwd_tflops"], cell["bwd_tflops"], cell["fwd_ms"]) == (520.0, 300.0, 0.95)
+    assert cell["spread"]["fwd_tflops"] == pytest.approx(0.1) and len(cell["rounds"]) == 3
+    assert bench.merge_rounds(rounds[:1]) is rounds[0]  # one round: the cell as timed
+    other = bench.merge_rounds([{"fwd_tflops": 600.0, "bwd_tflops": 400.0}, {"fwd_tflops": 606.0, "bwd_tflops": 480.0}])
+    row = {"head_dim": 128, "causal": False, "seqlen": 4096, "batch": 4, "ours": cell, "sdpa-cudnn": other}
+    assert bench.markdown_table([row], ["ours", "sdpa-cudnn"]).splitlines()[-1].endswith(" 10.0%, 20.0% |")
+    with pytest.raises(SystemExit):
+        bench.main(["--rounds", "0"])
+
+
 def test_longctx_bench_runs_a_tiny_lora_step_and_reports_its_plan(tmp_path):
     """bench_longctx_8b on CPU with a 2-layer model: the same build, LoRA, offload and chunked-loss path
     the GPU run takes at 8B, minus the allocator statistics."""
