@@ -8,8 +8,9 @@ training step does. The child then times the shape and the tuned shapes beside i
 and softcap included, at the power-of-two lengths below and at or above it, the latter picking its tiles,
 the same number of tokens) with do_bench: a window or a softcap is compared with itself at a tuned
 length, not with plain causal attention, which does other work per tile. TFLOP/s count the (query, key)
-pairs each mask attends; the last column compares the kernels' device time alone (torch.profiler), so
-that a short call whose host time sets its pace reads apart from a slower kernel. A second cache, filled by a
+pairs each mask attends; the kernels' device time alone (torch.profiler) is compared too, so that a short
+call whose host time sets its pace reads apart from a slower kernel, and beside it the same ratio for SDPA's
+cuDNN kernels (plain and causal masks): what a length between the table's costs any tiled kernel. A second cache, filled by a
 process that ran the tuned shape, then times the shape's first step as a user's machine sees it after
 earlier runs (launchers and other specialisations built; this shape's kernels not). With
 --without-compile-ahead a third process, on an empty cache too, times the first step with
@@ -142,6 +143,30 @@ def time_shape(batch, seqlen, head_dim, options, steady=True):
     return first, step_flops / ms / 1e9, forward_flops / forward_ms / 1e9, step_flops / kernel_ms / 1e9
 
 
+def cudnn_kernel_tflops(batch, seqlen, head_dim, causal):
+    """Forward + backward TFLOP/s of SDPA's cuDNN kernels' device time alone at one shape: the control for the
+    ratio to the nearest tuned shape (how far any tiled kernel falls at this length against that one)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flashformer.profiling import kernel_times
+
+    heads = max(1, HEADS_TIMES_HEAD_DIM // head_dim)
+    q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    grad_out = torch.randn_like(q)
+
+    def fresh_step():
+        q.grad = k.grad = v.grad = None
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(grad_out)
+
+    for _ in range(3):  # cuDNN builds its plans on the first calls
+        fresh_step()
+    kernel_ms = sum(kernel_times(fresh_step, KERNEL_TIME_CALLS)[0].values())
+    return 3.5 * 4 * batch * heads * attended_pairs(seqlen, causal) * head_dim / kernel_ms / 1e9
+
+
 def child(spec):
     """One shape and the tuned shapes beside it, timed in this (fresh) process; one JSON line on stdout."""
     start = time.perf_counter()
@@ -162,6 +187,9 @@ def child(spec):
                              "forward_tflops": tuned_forward_tflops, "kernel_tflops": tuned_kernel_tflops})
     near = neighbours.index(nearest(seqlen, neighbours))
     row["nearest_tuned"] = row["tuned"][near]["shape"]
+    if set(options) == {"causal"}:  # SDPA's cuDNN takes plain and causal masks, not windows or softcap
+        row["cudnn_kernel_tflops"] = cudnn_kernel_tflops(batch, seqlen, head_dim, options["causal"])
+        row["tuned"][near]["cudnn_kernel_tflops"] = cudnn_kernel_tflops(*neighbours[near], head_dim, options["causal"])
     row["tuned_shape"] = row["tuned"][-1]["shape"]  # the one whose tiles it takes, cached by --child-warm
     print(json.dumps(row))
 
@@ -211,13 +239,21 @@ def _seconds(value):
     return "-" if value is None else f"{value:.1f}"
 
 
+def cudnn_ratio(row, nearest_row):
+    """cuDNN's kernel rate at the shape over its rate at the nearest tuned shape, "-" where not timed."""
+    if "cudnn_kernel_tflops" not in row or "cudnn_kernel_tflops" not in nearest_row:
+        return "-"
+    return f"{row['cudnn_kernel_tflops'] / nearest_row['cudnn_kernel_tflops']:.2f}"
+
+
 def markdown_table(rows):
     lines = ["| shape | first step (s), empty cache | without compile-ahead | after another shape's run | TFLOP/s "
              "(fwd+bwd / fwd) | tuned shapes beside it: TFLOP/s (fwd+bwd / fwd) | ratio to the nearest | "
-             "ratio to the one above | kernels alone: ratio to the nearest |", "|---|---|---|---|---|---|---|---|---|"]
+             "ratio to the one above | kernels alone: ratio to the nearest | cuDNN's kernels: the same ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['shape']} | error: {row['error'][:80]} | | | | | | | |")
+            lines.append(f"| {row['shape']} | error: {row['error'][:80]} | | | | | | | | |")
             continue
         tuned = {t["shape"]: t for t in row["tuned"]}
         beside = ", ".join(f"{t['shape']} {t['tflops']:.0f} / {t['forward_tflops']:.0f}" for t in row["tuned"])
@@ -227,7 +263,8 @@ def markdown_table(rows):
                      f"{row['tflops']:.0f} / {row['forward_tflops']:.0f} | {beside} | "
                      f"{row['tflops'] / tuned[row['nearest_tuned']]['tflops']:.2f} | "
                      f"{row['tflops'] / tuned[row['tuned_shape']]['tflops']:.2f} | "
-                     f"{row['kernel_tflops'] / tuned[row['nearest_tuned']]['kernel_tflops']:.2f} |")
+                     f"{row['kernel_tflops'] / tuned[row['nearest_tuned']]['kernel_tflops']:.2f} | "
+                     f"{cudnn_ratio(row, tuned[row['nearest_tuned']])} |")
     return "\n".join(lines)
 
 

@@ -511,6 +511,19 @@ def test_first_call_counts_the_pairs_each_mask_attends(seqlen, causal, window_le
     assert first_call.attended_pairs(seqlen, causal, window_left) == int(attended.sum())
 
 
+def test_first_call_table_sets_cudnns_ratio_beside_ours_where_cudnn_ran():
+    first_call = _load_script("bench_first_call")
+    tuned = [{"shape": "7x1024x96:causal", "tflops": 109.0, "forward_tflops": 294.0, "kernel_tflops": 202.0,
+              "cudnn_kernel_tflops": 250.0}]
+    row = {"shape": "9x900x96:causal", "first_step_s": 5.7, "tflops": 84.0, "forward_tflops": 247.0,
+           "kernel_tflops": 166.0, "cudnn_kernel_tflops": 200.0, "tuned": tuned,
+           "nearest_tuned": "7x1024x96:causal", "tuned_shape": "7x1024x96:causal"}
+    window = {**row, "shape": "5x2500x128:window256", "tuned": [{**tuned[0], "shape": "7x1024x96:causal"}]}
+    del window["cudnn_kernel_tflops"]
+    first, second = first_call.markdown_table([row, window]).splitlines()[2:]
+    assert first.endswith("| 0.82 | 0.80 |") and second.endswith("| 0.82 | - |")
+
+
 def test_first_call_shapes_parse_and_bad_ones_name_the_spec():
     first_call = _load_script("bench_first_call")
     assert first_call.parse_shape("23x704x128") == (23, 704, 128, {"causal": True})
