@@ -14,10 +14,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from . import flash_bwd_hopper, flash_fwd_hopper
-from .flash_bwd_hopper import CONSUMER_WARPS, distinct_registers
+from .flash_bwd_hopper import CONSUMER_WARPS
 from .flash_fwd_hopper import _mma_layout, _rows_descriptor, unspecialised_jit
 from .launch import ensure_allocator, launcher
-from .tile_ops import key_range, tanh, visible
+from .tile_ops import key_range, opaque_copy, tanh, visible
 
 
 # Query rows per dQ consumer.
@@ -79,7 +79,7 @@ def _dq_consume_partition(CONSUMER: gl.constexpr, dq_base, stride_dqs, lse_row, 
         phase = (j // NUM_STAGES) & 1
         n0 = start + j * BLOCK_N
         k_tile = k_smem.index(stage)
-        dp = distinct_registers(minus_delta)
+        dp = opaque_copy(minus_delta)
         mbarrier.wait(k_ready.index(stage), phase)
         s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(stage), phase)

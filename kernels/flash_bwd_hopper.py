@@ -30,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .flash_fwd_hopper import _mma_layout, _rows_descriptor, unspecialised_jit
 from .launch import ensure_allocator, launcher
 from .dq_reduce_hopper import add_dq_share, heads_descriptor, release_dq_share, tma_view
-from .tile_ops import last_key_block, query_range, tanh, visible
+from .tile_ops import last_key_block, opaque_copy, query_range, tanh, visible
 
 CONSUMER_WARPS = gl.constexpr(4)
 CONSUMER_KEYS = gl.constexpr(64)
@@ -82,14 +82,6 @@ def _dkdv_load_partition(q_base, do_base, k_base, v_base, lse_group, delta_group
                                         tma_view(do_smem.index(stage)))
         tma.async_copy_global_to_shared(lse_desc, [head * stride_lse_h + m0], do_ready.index(stage),
                                         lse_smem.index(stage))
-
-
-@gluon.jit
-def distinct_registers(x):
-    """``x`` with every element in a register of its own. A wgmma accumulator that repeats values (a
-    broadcast row) gets register copies emitted right before the product, where ptxas then waits for
-    the products in flight."""
-    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -152,7 +144,7 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
         # with Q and dO: read from shared memory in S^T's column layout, with no global load's latency before
         # the products and no layout conversion's barriers.
         mbarrier.wait(q_ready.index(stage), phase)
-        dp_t = distinct_registers(st_zero - gl.expand_dims(delta_smem.index(stage).load(QUERIES), 0))
+        dp_t = opaque_copy(st_zero - gl.expand_dims(delta_smem.index(stage).load(QUERIES), 0))
         s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         mbarrier.wait(do_ready.index(stage), phase)
         dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), dp_t, is_async=True)

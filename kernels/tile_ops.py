@@ -38,6 +38,14 @@ def tanh(x):
 
 
 @triton.jit
+def opaque_copy(x):
+    """``x`` through a side-effecting register move (Hopper kernels only: the interpreter runs no inline asm). Each
+    element gets a register of its own, and the compiler cannot hoist the value's uses above the instructions
+    issued before this one: a fill or a rescale placed after an asynchronous wgmma's issue stays there."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=False, pack=1)
+
+
+@triton.jit
 def key_range(m0, seqlen_q, seqlen_k, window_left, window_right,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr):
