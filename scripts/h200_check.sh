@@ -4,7 +4,7 @@
 # as $OUT/results.tgz (and $OUT/tuned_configs.json after the tune stage).
 # Usage on the device machine: bash scripts/h200_check.sh [stage ...]   (default: all stages)
 # Stages: readme quick compile slow tune descriptors decode generate attention varlen first-call host fused-bwd counters
-# determinism train train-chunked memory pi longctx-2m longctx-wait
+# determinism trees train train-chunked memory pi longctx-2m longctx-wait
 # Each stage's limit fits one 10-minute device call with its neighbours: pi beside (half of) slow, quick + tune +
 # attention + varlen + decode when narrowed. Two instances may run at once on a machine of two GPUs
 # (CUDA_VISIBLE_DEVICES=0 / 1, the second started a few seconds later), each with its own RES (results
@@ -12,7 +12,7 @@
 # all impls, head dims 64 128 256), SLOW_FILTER (a pytest -k expression splitting the slow sweep across calls), SLOW_TIMEOUT,
 # DECODE_ARGS (default: --host-profile 200), TRAIN_ARGS (default: --seqlens 1024 4096 16384 --steps 50 --profile 5),
 # FIRST_CALL_ARGS (bench_first_call's --shapes and --timeout), HOST_ARGS (bench_host's --shapes), COUNTERS_ARGS
-# (kernel_counters.py's --impls / --passes / --seqlens). The interpreter test in `readme` needs numpy<2.4
+# (kernel_counters.py's --impls / --passes / --seqlens), TREE_SCRIPT / TREE_ARGS / TREE_TIMEOUT (the trees stage). The interpreter test in `readme` needs numpy<2.4
 # under Triton 3.6, as the README pins: carry that wheel in .whl/ where the machine's numpy is newer.
 set -uo pipefail
 OUT="${OUT:-out}"; mkdir -p "$OUT"
@@ -56,6 +56,15 @@ for stage in "${stages[@]}"; do
     counters) # Nsight Compute's counters per kernel of one backward (ours, deterministic=False, cuDNN): COUNTERS_ARGS
             timeout 540 python3 scripts/kernel_counters.py ${COUNTERS_ARGS:-} --out "$RES/kernel_counters.json" 2>&1 \
               | tee "$RES/kernel_counters.log" | grep "^|\|error" ;;
+    trees)  # one script run against each commit exported under .gpu/trees (scripts/with_tree.py export), then this
+            # tree: two versions timed one after the other in one call. TREE_SCRIPT, TREE_ARGS say what to run.
+            for tree in .gpu/trees/* .; do
+              name=$(basename "$(cd "$tree" && pwd)"); [ "$tree" = . ] && name=working-tree
+              echo "--- $name"
+              if [ "$tree" = . ]; then run=(python3 "$TREE_SCRIPT"); else run=(python3 scripts/with_tree.py run "$tree" "$TREE_SCRIPT"); fi
+              timeout "${TREE_TIMEOUT:-200}" "${run[@]}" ${TREE_ARGS:-} --out "$RES/tree_$name.json" 2>&1 \
+                | tee "$RES/tree_$name.log" | grep "^|\|Error\|check failures"
+            done ;;
     determinism) # each backward run 20 times: runs whose gradients differ in any bit, and the kernels each launches
             timeout 120 python3 scripts/check_determinism.py --out "$RES/determinism.json" 2>&1 \
               | tee "$RES/determinism.log" | grep "^|\|^[0-9]" ;;
