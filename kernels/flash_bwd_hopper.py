@@ -322,8 +322,9 @@ def _attn_bwd_dkdv_hopper_kernel(
 
 # (BLOCK_M, NUM_STAGES) per padded head_dim, FlashAttention-3's tile: two stages of Q and dO tiles plus K and V take
 # 66-196 KB of shared memory. Registers bound BLOCK_M: a consumer holds S^T and dP^T (64 x BLOCK_M fp32 each) beside
-# its dK and dV columns (64 x 128 fp32 each); softcap's tanh tile (64 x BLOCK_M) needs BLOCK_M 32.
-CONFIGS = {64: (64, 2), 128: (64, 2), 256: (64, 2)}
+# its dK and dV columns (64 x head_dim fp32 each), so head_dim 64 has room for BLOCK_M 128; softcap's tanh tile
+# (64 x BLOCK_M) needs BLOCK_M 32 at 128 and 256, 64 at head_dim 64.
+CONFIGS = {64: (128, 2), 128: (64, 2), 256: (64, 2)}
 SOFTCAP_BLOCK_M = {64: 64, 128: 32, 256: 32}
 
 
@@ -348,9 +349,9 @@ def split_head_dim(head_dim_pad):
     return head_dim_pad > SPLIT_HEAD_DIM_ABOVE
 
 
-# Where these kernels are the faster backward on the H200: 1.06-1.13x the tl kernels at head_dim 128 and
-# 1.26-2.31x at 256 over 1k-16k tokens; at 64 they are 0.79-0.97x (BENCHMARKS.md), so 64 stays on tl.
-FASTER_HEAD_DIMS = (128, 256)
+# Where these kernels are the faster backward on the H200 (BENCHMARKS.md): 1.00-1.12x the tl kernels at head_dim 64
+# (BLOCK_M 128), 1.23-1.25x at 128 and 1.58-1.68x at 256, 4k and 16k tokens.
+FASTER_HEAD_DIMS = (64, 128, 256)
 
 
 def supports(q, cu_seqlens_q, head_dim_pad, has_alibi, has_dropout):

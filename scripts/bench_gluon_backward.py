@@ -43,7 +43,7 @@ from flashformer.kernels.launch import seq_strides
 from flashformer.kernels.sizes import pad_head_dim
 
 # BLOCK_M candidates per padded head_dim (None: flash_bwd_hopper.config's choice)
-CANDIDATES = {64: [None, 128], 128: [None, 32], 256: [None, 32]}
+CANDIDATES = {64: [None, 64], 128: [None, 32], 256: [None, 32]}
 
 # Odd shapes for --check: (seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, window, softcap)
 CHECK_CASES = [(113, 203, 8, 2, 128, True, (-1, -1), 0.0), (239, 1, 8, 8, 64, False, (-1, -1), 0.0),
