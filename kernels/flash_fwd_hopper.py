@@ -6,9 +6,9 @@ program's softmax never overlaps its matrix products. Here the schedule is writt
 * warp specialisation: a producer warp streams K and V tiles by TMA into a ring of NUM_STAGES
   shared-memory slots (a "ready" and an "empty" mbarrier per slot and tensor); CONSUMERS (2 or 3)
   consumer warpgroups of 64 query rows each compute, with the registers setmaxnreg gives them;
-* within a consumer, for key tile j: S_j = Q K_j^T is issued, O is rescaled to tile j-1's max while it runs, then
-  O += P_{j-1} V_{j-1} is issued; the consumer waits for S_j alone and runs the softmax of tile j while P_{j-1} V_{j-1}
-  is still on the tensor cores (P in registers, the A operand of P V);
+* within a consumer, for key tile j: S_j = Q K_j^T and O += P_{j-1} V_{j-1} are issued back to back as asynchronous
+  wgmma; the consumer waits for S_j alone and runs the softmax of tile j while P_{j-1} V_{j-1} is still on the tensor
+  cores (P in registers, the A operand of P V), then waits for O and rescales it;
 * across consumers: each releases a slot on its own, so they drift apart and one's products overlap another's
   softmax. Three consumers (192 rows) share each K/V tile among more rows, for head_dim 64, whose small products
   leave the per-tile costs (barriers, softmax) dominant.
@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 
 from .launch import ensure_allocator, launcher, sm_count
-from .tile_ops import opaque_copy, tanh, visible
+from .tile_ops import tanh, visible
 from .tile_schedule import (device_schedule, program_tile, q_buffers, query_block, scheduled_tiles, section_pairs,
                             tile_coords)
 from .tuning import GLUON_FORWARD_FROM_SEQLEN, gluon_forward_config
@@ -256,8 +256,6 @@ def _attend(q_tile, q_bar, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, l
             prev = (count - 1) % NUM_STAGES
             mbarrier.wait(k_ready.index(stage), (count // NUM_STAGES) & 1)
             s = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            # O to tile j-1's max while S_j runs (FlashAttention-3's order), not between P V's end and S_j's start
-            acc = acc * gl.expand_dims(gl.convert_layout(opaque_copy(alpha), ROW_O), 1)
             mbarrier.wait(v_ready.index(prev), ((count - 1) // NUM_STAGES) & 1)
             acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
             s = warpgroup_mma_wait(1, deps=[s])
@@ -267,9 +265,11 @@ def _attend(q_tile, q_bar, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, l
             p, alpha, row_max, row_sum = _softmax_step(s, row_max, row_sum, scale)
             acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
             mbarrier.arrive(v_empty.index(prev), count=1)
+            # Rescaled here, not under S_j as in FlashAttention-3: held there (tile_ops.opaque_copy) it ran 0-2.5%
+            # slower on the H200 (docs/perf-notes.md)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
             p_op = gl.convert_layout(p.to(dtype), P_LAYOUT)
         last = loaded + num_tiles - 1
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
         mbarrier.wait(v_ready.index(last % NUM_STAGES), (last // NUM_STAGES) & 1)
         acc = warpgroup_mma(p_op, v_smem.index(last % NUM_STAGES), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
