@@ -9,14 +9,18 @@ backward (bf16, causal by default), and the same call through SDPA's cuDNN backe
 
     python3 scripts/bench_host.py --shapes 15x1024x16x128 16x1024x32x64 --out bench_host.json
 
-Shapes are BATCHxSEQLENxHEADSxHEAD_DIM[:full]. Prints a markdown table last (CUDA only).
+Shapes are BATCHxSEQLENxHEADSxHEAD_DIM[:full]. Prints a markdown table last (CUDA only). With --profile N, the
+direct-launch child also runs cProfile over our forward + backward (HOST_ROUNDS rounds of HOST_CALLS calls, queued
+behind a GPU sleep as above) and prints its N functions of most own time, per call.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import subprocess
 import sys
 import time
@@ -47,20 +51,42 @@ def parse_shape(spec):
 
 def host_ms_per_call(fn):
     """Median host ms per call over HOST_ROUNDS rounds of HOST_CALLS calls queued behind a GPU sleep."""
-    rounds = []
-    for _ in range(HOST_ROUNDS):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(SLEEP_CYCLES)
-        slept = torch.cuda.Event()
-        slept.record()
-        start = time.perf_counter()
-        for _ in range(HOST_CALLS):
-            fn()
-        rounds.append((time.perf_counter() - start) * 1e3 / HOST_CALLS)
-        if slept.query():  # the device went on to the calls before the host finished queueing them
-            raise RuntimeError(f"SLEEP_CYCLES ({SLEEP_CYCLES}) ran out within a round: raise it")
+    rounds = [queued_behind_sleep(fn, HOST_CALLS) * 1e3 / HOST_CALLS for _ in range(HOST_ROUNDS)]
     torch.cuda.synchronize()
     return sorted(rounds)[len(rounds) // 2]
+
+
+def queued_behind_sleep(fn, calls):
+    """Run ``fn`` ``calls`` times while the GPU sleeps (none of them runs, the launch queue never fills);
+    the host seconds it took."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    slept = torch.cuda.Event()
+    slept.record()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    seconds = time.perf_counter() - start
+    if slept.query():  # the device went on to the calls before the host finished queueing them
+        raise RuntimeError(f"SLEEP_CYCLES ({SLEEP_CYCLES}) ran out within a round: raise it")
+    return seconds
+
+
+def host_profile(fn, top):
+    """The ``top`` functions of most own host time in ``fn`` (cProfile over HOST_ROUNDS rounds of HOST_CALLS
+    calls), as [name, calls per fn call, own ms per fn call, cumulative ms per fn call]."""
+    profiler = cProfile.Profile()
+    for _ in range(HOST_ROUNDS):
+        profiler.runcall(queued_behind_sleep, fn, HOST_CALLS)
+    torch.cuda.synchronize()
+    return top_functions(profiler, HOST_ROUNDS * HOST_CALLS, top)
+
+
+def top_functions(profiler, calls, top):
+    """The ``top`` functions of most own time in a cProfile run over ``calls`` calls, per call."""
+    rows = sorted(pstats.Stats(profiler).stats.items(), key=lambda item: -item[1][2])[:top]
+    return [[f"{os.path.basename(file)}:{line}({name})", round(n_calls / calls, 2), round(own * 1e3 / calls, 4),
+             round(cumulative * 1e3 / calls, 4)] for (file, line, name), (_, n_calls, own, cumulative, _) in rows]
 
 
 def host_and_device_ms(fn):
@@ -74,8 +100,9 @@ def host_and_device_ms(fn):
     return host_ms, sum(times.values())
 
 
-def child(spec):
-    """One shape's timings in this process (its launch mode set by the parent); one JSON line."""
+def child(spec, profile_top):
+    """One shape's timings in this process (its launch mode set by the parent), and with ``profile_top`` our
+    forward + backward's host profile; one JSON line."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from flashformer.kernels import flash_attn_func
@@ -107,12 +134,14 @@ def child(spec):
     for name, fn in (("ours forward", ours_forward), ("ours forward + backward", ours_step),
                      ("cuDNN forward", cudnn(False)), ("cuDNN forward + backward", cudnn(True))):
         row[name] = dict(zip(("host_ms", "device_ms"), host_and_device_ms(fn)))
+    if profile_top:
+        row["host_profile"] = host_profile(ours_step, profile_top)
     print(json.dumps(row))
 
 
-def run(spec, direct):
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", spec], capture_output=True, text=True,
-                          env=dict(os.environ, FLASHFORMER_DIRECT_LAUNCH=direct), timeout=600)
+def run(spec, direct, profile_top):
+    command = [sys.executable, os.path.abspath(__file__), "--child", spec, "--profile", str(profile_top)]
+    done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, FLASHFORMER_DIRECT_LAUNCH=direct), timeout=600)
     if done.returncode != 0:
         tail = done.stderr.strip().splitlines()
         return {"shape": spec, "error": tail[-1] if tail else f"exit {done.returncode}"}
@@ -135,19 +164,29 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, metavar="BxSxHxD[:full]")
     parser.add_argument("--out", default="bench_host.json")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also print the N functions of most host time in our forward + backward (direct launches)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        return child(args.child)
+        return child(args.child, args.profile)
+    if args.profile < 0:
+        parser.error("--profile: a count of functions, 0 or more")
     check_specs(parser, args.shapes, parse_shape)
     if not torch.cuda.is_available():
         raise SystemExit("bench_host.py times CUDA launches: no CUDA device here")
     from flashformer.profiling import benchmark_provenance
 
     specs = args.shapes
-    rows = [{**run(spec, direct), "mode": mode} for spec in specs for mode, direct in MODES.items()]
+    rows = [{**run(spec, direct, args.profile if direct == "1" else 0), "mode": mode}
+            for spec in specs for mode, direct in MODES.items()]
     with open(args.out, "w") as f:
         json.dump({**benchmark_provenance(), "host_calls": HOST_CALLS, "host_rounds": HOST_ROUNDS, "rows": rows}, f, indent=1)
+    for row in rows:
+        if row.get("host_profile"):
+            print(f"\nhost profile, {row['shape']}, our forward + backward: function | calls | own ms | cumulative ms")
+            for name, calls, own, cumulative in row["host_profile"]:
+                print(f"  {name} | {calls} | {own:.4f} | {cumulative:.4f}")
     print(markdown(rows))
 
 

@@ -1,6 +1,7 @@
 """The CPU-checkable parts of the benchmark scripts (their timing needs a GPU)."""
 
 import argparse
+import cProfile
 import importlib.util
 import os
 import re
@@ -574,6 +575,27 @@ def test_host_bench_shapes_parse_and_its_table_shows_host_over_device():
     table = host.markdown([row, {"shape": "1x1x1x16", "mode": "direct", "error": "boom"}]).splitlines()
     assert table[2] == "| 15x1024x16x128 | direct | ours forward | 0.500 | 0.250 | 2.00 |"
     assert table[-1].startswith("| 1x1x1x16 | direct | error: boom |")
+
+
+def test_host_profile_names_the_functions_of_most_own_time_per_call():
+    host = _load_script("bench_host")
+
+    def busy(n):
+        return sum(i * i for i in range(n))
+
+    def call():
+        busy(20000)
+        len("x")
+
+    profiler = cProfile.Profile()
+    for _ in range(4):
+        profiler.runcall(call)
+    rows = host.top_functions(profiler, 4, 3)
+    assert len(rows) == 3 and all(own <= cumulative for _, _, own, cumulative in rows)
+    names = [name for name, *_ in rows]
+    assert any("(busy)" in name or "(<genexpr>)" in name for name in names), names
+    busy_row = next(row for row in rows if "(busy)" in row[0] or "(<genexpr>)" in row[0])
+    assert busy_row[1] >= 1  # calls per profiled call
 
 
 @pytest.fixture(scope="module")
