@@ -158,6 +158,8 @@ def device_schedule(device, programs, batch, heads, num_m_blocks, section, seqle
     Args:
         window_left, window_right: -1 = unbounded; causal is window_right = 0 (the blocks go last to first).
     """
+    if device.type == "cuda" and device.index is None:  # "cuda" alone: the current device, one key for both spellings
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (device, programs, batch, heads, num_m_blocks, section, seqlen_q, seqlen_k, window_left, window_right,
            block_m, block_n)
     entry = _TABLES.get(key)
