@@ -31,6 +31,7 @@ from .flash_fwd_hopper import _mma_layout, _rows_descriptor, unspecialised_jit
 from .launch import ensure_allocator, launcher
 from .dq_reduce_hopper import add_dq_share, heads_descriptor, release_dq_share, tma_view
 from .tile_ops import last_key_block, opaque_copy, query_range, tanh, visible
+from .tuning import GLUON_BACKWARD_FROM_SEQLEN
 
 CONSUMER_WARPS = gl.constexpr(4)
 CONSUMER_KEYS = gl.constexpr(64)
@@ -349,15 +350,12 @@ def split_head_dim(head_dim_pad):
     return head_dim_pad > SPLIT_HEAD_DIM_ABOVE
 
 
-# Where these kernels are the faster backward on the H200 (BENCHMARKS.md): 1.00-1.12x the tl kernels at head_dim 64
-# (BLOCK_M 128), 1.23-1.25x at 128 and 1.58-1.68x at 256, 4k and 16k tokens.
-FASTER_HEAD_DIMS = (64, 128, 256)
-
-
 def supports(q, cu_seqlens_q, head_dim_pad, has_alibi, has_dropout):
     """Whether these kernels take these inputs (the caller has chosen the Gluon path for the device): dense,
-    16-bit, a padded head_dim where they are the faster backward, no ALiBi and no dropout (the tl kernels have them)."""
-    return (cu_seqlens_q is None and q.dtype in (torch.float16, torch.bfloat16) and head_dim_pad in FASTER_HEAD_DIMS
+    16-bit, a padded head_dim and query length where they are the faster backward
+    (tuning.GLUON_BACKWARD_FROM_SEQLEN), no ALiBi and no dropout (the tl kernels have them)."""
+    return (cu_seqlens_q is None and q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[1] >= GLUON_BACKWARD_FROM_SEQLEN.get(head_dim_pad, float("inf"))
             and not has_alibi and not has_dropout)
 
 

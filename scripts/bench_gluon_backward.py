@@ -37,7 +37,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashformer.kernels import attention_materialized, flash_attn_func, force_kernel_impl, launch
-from flashformer.kernels import bwd_stats, flash_bwd, flash_bwd_dq_hopper, flash_bwd_hopper
+from flashformer.kernels import bwd_stats, flash_bwd, flash_bwd_dq_hopper, flash_bwd_hopper, tuning
 from flashformer.kernels.flash_fwd import attention_forward, log2_scales
 from flashformer.kernels.launch import seq_strides
 from flashformer.kernels.sizes import pad_head_dim
@@ -57,14 +57,16 @@ CHECK_CASES = [(113, 203, 8, 2, 128, True, (-1, -1), 0.0), (239, 1, 8, 8, 64, Fa
 def gluon_candidate(block_m):
     """Inside this block the Gluon backward takes every head_dim it has a config for (not only those
     where it is the default), its dK/dV launch with BLOCK_M = ``block_m`` (None: its default)."""
-    original, faster = flash_bwd_hopper.launch_dkdv, flash_bwd_hopper.FASTER_HEAD_DIMS
-    flash_bwd_hopper.FASTER_HEAD_DIMS = tuple(flash_bwd_hopper.CONFIGS)
+    original, from_seqlen = flash_bwd_hopper.launch_dkdv, dict(tuning.GLUON_BACKWARD_FROM_SEQLEN)
+    tuning.GLUON_BACKWARD_FROM_SEQLEN.update(dict.fromkeys(flash_bwd_hopper.CONFIGS, 1))
     if block_m is not None:
         flash_bwd_hopper.launch_dkdv = functools.partial(original, block_m=block_m)
     try:
         yield
     finally:
-        flash_bwd_hopper.launch_dkdv, flash_bwd_hopper.FASTER_HEAD_DIMS = original, faster
+        flash_bwd_hopper.launch_dkdv = original
+        tuning.GLUON_BACKWARD_FROM_SEQLEN.clear()
+        tuning.GLUON_BACKWARD_FROM_SEQLEN.update(from_seqlen)
 
 
 def window_bounds(causal, window):
