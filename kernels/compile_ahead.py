@@ -94,6 +94,32 @@ def backward_key(inputs, gluon):
             tuple(specialisation(n) for n in ints))
 
 
+def _shape_key(inputs, gluon):
+    """What backward_key is a function of, as read straight off the inputs (shapes, strides, dtypes, flags),
+    without forming the specialisations."""
+    (q, k, v, cu_seqlens_q, _, alibi_slopes, _, max_seqlen_q, max_seqlen_k, _, window_left, window_right, softcap,
+     dropout_p, deterministic) = inputs
+    return (q.device, q.dtype, k.dtype, v.dtype, q.shape, k.shape, q.stride(), k.stride(), v.stride(),
+            None if cu_seqlens_q is None else cu_seqlens_q.numel(), max_seqlen_q, max_seqlen_k, window_left,
+            window_right, softcap > 0.0, dropout_p > 0.0,
+            None if alibi_slopes is None else (alibi_slopes.dim(), alibi_slopes.stride(0)), bool(deterministic), gluon)
+
+
+_keys_by_shape: dict[tuple, tuple] = {}
+
+
+def cached_backward_key(inputs, gluon):
+    """backward_key, kept per _shape_key: a training step's forwards repeat their shapes, and each key takes some
+    forty specialisations to form (host time on every forward otherwise)."""
+    shape_key = _shape_key(inputs, gluon)
+    key = _keys_by_shape.get(shape_key)
+    if key is None:
+        if len(_keys_by_shape) >= MAX_KEYS:
+            _keys_by_shape.clear()
+        key = _keys_by_shape[shape_key] = backward_key(inputs, gluon)
+    return key
+
+
 def wanted(q, k):
     """Whether a forward on ``q`` and ``k`` (inputs that need gradients) should compile its backward ahead."""
     return (not settings.INTERPRETED and q.is_cuda and settings.compile_ahead_enabled() and q.numel() > 0
@@ -109,7 +135,7 @@ def submit_backward(inputs, gluon):
     q, k = inputs[:2]
     if not wanted(q, k):
         return
-    key = backward_key(inputs, gluon)
+    key = cached_backward_key(inputs, gluon)
     if key in _jobs:
         return
     stream, worker = torch.cuda.current_stream(q.device), _executor("compile-ahead", 1)
@@ -127,7 +153,7 @@ def wait_for_backward(inputs, gluon):
     latest = _latest
     if latest is None or latest.done():
         return
-    job = _jobs.get(backward_key(inputs, gluon))
+    job = _jobs.get(cached_backward_key(inputs, gluon))
     if job is not None and not job.done():
         concurrent.futures.wait([job], timeout=WAIT_S)
 

@@ -65,6 +65,19 @@ def test_the_key_separates_what_specialises_the_backward():
             != compile_ahead.backward_key(_inputs(seqlen=2048 + 16 * 31, deterministic=False), gluon=True))
 
 
+def test_the_key_kept_per_shape_is_the_key_formed_afresh():
+    variants = [_inputs(), _inputs(seqlen=1003), _inputs(dtype=torch.float16), _inputs(head_dim=64),
+                _inputs(heads=(4, 2)), _inputs(window=(64, 0)), _inputs(window=(-1, -1)), _inputs(softcap=30.0),
+                _inputs(deterministic=False), _inputs(varlen=True), _inputs(seqlen=3001), _inputs(seqlen=1008),
+                _inputs(seqlen=1500, deterministic=False), _inputs(seqlen=2048 + 16 * 31, deterministic=False)]
+    for gluon in (True, False):
+        for inputs in variants:
+            assert compile_ahead.cached_backward_key(inputs, gluon) == compile_ahead.backward_key(inputs, gluon)
+    # fresh tensors of the same shapes: the kept key, not a new one
+    first = compile_ahead.cached_backward_key(_inputs(seqlen=777), True)
+    assert compile_ahead.cached_backward_key(_inputs(seqlen=777), True) is first
+
+
 def _gradients(seed, head_dim, heads, seqlen, window):
     generator = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(2, seqlen, heads[i], head_dim, device="cuda", dtype=torch.bfloat16, generator=generator)
