@@ -84,7 +84,10 @@ def row_stats_buffers(lse, seqlen_q, is_varlen):
         return lse_log2, new_output(lse), (0, lse_log2.stride(0))
     batch, heads = lse.shape[:2]
     rows = cdiv(seqlen_q, STATS_ROWS.value) * STATS_ROWS.value
-    if rows == seqlen_q:
-        return new_output(lse), new_output(lse), (heads * rows, rows)
-    lse_log2 = torch.full((batch, heads, rows), float("inf"), dtype=torch.float32, device=lse.device)
-    return lse_log2, torch.zeros_like(lse_log2), (heads * rows, rows)
+    # One allocation for both (a backward's host time counts its allocations); each half starts on a
+    # multiple of STATS_ROWS rows, so both stay 16-byte aligned for the TMA copies.
+    lse_log2, delta = new_output(lse, shape=(2, batch, heads, rows), dtype=torch.float32).unbind()
+    if rows != seqlen_q:
+        lse_log2.fill_(float("inf"))
+        delta.zero_()
+    return lse_log2, delta, (heads * rows, rows)
