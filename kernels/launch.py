@@ -111,16 +111,19 @@ _UINT64_FROM = 2**63  # Triton types an int from here on as u64
 MAX_COMPILED_LAUNCHES = 1024
 
 
-def specialisation(arg):
-    """What Triton 3.6 compiles an argument's variant on: a tensor's dtype and 16-byte alignment; an int's
+def specialisations(args):
+    """What Triton 3.6 compiles each argument's variant on: a tensor's dtype and 16-byte alignment; an int's
     width, divisibility by 16 and == 1; else its type (a float is always fp32). For a kernel that declares
-    none of them unspecialised this is exactly its key; where it does, equal keys still mean equal variants."""
-    kind = type(arg)
-    if kind is torch.Tensor:
-        return arg.dtype, arg.data_ptr() % 16 == 0
-    if kind is int:
-        return arg in _INT32, arg >= _UINT64_FROM, arg % 16 == 0, arg == 1
-    return kind
+    none of them unspecialised this is exactly its key; where it does, equal keys still mean equal variants.
+    One comprehension, not a call per argument: every direct launch forms this for its 20-40 arguments."""
+    return [(a.dtype, a.data_ptr() % 16 == 0) if type(a) is torch.Tensor
+            else (a in _INT32, a >= _UINT64_FROM, a % 16 == 0, a == 1) if type(a) is int
+            else type(a) for a in args]
+
+
+def specialisation(arg):
+    """specialisations of one argument."""
+    return specialisations((arg,))[0]
 
 
 class CompiledLaunch:
@@ -131,7 +134,7 @@ class CompiledLaunch:
 
     Call as ``launch(grid, *args, **constexprs_and_options)``, like ``kernel[grid](...)``: the kernel's
     runtime arguments positional, its constexprs and launch options by keyword; a callable grid gets the
-    keyword arguments. The signature of such a call is specialisation's of each argument, so any kernel
+    keyword arguments. The signature of such a call is its arguments' specialisations, so any kernel
     qualifies; launch_keyed takes a signature the caller already knows instead.
     """
 
@@ -145,7 +148,7 @@ class CompiledLaunch:
             return
         if callable(grid):
             grid = grid(meta)
-        self.launch_keyed((tuple(meta.values()), *[specialisation(a) for a in args]), grid, *args, **meta)
+        self.launch_keyed((tuple(meta.values()), *specialisations(args)), grid, *args, **meta)
 
     def launch_keyed(self, signature, grid, *args, **meta):
         """As calling this object, with ``signature`` standing for the constexprs, options and argument

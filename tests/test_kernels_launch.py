@@ -208,6 +208,7 @@ def test_direct_launch_signatures_split_arguments_exactly_where_triton_compiles_
                None, True, False, buffer, buffer[1:], buffer[8:], buffer.view(torch.float16),
                torch.empty(4, dtype=torch.int32), torch.empty(4, dtype=torch.float32)[1:]]
     ours = [launch.specialisation(a) for a in samples]
+    assert launch.specialisations(samples) == ours
     triton_variants = [native_specialize_impl(CUDABackend, a, False, True, True) for a in samples]
     for i in range(len(samples)):
         for j in range(len(samples)):
