@@ -157,6 +157,8 @@ CASES = {
                                   GLUON_WARPS, 1),
     # the persistent forward (one program per SM walking kernels/tile_schedule.py's order) at every head_dim
     "gluon-fwd-d128-persistent-causal": (GLUON_FORWARD, gluon_forward_constexprs(128, persistent=True), GLUON_WARPS, 1),
+    "gluon-fwd-d128-persistent-full": (GLUON_FORWARD, gluon_forward_constexprs(128, causal=False, persistent=True),
+                                       GLUON_WARPS, 1),
     "gluon-fwd-d64-c3-persistent-full": (GLUON_FORWARD, gluon_forward_constexprs(64, causal=False, persistent=True),
                                          GLUON_WARPS, 1),
     "gluon-fwd-d64-c2-persistent-window-softcap-gqa": (
