@@ -222,13 +222,13 @@ GLUON_FORWARD_FROM_SEQLEN = {64: 1024, 128: 1, 256: 1}
 GLUON_BACKWARD_FROM_SEQLEN = {64: 4096, 128: 1, 256: 1}
 # Key lengths below which the persistent grid wins, per (padded head_dim, causal): with few K/V tiles per
 # query tile a program's own costs (launch, descriptors, barriers, the first loads, the ring's fill and drain)
-# weigh, and a persistent program hides them behind its previous tile. Measured on the H200
-# (BENCHMARKS.md): without a mask at head_dim 128, 1.12-1.17x the one-tile grid at 1k and, in rounds alternating
-# the two on a GPU at its power limit, 1.04x / 1.03x / 0.99x at 2k / 4k / 8k; ahead or level to 16k at 64; causal,
-# with the host's balanced schedule, 1.35x at 1k and 1.06x at 4k at 128 (0.99x at 16k), 1.20x / 1.01x / 1.04x at
-# 1k / 4k / 16k at 256. head_dim 256 without a mask is unmeasured.
+# weigh, and a persistent program hides them behind its previous tile. Measured on the H200 (BENCHMARKS.md):
+# without a mask, at head_dim 128 1.12-1.17x the one-tile grid at 1k and 1.04x / 1.03x / 0.99x at 2k / 4k / 8k
+# (rounds alternating the two on a GPU at its power limit), at 256 1.04x / 1.02x / 1.00x / 1.00x at
+# 1k / 2k / 4k / 16k, at 64 ahead or level to 16k; causal, with the host's balanced schedule, 1.35x at 1k and
+# 1.06x at 4k at 128 (0.99x at 16k), 1.20x / 1.01x / 1.04x at 1k / 4k / 16k at 256.
 GLUON_PERSISTENT_BELOW_SEQLEN = {(64, False): float("inf"), (64, True): float("inf"), (128, False): 8192,
-                                 (128, True): 16384, (256, True): float("inf")}
+                                 (128, True): 16384, (256, False): float("inf"), (256, True): float("inf")}
 
 
 def gluon_forward_config(head_dim_pad, seqlen_k, causal):

@@ -165,6 +165,8 @@ CASES = {
         GLUON_FORWARD, gluon_forward_constexprs(64, window=True, softcap=True, group=4, config=(128, 2, 2),
                                                 persistent=True), GLUON_WARPS, 1),
     "gluon-fwd-d256-persistent-causal": (GLUON_FORWARD, gluon_forward_constexprs(256, persistent=True), GLUON_WARPS, 1),
+    "gluon-fwd-d256-persistent-full": (GLUON_FORWARD, gluon_forward_constexprs(256, causal=False, persistent=True),
+                                       GLUON_WARPS, 1),
     # every Gluon backward configuration (flash_bwd_hopper.config): head_dim 64, 128, 256 (split), softcap's tile
     "gluon-bwd_dkdv-d128-causal-gqa": (GLUON_DKDV, gluon_backward_constexprs(128, group=4), GLUON_WARPS, 1),
     "gluon-bwd_dkdv-d128-full": (GLUON_DKDV, gluon_backward_constexprs(128, causal=False), GLUON_WARPS, 1),
