@@ -24,7 +24,7 @@ import tempfile
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flashformer.profiling import kernel_times
+from flashformer.profiling import benchmark_provenance, kernel_times
 from flashformer.train import Trainer, load_train_config, read_metrics, train
 
 # path -> (attn_backend, deterministic, the torch backend an sdpa path is pinned to)
@@ -111,7 +111,7 @@ def main(argv=None):
     profiles = [profile_one(args.recipe, s, p, args.profile, args.tokens_per_step, args.set)
                 for s in args.seqlens for p in args.paths] if args.profile else []
     with open(args.out, "w") as f:
-        json.dump({"throughput": results, "profiles": profiles}, f, indent=1)
+        json.dump({**benchmark_provenance(), "throughput": results, "profiles": profiles}, f, indent=1)
     if profiles:
         print(profile_table(profiles))
     print("| seqlen | batch | path | tokens/s | MFU | final loss |\n|---|---|---|---|---|---|")
