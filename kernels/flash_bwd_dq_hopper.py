@@ -15,7 +15,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from . import flash_bwd_hopper, flash_fwd_hopper
 from .flash_bwd_hopper import CONSUMER_WARPS
-from .flash_fwd_hopper import _mma_layout, _rows_descriptor, unspecialised_jit
+from .hopper_ops import mma_layout, rows_descriptor, unspecialised_jit
 from .launch import ensure_allocator, launcher
 from .tile_ops import key_range, opaque_copy, tanh, visible
 
@@ -29,10 +29,10 @@ def _dq_load_partition(q_base, do_base, k_base, v_base, stride_qs, stride_dos, s
                        seqlen_k, q_smem, do_smem, k_smem, v_smem, q_bars, k_ready, v_ready, slot_empty, m0,
                        start, num_tiles, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
                        NUM_STAGES: gl.constexpr, Q_SMEM: gl.constexpr, KV_SMEM: gl.constexpr):
-    q_desc = _rows_descriptor(q_base, seqlen_q, stride_qs, DQ_ROWS, HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
-    do_desc = _rows_descriptor(do_base, seqlen_q, stride_dos, DQ_ROWS, HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
-    k_desc = _rows_descriptor(k_base, seqlen_k, stride_ks, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
-    v_desc = _rows_descriptor(v_base, seqlen_k, stride_vs, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
+    q_desc = rows_descriptor(q_base, seqlen_q, stride_qs, DQ_ROWS, HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
+    do_desc = rows_descriptor(do_base, seqlen_q, stride_dos, DQ_ROWS, HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
+    k_desc = rows_descriptor(k_base, seqlen_k, stride_ks, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
+    v_desc = rows_descriptor(v_base, seqlen_k, stride_vs, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
     for c in gl.static_range(2):
         bar = q_bars.index(c)
         mbarrier.expect(bar, 2 * q_desc.block_type.nbytes)
@@ -55,8 +55,8 @@ def _dq_consume_partition(CONSUMER: gl.constexpr, dq_base, stride_dqs, lse_row, 
                           HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
                           NUM_STAGES: gl.constexpr, LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr,
                           HAS_SOFTCAP: gl.constexpr, Q_SMEM: gl.constexpr):
-    S_LAYOUT: gl.constexpr = _mma_layout(BLOCK_N, CONSUMER_WARPS)
-    DQ_LAYOUT: gl.constexpr = _mma_layout(HEAD_DIM_PAD, CONSUMER_WARPS)
+    S_LAYOUT: gl.constexpr = mma_layout(BLOCK_N, CONSUMER_WARPS)
+    DQ_LAYOUT: gl.constexpr = mma_layout(HEAD_DIM_PAD, CONSUMER_WARPS)
     A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=DQ_LAYOUT, k_width=2)
     ROWS: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
     KEYS: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
@@ -107,7 +107,7 @@ def _dq_consume_partition(CONSUMER: gl.constexpr, dq_base, stride_dqs, lse_row, 
     # Q is read by no product any more: its tile stages dQ.
     q_tile.store((dq * softmax_scale).to(dtype))
     fence_async_shared()
-    dq_desc = _rows_descriptor(dq_base, seqlen_q, stride_dqs, DQ_ROWS, HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
+    dq_desc = rows_descriptor(dq_base, seqlen_q, stride_dqs, DQ_ROWS, HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
     tma.async_copy_shared_to_global(dq_desc, [row0, 0], q_tile)
     tma.store_wait(0)
 

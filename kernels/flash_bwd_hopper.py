@@ -27,7 +27,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .flash_fwd_hopper import _mma_layout, _rows_descriptor, unspecialised_jit
+from .hopper_ops import mma_layout, rows_descriptor, unspecialised_jit
 from .launch import ensure_allocator, launcher
 from .dq_reduce_hopper import add_dq_share, heads_descriptor, release_dq_share, tma_view
 from .tile_ops import last_key_block, opaque_copy, query_range, tanh, visible
@@ -56,8 +56,8 @@ def _dkdv_load_partition(q_base, do_base, k_base, v_base, lse_group, delta_group
     q_desc = heads_descriptor(q_base, GROUP, seqlen_q, stride_qh, stride_qs, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, QO_TMA)
     do_desc = heads_descriptor(do_base, GROUP, seqlen_q, stride_doh, stride_dos, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
                                 QO_TMA)
-    k_desc = _rows_descriptor(k_base, seqlen_k, stride_ks, CONSUMER_KEYS, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
-    v_desc = _rows_descriptor(v_base, seqlen_k, stride_vs, CONSUMER_KEYS, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
+    k_desc = rows_descriptor(k_base, seqlen_k, stride_ks, CONSUMER_KEYS, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
+    v_desc = rows_descriptor(v_base, seqlen_k, stride_vs, CONSUMER_KEYS, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
     # The group's row statistics as one run of rows (each head's padded to STATS_ROWS), BLOCK_M rows a copy.
     lse_desc = tma.make_tensor_descriptor(lse_group, [GROUP * stride_lse_h], [1], [BLOCK_M], lse_smem.layout)
     delta_desc = tma.make_tensor_descriptor(delta_group, [GROUP * stride_lse_h], [1], [BLOCK_M], lse_smem.layout)
@@ -104,8 +104,8 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
     DQ_DIM: gl.constexpr = HEAD_DIM_PAD // 2 if DQ_SPLIT else HEAD_DIM_PAD
     DQ_COL: gl.constexpr = CONSUMER * DQ_DIM if DQ_SPLIT else 0
     DQ_PARTS: gl.constexpr = 2 if DQ_SPLIT else 1
-    ST_LAYOUT: gl.constexpr = _mma_layout(BLOCK_M, CONSUMER_WARPS)
-    DKV_LAYOUT: gl.constexpr = _mma_layout(OUT_DIM, CONSUMER_WARPS)
+    ST_LAYOUT: gl.constexpr = mma_layout(BLOCK_M, CONSUMER_WARPS)
+    DKV_LAYOUT: gl.constexpr = mma_layout(OUT_DIM, CONSUMER_WARPS)
     A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=DKV_LAYOUT, k_width=2)
     KEYS: gl.constexpr = gl.SliceLayout(1, ST_LAYOUT)
     QUERIES: gl.constexpr = gl.SliceLayout(0, ST_LAYOUT)
@@ -120,7 +120,7 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
     st_zero = gl.zeros([CONSUMER_KEYS, BLOCK_M], gl.float32, ST_LAYOUT)
     if DQ_MODE != DQ_SEPARATE:
         gl.static_assert((not SPLIT_HEAD_DIM) & (BLOCK_M == 64))  # dQ's wgmma is 64 rows by HEAD_DIM_PAD
-        dq_zero = gl.zeros([BLOCK_M, DQ_DIM], gl.float32, _mma_layout(DQ_DIM, CONSUMER_WARPS))
+        dq_zero = gl.zeros([BLOCK_M, DQ_DIM], gl.float32, mma_layout(DQ_DIM, CONSUMER_WARPS))
         ds_tile = ds_smem.index(CONSUMER)
         dq_stage = dq_smem.index(CONSUMER)
         dq_desc = heads_descriptor(dq_group, GROUP, seqlen_q, stride_dqh, stride_dqs, BLOCK_M, HEAD_DIM_PAD,
@@ -222,8 +222,8 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
     dk_out.store((dk * softmax_scale).to(dtype))
     dv_out.store(dv.to(dtype))
     fence_async_shared()
-    dk_desc = _rows_descriptor(dk_base, seqlen_k, stride_dks, CONSUMER_KEYS, HEAD_DIM, OUT_DIM, KV_SMEM)
-    dv_desc = _rows_descriptor(dv_base, seqlen_k, stride_dvs, CONSUMER_KEYS, HEAD_DIM, OUT_DIM, KV_SMEM)
+    dk_desc = rows_descriptor(dk_base, seqlen_k, stride_dks, CONSUMER_KEYS, HEAD_DIM, OUT_DIM, KV_SMEM)
+    dv_desc = rows_descriptor(dv_base, seqlen_k, stride_dvs, CONSUMER_KEYS, HEAD_DIM, OUT_DIM, KV_SMEM)
     tma.async_copy_shared_to_global(dk_desc, [key0, OUT_COL], dk_out)
     tma.async_copy_shared_to_global(dv_desc, [key0, OUT_COL], dv_out)
     tma.store_wait(0)

@@ -25,7 +25,6 @@ shared memory allows let the next tile's queries load under this tile's work; TM
 from __future__ import annotations
 
 import functools
-import inspect
 
 import torch
 import triton
@@ -34,24 +33,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
+from .hopper_ops import mma_layout, rows_descriptor, unspecialised_jit
 from .launch import ensure_allocator, launcher, sm_count
 from .tile_ops import tanh, visible
 from .tile_schedule import (device_schedule, program_tile, q_buffers, query_block, scheduled_tiles, section_pairs,
                             tile_coords)
 from .tuning import GLUON_FORWARD_FROM_SEQLEN, gluon_forward_config
-
-
-def unspecialised_jit(fn):
-    """``gluon.jit`` with every lower-case argument (lengths, strides, window bounds) unspecialised: through
-    TMA descriptors the sm_90 PTX is the same with or without divisibility by 16 (compared for each kernel),
-    so Triton's variants would only compile the same kernel again per class of length. CI compiles these."""
-    return gluon.jit(fn, do_not_specialize=[name for name in inspect.signature(fn).parameters if name.islower()])
-
-
-@gluon.constexpr_function
-def _mma_layout(n, num_warps):
-    """Accumulator layout of a (rows, n) wgmma product: one 16-row slab per warp of the warpgroup."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
 
 
 @gluon.jit
@@ -108,15 +95,6 @@ def _partition_warps(consumers):
     return [CONSUMER_WARPS.value] * (consumers - 1) + [1]
 
 
-@gluon.jit
-def _rows_descriptor(base, rows, stride_rows, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     HEAD_DIM_PAD: gl.constexpr, LAYOUT: gl.constexpr):
-    """TMA view of one head, (rows, HEAD_DIM) from ``base`` in (BLOCK, HEAD_DIM_PAD) tiles: zeros are read past
-    either end and stores are clipped there. Each partition builds the descriptors it uses: one written to global
-    memory reaches the TMA unit only through the writing threads' tensormap fence, which no other warp executes."""
-    return tma.make_tensor_descriptor(base, [rows, HEAD_DIM], [stride_rows, 1], [BLOCK, HEAD_DIM_PAD], LAYOUT)
-
-
 @gluon.constexpr_function
 def _heads_layout(layout):
     """The rank-4 (1, rows, 1, head_dim) form of a tile's shared layout, same swizzle."""
@@ -136,7 +114,7 @@ def _heads_descriptor(base, batch_size, rows, heads, stride_b, stride_rows, stri
 @gluon.jit
 def _load_tile(desc, batch, row, head, bar, dest, PERSISTENT: gl.constexpr):
     """TMA copy of one head's rows [row, row + BLOCK) into ``dest``, completing on ``bar``; a per-head
-    descriptor (_rows_descriptor) ignores batch and head, a persistent program's (_heads_descriptor) takes them."""
+    descriptor (rows_descriptor) ignores batch and head, a persistent program's (_heads_descriptor) takes them."""
     mbarrier.expect(bar, desc.block_type.nbytes)
     if PERSISTENT:
         tma.async_copy_global_to_shared(desc, [batch, row, head, 0], bar,
@@ -204,12 +182,12 @@ def _load_partition(Q, K, V, stride_qb, stride_qs, stride_qh, stride_kb, stride_
         m0, start, _, _, num_tiles = query_block(pid_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M,
                                                  BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
         batch, kv_head = batch.to(gl.int64), (head // GROUP).to(gl.int64)
-        q_desc = _rows_descriptor(Q + batch * stride_qb + head.to(gl.int64) * stride_qh, seqlen_q, stride_qs,
-                                  CONSUMER_ROWS, HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
-        k_desc = _rows_descriptor(K + batch * stride_kb + kv_head * stride_kh, seqlen_k, stride_ks, BLOCK_N, HEAD_DIM,
-                                  HEAD_DIM_PAD, KV_SMEM)
-        v_desc = _rows_descriptor(V + batch * stride_vb + kv_head * stride_vh, seqlen_k, stride_vs, BLOCK_N, HEAD_DIM,
-                                  HEAD_DIM_PAD, KV_SMEM)
+        q_desc = rows_descriptor(Q + batch * stride_qb + head.to(gl.int64) * stride_qh, seqlen_q, stride_qs,
+                                 CONSUMER_ROWS, HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
+        k_desc = rows_descriptor(K + batch * stride_kb + kv_head * stride_kh, seqlen_k, stride_ks, BLOCK_N, HEAD_DIM,
+                                 HEAD_DIM_PAD, KV_SMEM)
+        v_desc = rows_descriptor(V + batch * stride_vb + kv_head * stride_vh, seqlen_k, stride_vs, BLOCK_N, HEAD_DIM,
+                                 HEAD_DIM_PAD, KV_SMEM)
         _load_query_tile(q_desc, k_desc, v_desc, batch, head, kv_head, m0, start, num_tiles, 0, 0, q_smem, k_smem,
                          v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, BLOCK_N, NUM_STAGES, CONSUMERS,
                          Q_BUFFERS, PERSISTENT)
@@ -223,8 +201,8 @@ def _attend(q_tile, q_bar, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, l
     """One consumer's 64 query rows from row0, its Q block q_tile (ready at q_bar's phase q_phase), over
     the query tile's num_tiles key tiles (ring slots as in _load_query_tile): stores the rows' lse at
     ``lse_ptr`` and returns the normalised output tile."""
-    S_LAYOUT: gl.constexpr = _mma_layout(BLOCK_N, CONSUMER_WARPS)
-    O_LAYOUT: gl.constexpr = _mma_layout(HEAD_DIM_PAD, CONSUMER_WARPS)
+    S_LAYOUT: gl.constexpr = mma_layout(BLOCK_N, CONSUMER_WARPS)
+    O_LAYOUT: gl.constexpr = mma_layout(HEAD_DIM_PAD, CONSUMER_WARPS)
     P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
     ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
     ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
@@ -335,8 +313,8 @@ def _consume_partition(CONSUMER: gl.constexpr, O, LSE, stride_ob, stride_os, str
                       v_empty, LSE + batch * stride_lse_b + head * stride_lse_h, row0, start, un_lo, un_hi, num_tiles,
                       0, 0, seqlen_q, seqlen_k, qk_scale, softcap_log2, window_left, window_right, HEAD_DIM_PAD,
                       BLOCK_N, NUM_STAGES, LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP)
-        o_desc = _rows_descriptor(O + batch * stride_ob + head * stride_oh, seqlen_q, stride_os, CONSUMER_ROWS,
-                                  HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
+        o_desc = rows_descriptor(O + batch * stride_ob + head * stride_oh, seqlen_q, stride_os, CONSUMER_ROWS,
+                                 HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
         _store_out(o_desc, batch, row0, head, out, q_smem.index(CONSUMER), PERSISTENT)
 
 
