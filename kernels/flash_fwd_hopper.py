@@ -19,7 +19,8 @@ give 0 and lse -inf); flash_fwd.py stays the portable, interpreter-tested statem
 PERSISTENT (where tuning.gluon_forward_config measured it faster): one program per SM, each walking its slice of
 tile_schedule.py's deal (each tile to the least-loaded program) through the same partitions. The K/V ring and its
 phases run on across tiles (the next tile's keys stream in while this one finishes), and two sets of Q blocks where
-shared memory allows let the next tile's queries load under this tile's work; TMA descriptors cover whole tensors.
+shared memory allows let the next tile's queries load under this tile's work and this tile's output store drain
+under the next one's first product; TMA descriptors cover whole tensors.
 """
 
 from __future__ import annotations
@@ -196,11 +197,13 @@ def _load_partition(Q, K, V, stride_qb, stride_qs, stride_qh, stride_kb, stride_
 @gluon.jit
 def _attend(q_tile, q_bar, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, lse_ptr, row0, start, un_lo, un_hi,
             num_tiles, loaded, q_phase, seqlen_q, seqlen_k, qk_scale, softcap_log2, window_left, window_right,
-            HEAD_DIM_PAD: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-            LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr):
+            pending_free, store_pending, HEAD_DIM_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
+            NUM_STAGES: gl.constexpr, LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr,
+            HAS_SOFTCAP: gl.constexpr, DEFER_STORE: gl.constexpr):
     """One consumer's 64 query rows from row0, its Q block q_tile (ready at q_bar's phase q_phase), over
     the query tile's num_tiles key tiles (ring slots as in _load_query_tile): stores the rows' lse at
-    ``lse_ptr`` and returns the normalised output tile."""
+    ``lse_ptr`` and returns the normalised output tile. DEFER_STORE: the previous tile's output store drains under
+    this tile's first product, then (where store_pending) its Q block's barrier pending_free is released."""
     S_LAYOUT: gl.constexpr = mma_layout(BLOCK_N, CONSUMER_WARPS)
     O_LAYOUT: gl.constexpr = mma_layout(HEAD_DIM_PAD, CONSUMER_WARPS)
     P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
@@ -221,6 +224,8 @@ def _attend(q_tile, q_bar, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, l
         first = loaded % NUM_STAGES
         mbarrier.wait(k_ready.index(first), (loaded // NUM_STAGES) & 1)
         s = warpgroup_mma(q_tile, k_smem.index(first).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if DEFER_STORE:
+            _retire_store(pending_free, store_pending)
         s = warpgroup_mma_wait(0, deps=[s])
         mbarrier.arrive(k_empty.index(first), count=1)
         s = _logits(s, start, rows, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
@@ -252,6 +257,8 @@ def _attend(q_tile, q_bar, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, l
         acc = warpgroup_mma(p_op, v_smem.index(last % NUM_STAGES), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
+    elif DEFER_STORE:
+        _retire_store(pending_free, store_pending)
 
     empty = row_sum == 0.0
     inv = gl.convert_layout(1.0 / gl.where(empty, 1.0, row_sum), ROW_O)
@@ -261,9 +268,16 @@ def _attend(q_tile, q_bar, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, l
 
 
 @gluon.jit
-def _store_out(o_desc, batch, row0, head, out, q_tile, PERSISTENT: gl.constexpr):
+def _retire_store(q_free, store_pending):
+    """Wait until this consumer's output store has read its Q block, then (where pending) free it: q_free."""
+    tma.store_wait(0)
+    mbarrier.arrive(q_free, count=1, pred=store_pending)
+
+
+@gluon.jit
+def _store_out(o_desc, batch, row0, head, out, q_tile, PERSISTENT: gl.constexpr, WAIT: gl.constexpr):
     """Store a consumer's output tile through its Q block (the queries are spent) by one TMA store, clipped
-    at the head's ends, and wait until the store has read the block; descriptors as in _load_tile."""
+    at the head's ends; WAIT: until the store has read the block. Descriptors as in _load_tile."""
     q_tile.store(out)
     fence_async_shared()
     if PERSISTENT:
@@ -271,7 +285,8 @@ def _store_out(o_desc, batch, row0, head, out, q_tile, PERSISTENT: gl.constexpr)
                                         q_tile.reshape([1, q_tile.shape[0], 1, q_tile.shape[1]]))
     else:
         tma.async_copy_shared_to_global(o_desc, [row0, 0], q_tile)
-    tma.store_wait(0)
+    if WAIT:
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -284,6 +299,9 @@ def _consume_partition(CONSUMER: gl.constexpr, O, LSE, stride_ob, stride_os, str
                        Q_BUFFERS: gl.constexpr, PERSISTENT: gl.constexpr, Q_SMEM: gl.constexpr):
     BLOCK_M: gl.constexpr = CONSUMERS * CONSUMER_ROWS
     if PERSISTENT:
+        # With one set of Q blocks the next tile's queries need the block at once: no store drains under it.
+        DEFER_STORE: gl.constexpr = Q_BUFFERS > 1
+        WAIT_STORE: gl.constexpr = Q_BUFFERS == 1
         o_desc = _heads_descriptor(O, batch_size, seqlen_q, heads, stride_ob, stride_os, stride_oh, CONSUMER_ROWS,
                                    HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
         loaded = 0
@@ -295,14 +313,17 @@ def _consume_partition(CONSUMER: gl.constexpr, O, LSE, stride_ob, stride_os, str
                                                              BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
             row0 = m0 + CONSUMER * CONSUMER_ROWS
             slot = (tile_index % Q_BUFFERS) * CONSUMERS + CONSUMER
+            previous = ((tile_index + Q_BUFFERS - 1) % Q_BUFFERS) * CONSUMERS + CONSUMER
             out = _attend(q_smem.index(slot), q_bars.index(slot), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                           LSE + batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h, row0, start,
                           un_lo, un_hi, num_tiles, loaded, (tile_index // Q_BUFFERS) & 1, seqlen_q, seqlen_k,
-                          qk_scale, softcap_log2, window_left, window_right, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES,
-                          LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP)
-            _store_out(o_desc, batch, row0, head, out, q_smem.index(slot), PERSISTENT)
-            mbarrier.arrive(q_free.index(slot), count=1)  # the producer may load this buffer's next Q block
+                          qk_scale, softcap_log2, window_left, window_right, q_free.index(previous), tile_index > 0,
+                          HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP, DEFER_STORE)
+            _store_out(o_desc, batch, row0, head, out, q_smem.index(slot), PERSISTENT, WAIT_STORE)
+            if WAIT_STORE:
+                mbarrier.arrive(q_free.index(slot), count=1)  # the producer may load this buffer's next Q block
             loaded += num_tiles
+        tma.store_wait(0)  # the last output store reads shared memory, which lives as long as the program
     else:
         batch, head, pid_m = program_tile(RIGHT_BOUNDED)
         m0, start, un_lo, un_hi, num_tiles = query_block(pid_m, seqlen_q, seqlen_k, window_left, window_right,
@@ -311,11 +332,12 @@ def _consume_partition(CONSUMER: gl.constexpr, O, LSE, stride_ob, stride_os, str
         row0 = m0 + CONSUMER * CONSUMER_ROWS
         out = _attend(q_smem.index(CONSUMER), q_bars.index(CONSUMER), k_smem, v_smem, k_ready, v_ready, k_empty,
                       v_empty, LSE + batch * stride_lse_b + head * stride_lse_h, row0, start, un_lo, un_hi, num_tiles,
-                      0, 0, seqlen_q, seqlen_k, qk_scale, softcap_log2, window_left, window_right, HEAD_DIM_PAD,
-                      BLOCK_N, NUM_STAGES, LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP)
+                      0, 0, seqlen_q, seqlen_k, qk_scale, softcap_log2, window_left, window_right,
+                      q_bars.index(CONSUMER), False, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, LEFT_BOUNDED, RIGHT_BOUNDED,
+                      HAS_SOFTCAP, False)
         o_desc = rows_descriptor(O + batch * stride_ob + head * stride_oh, seqlen_q, stride_os, CONSUMER_ROWS,
                                  HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
-        _store_out(o_desc, batch, row0, head, out, q_smem.index(CONSUMER), PERSISTENT)
+        _store_out(o_desc, batch, row0, head, out, q_smem.index(CONSUMER), PERSISTENT, True)
 
 
 @unspecialised_jit

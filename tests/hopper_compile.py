@@ -82,6 +82,22 @@ def loop_depths(ptx, pattern):
     return [sum(start < i < end for start, end in spans) for i, line in enumerate(lines) if re.search(pattern, line)]
 
 
+def stores_waited_under_products(ptx):
+    """Of the TMA stores in the PTX, how many are followed by a wgmma group's issue before the next wait for
+    bulk stores (``cp.async.bulk.wait_group.read``): a store left to drain under the products that follow."""
+    events = re.findall(rf"({TMA_STORE})|(wgmma\.commit_group)|(cp\.async\.bulk\.wait_group\.read)", ptx)
+    drained, store_open, product_since = 0, False, False
+    for store, product, wait in events:
+        if store:
+            store_open, product_since = True, False
+        elif product:
+            product_since = store_open
+        elif wait and store_open:
+            drained += product_since
+            store_open = False
+    return drained
+
+
 def attention_constexprs(head_dim, block_m, block_n, causal=True, window=False, softcap=False, varlen=False, group=1,
                          accumulate_dq=False, has_dlse=False, alibi=False, dropout=False):
     return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=pad_head_dim(head_dim), BLOCK_M=block_m,
@@ -333,6 +349,7 @@ def main(selected):
                         # the fewest loops around a TMA load / store: a persistent kernel's tile loop adds one
                         "tma_load_loop_depth": min(loop_depths(ptx, TMA_LOAD), default=None),
                         "tma_store_loop_depth": min(loop_depths(ptx, TMA_STORE), default=None),
+                        "stores_drained_under_products": stores_waited_under_products(ptx),
                         "shared_bytes": compiled.metadata.shared, "registers": registers, "spill_bytes": spill_bytes}
     print(json.dumps(report))
 

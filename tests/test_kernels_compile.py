@@ -178,6 +178,19 @@ def test_persistent_gluon_forward_loops_over_tiles(report):
         assert report[one_tile]["tma_store_loop_depth"] == 0, report[one_tile]
 
 
+def test_persistent_gluon_forward_drains_its_output_store_under_the_next_tile(report):
+    """With two sets of Q blocks a persistent consumer leaves its output store in flight and waits for it once
+    the next tile's first product is issued (each consumer's store: one per partition); with one set (head_dim
+    256) and in the one-tile kernel every store is waited for before any other product."""
+    for persistent, one_tile in PERSISTENT_FORWARD.items():
+        drains = report[persistent]["stores_drained_under_products"]
+        if persistent.startswith("gluon-fwd-d256"):
+            assert drains == 0, (persistent, drains)
+        else:
+            assert drains >= 2, (persistent, drains)
+        assert report[one_tile]["stores_drained_under_products"] == 0, one_tile
+
+
 @needs_gluon_triton
 def test_fused_gluon_bwd_reduces_dq_shares_in_bulk(report):
     """The fused Gluon backward (flash_bwd_hopper.launch_fused) adds each consumer's dQ share with one TMA
