@@ -4,6 +4,7 @@ every benchmark's JSON carries and its command-line checks (benchmarks only)."""
 from __future__ import annotations
 
 import datetime
+import os
 import subprocess
 import sys
 import time
@@ -23,12 +24,16 @@ def check_specs(parser, specs, parse):
 
 def benchmark_provenance() -> dict:
     """What a benchmark's JSON must say to be reproduced: the command, the UTC date, the commit (with
-    "+dirty" for uncommitted changes), the device and the torch / triton versions."""
+    "+dirty" for uncommitted changes) of the checkout flashformer is imported from, wherever the script runs
+    from, the device and the torch / triton versions."""
     import triton
+
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def git(*args):
         try:
-            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10).stdout.strip()
+            return subprocess.run(["git", "-C", checkout, *args], capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return ""
 

@@ -659,3 +659,15 @@ def test_with_tree_runs_a_script_against_another_commits_package(tmp_path):
     with pytest.raises(subprocess.CalledProcessError):
         subprocess.run([sys.executable, os.path.join(SCRIPTS, "with_tree.py"), "export", "0c1b98a", str(tree)],
                        cwd=repo, check=True, capture_output=True)
+
+
+def test_provenance_names_the_checkout_flashformer_runs_from_whatever_the_working_directory(tmp_path):
+    """A benchmark run from outside the repository still records the commit of the code it ran."""
+    repo = os.path.dirname(SCRIPTS)
+    head = subprocess.run(["git", "-C", repo, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+    code = "from flashformer.profiling import benchmark_provenance; print(benchmark_provenance()['commit'])"
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    commit = done.stdout.strip().splitlines()[-1]
+    assert commit.split("+")[0] == head.stdout.strip(), commit
