@@ -9,6 +9,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
+# Query rows of one consumer warpgroup in the forward: a wgmma's M, so one product per warpgroup and tile.
+CONSUMER_ROWS = gl.constexpr(64)
+
 
 def unspecialised_jit(fn):
     """``gluon.jit`` with every lower-case argument (lengths, strides, window bounds) unspecialised: through

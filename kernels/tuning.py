@@ -247,6 +247,16 @@ def gluon_forward_config(head_dim_pad, seqlen_k, causal):
     return block_n, num_stages, consumers, persistent
 
 
+# Consumers per program whose persistent forward overlaps its tile boundaries (flash_fwd_hopper's OVERLAP_TILES),
+# where two sets of Q blocks fit.
+GLUON_OVERLAP_TILES_CONSUMERS = (2, 3)
+
+
+def gluon_overlaps_tiles(consumers):
+    """Whether a persistent Gluon forward of ``consumers`` warpgroups overlaps one tile's end with the next's start."""
+    return consumers in GLUON_OVERLAP_TILES_CONSUMERS
+
+
 # Where the fused Gluon backward, its dQ shares reduced in arrival order with dQ's columns split between
 # the consumers ("fused-split"), beat the two Gluon kernels on the H200, as the shortest key length per
 # (padded head_dim, causal); the policy for deterministic=False only. At head_dim 128: 1.03-1.07x from 2k

@@ -6,18 +6,22 @@ flash_fwd_hopper is first checked against fp32 math on the same inputs (max abs 
 in bf16), then timed with do_bench; the table gives forward TFLOP/s and the ratio of the best
 candidate to cuDNN. Writes the cells as JSON to --out. --check first checks the candidates of the
 chosen head_dims on odd shapes. --variants persistent adds each candidate as the persistent kernel (one
-program per SM walking kernels/tile_schedule.py's order; named ...-persistent), checked and timed too.
+program per SM walking kernels/tile_schedule.py's order; named ...-persistent), its tile boundaries overlapped
+where the launcher would; in-turn, the persistent kernel with its tiles one after the other (...-in-turn); both
+checked and timed too. --rounds N times every candidate N times, in alternating order, and reports the median.
 
     python scripts/bench_gluon_forward.py --head-dims 64 128 256 --seqlens 1024 4096 16384
     python scripts/bench_gluon_forward.py --check --head-dims 64 --seqlens 1024 4096 16384
     python scripts/bench_gluon_forward.py --check --variants default persistent --head-dims 64 128 \
         --configs n128-s2-c2 n128-s2-c3 --seqlens 1024 2048 4096
+    python scripts/bench_gluon_forward.py --check --variants persistent in-turn --rounds 4 --head-dims 64 128
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +42,7 @@ CANDIDATES = {64: [(128, 2, 2), (128, 3, 2), (128, 2, 3), (128, 3, 3), (64, 4, 3
 
 def gluon_forward(q, k, v, causal, config, window=(-1, -1), softcap=0.0, variant="default"):
     """(out, lse) of the Gluon kernel with one (BLOCK_N, NUM_STAGES, CONSUMERS) config, one tile per program
-    (variant "default") or persistent."""
+    (variant "default"), persistent, or persistent with its tiles one after the other ("in-turn")."""
     block_n, num_stages, consumers = config
     head_dim_pad = max(16, triton.next_power_of_2(q.shape[-1]))
     out = new_output(q)
@@ -48,7 +52,8 @@ def gluon_forward(q, k, v, causal, config, window=(-1, -1), softcap=0.0, variant
     flash_fwd_hopper.launch_forward(q, k, v, out, lse, qk_scale, softcap_log2, window_left, window_right, softcap,
                                     head_dim_pad, [s for t in (q, k, v, out) for s in seq_strides(t, False)],
                                     lse.stride()[:2], block_n=block_n, num_stages=num_stages, consumers=consumers,
-                                    persistent=variant == "persistent")
+                                    persistent=variant != "default",
+                                    overlap_tiles=False if variant == "in-turn" else None)
     return out, lse
 
 
@@ -116,7 +121,7 @@ def candidates(head_dim, variants, configs=None):
 
 def candidate_name(config, variant):
     block_n, num_stages, consumers = config
-    return f"n{block_n}-s{num_stages}-c{consumers}" + ("-persistent" if variant == "persistent" else "")
+    return f"n{block_n}-s{num_stages}-c{consumers}" + ("" if variant == "default" else f"-{variant}")
 
 
 def sdpa(backend, q, k, v, causal):
@@ -138,8 +143,11 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--out", default="bench_gluon_forward.json")
     parser.add_argument("--check", action="store_true", help="first check every candidate on odd shapes")
-    parser.add_argument("--variants", nargs="+", choices=["default", "persistent"], default=["default"],
-                        help="one tile per program (default) and/or the persistent kernel")
+    parser.add_argument("--variants", nargs="+", choices=["default", "persistent", "in-turn"], default=["default"],
+                        help="one tile per program (default), the persistent kernel, and/or the persistent kernel "
+                             "with its tile boundaries not overlapped")
+    parser.add_argument("--rounds", type=int, default=1, help="time each candidate this many times, in alternating "
+                        "order, and report the median")
     parser.add_argument("--configs", nargs="+", metavar="NAME",
                         help="only these candidates, as n128-s2-c3 (default: all of each head_dim's)")
     args = parser.parse_args(argv)
@@ -176,10 +184,16 @@ def main(argv=None):
                                            "finite": bool(torch.isfinite(out).all())}
                     timings[name] = (lambda config=config, variant=variant:
                                      gluon_forward(q, k, v, causal, config, variant=variant))
-                for name, fn in timings.items():
-                    ms = triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
+                times = {name: [] for name in timings}
+                for round_index in range(args.rounds):
+                    for name in list(timings)[::-1 if round_index % 2 else 1]:
+                        times[name].append(triton.testing.do_bench(timings[name], warmup=50, rep=200,
+                                                                   return_mode="median"))
+                for name, ms in times.items():
                     target = cell["gluon"][name] if name in cell["gluon"] else cell
-                    target[f"{name}_tflops" if target is cell else "tflops"] = flops / ms / 1e9
+                    key = f"{name}_tflops" if target is cell else "tflops"
+                    target[key] = flops / statistics.median(ms) / 1e9
+                    target[key.replace("tflops", "rounds_tflops")] = [flops / t / 1e9 for t in ms]
                 cells.append(cell)
                 del q, k, v, reference, cudnn
                 torch.cuda.empty_cache()

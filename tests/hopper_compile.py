@@ -98,6 +98,21 @@ def stores_waited_under_products(ptx):
     return drained
 
 
+def stores_under_products(ptx):
+    """Of the TMA stores in the PTX, how many are issued while a wgmma group is in flight (committed, and not yet
+    waited for by a wait that leaves fewer groups outstanding): a store that overlaps a product."""
+    events = re.findall(rf"({TMA_STORE})|(wgmma\.commit_group)|wgmma\.wait_group\.sync\.aligned (\d+)", ptx)
+    overlapped, outstanding = 0, 0
+    for store, product, wait in events:
+        if store:
+            overlapped += outstanding > 0
+        elif product:
+            outstanding += 1
+        else:
+            outstanding = min(outstanding, int(wait))
+    return overlapped
+
+
 def attention_constexprs(head_dim, block_m, block_n, causal=True, window=False, softcap=False, varlen=False, group=1,
                          accumulate_dq=False, has_dlse=False, alibi=False, dropout=False):
     return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=pad_head_dim(head_dim), BLOCK_M=block_m,
@@ -109,9 +124,10 @@ def attention_constexprs(head_dim, block_m, block_n, causal=True, window=False, 
 
 
 def gluon_forward_constexprs(head_dim, causal=True, window=False, softcap=False, group=1, config=None,
-                             persistent=False):
+                             persistent=False, overlap_tiles=True):
     """config: (BLOCK_N, NUM_STAGES, CONSUMERS), tuning.GLUON_FORWARD_CONFIGS' by default; persistent: one program
-    per SM with the Q buffers the launcher gives it."""
+    per SM with the Q buffers the launcher gives it, its tile boundaries overlapped where the launcher would
+    (overlap_tiles=False: never)."""
     head_dim_pad = pad_head_dim(head_dim)
     block_n, num_stages, consumers = config or tuning.GLUON_FORWARD_CONFIGS[head_dim_pad]
     q_smem, kv_smem = flash_fwd_hopper.shared_layouts(block_n, head_dim_pad, torch.bfloat16)
@@ -119,7 +135,8 @@ def gluon_forward_constexprs(head_dim, causal=True, window=False, softcap=False,
     return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, CONSUMERS=consumers,
                 BLOCK_N=block_n, NUM_STAGES=num_stages, LEFT_BOUNDED=window, RIGHT_BOUNDED=causal or window,
                 HAS_SOFTCAP=softcap, PERSISTENT=persistent, Q_SMEM=q_smem, KV_SMEM=kv_smem,
-                Q_BUFFERS=q_sets if persistent else 1)
+                Q_BUFFERS=q_sets if persistent else 1,
+                OVERLAP_TILES=overlap_tiles and persistent and q_sets == 2 and tuning.gluon_overlaps_tiles(consumers))
 
 
 def gluon_backward_constexprs(head_dim, causal=True, window=False, softcap=False, group=1, block_m=None,
@@ -180,6 +197,11 @@ CASES = {
     "gluon-fwd-d64-c2-persistent-window-softcap-gqa": (
         GLUON_FORWARD, gluon_forward_constexprs(64, window=True, softcap=True, group=4, config=(128, 2, 2),
                                                 persistent=True), GLUON_WARPS, 1),
+    # the persistent forward whose tiles run one after the other (launch_forward(overlap_tiles=False))
+    "gluon-fwd-d128-persistent-causal-in-turn": (
+        GLUON_FORWARD, gluon_forward_constexprs(128, persistent=True, overlap_tiles=False), GLUON_WARPS, 1),
+    "gluon-fwd-d64-c3-persistent-full-in-turn": (
+        GLUON_FORWARD, gluon_forward_constexprs(64, causal=False, persistent=True, overlap_tiles=False), GLUON_WARPS, 1),
     "gluon-fwd-d256-persistent-causal": (GLUON_FORWARD, gluon_forward_constexprs(256, persistent=True), GLUON_WARPS, 1),
     "gluon-fwd-d256-persistent-full": (GLUON_FORWARD, gluon_forward_constexprs(256, causal=False, persistent=True),
                                        GLUON_WARPS, 1),
@@ -350,6 +372,7 @@ def main(selected):
                         "tma_load_loop_depth": min(loop_depths(ptx, TMA_LOAD), default=None),
                         "tma_store_loop_depth": min(loop_depths(ptx, TMA_STORE), default=None),
                         "stores_drained_under_products": stores_waited_under_products(ptx),
+                        "stores_under_products": stores_under_products(ptx),
                         "shared_bytes": compiled.metadata.shared, "registers": registers, "spill_bytes": spill_bytes}
     print(json.dumps(report))
 

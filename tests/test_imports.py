@@ -64,6 +64,8 @@ LAYERS = [
     ("kernels: Hopper backward in Gluon: dK/dV", ["flashformer.kernels.flash_bwd_hopper"]),
     ("kernels: Hopper backward in Gluon: the dQ share's bulk reduction", ["flashformer.kernels.dq_reduce_hopper"]),
     ("kernels: Hopper forward in Gluon", ["flashformer.kernels.flash_fwd_hopper"]),
+    ("kernels: Hopper forward in Gluon: a consumer's query tile, the producer",
+     ["flashformer.kernels.flash_fwd_hopper_tile", "flashformer.kernels.flash_fwd_hopper_load"]),
     ("kernels: Gluon helpers of the Hopper kernels", ["flashformer.kernels.hopper_ops"]),
     ("kernels: the persistent forward's tile schedule", ["flashformer.kernels.tile_schedule"]),
     ("kernels: tile-shape policy, launch mechanics", ["flashformer.kernels.tuning", "flashformer.kernels.launch"]),
