@@ -8,6 +8,8 @@ ARCHITECTURE.md lists the same layers; a new module needs a layer here before th
 
 import ast
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -193,3 +195,23 @@ def test_no_import_circle():
 ])
 def test_cycle_finder(graph, expected):
     assert _cycle(graph) == expected
+
+
+def test_the_bare_name_kernels_is_the_pypi_package_even_from_the_repository_root():
+    """From the root, `import kernels` finds kernels/ first; transformers imports Hugging Face's `kernels` by that name."""
+    probe = ("import importlib.util, sys\n"
+             "sys.path.remove('')\n"
+             "spec = importlib.util.find_spec('kernels')\n"
+             "print(spec.origin if spec else None)\n")
+    shadowed = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    shadowed_origin = shadowed.stdout.strip()
+    assert shadowed_origin != os.path.join(ROOT, "kernels", "__init__.py")
+    from_root = ("import kernels\n"
+                 "import flashformer.kernels\n"
+                 "print(getattr(kernels, '__file__', None))\n"
+                 "print(hasattr(kernels, 'flash_attn_func'), hasattr(flashformer.kernels, 'flash_attn_func'))\n")
+    result = subprocess.run([sys.executable, "-c", from_root], cwd=ROOT, capture_output=True, text=True, check=True)
+    origin, exports = result.stdout.split("\n")[:2]
+    assert exports == "False True"
+    if shadowed_origin != "None":
+        assert origin == shadowed_origin
