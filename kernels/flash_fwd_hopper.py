@@ -357,7 +357,8 @@ def launch_forward(q, k, v, out, lse, qk_scale, softcap_log2, window_left, windo
                                window_left, window_right, block_m, block_n) if persistent else None
     persistent = schedule is not None  # no table yet for this shape inside a CUDA-graph capture: one tile per program
     q_sets = q_buffers(2 * num_stages * block_n, block_m, head_dim_pad, q.element_size()) if persistent else 1
-    overlap_tiles = gluon_overlaps_tiles(consumers) if overlap_tiles is None else overlap_tiles
+    if overlap_tiles is None:
+        overlap_tiles = gluon_overlaps_tiles(head_dim_pad, seqlen_k, window_right >= 0)
     grid = (programs,) if persistent else (num_m_blocks, heads_q, batch)
     launcher(_attn_fwd_hopper_kernel, grid)(  # q stands in for the table a one-tile launch never reads
         q, k, v, out, lse, q if schedule is None else schedule, *strides, *strides_lse, seqlen_q, seqlen_k,

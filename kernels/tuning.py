@@ -247,14 +247,21 @@ def gluon_forward_config(head_dim_pad, seqlen_k, causal):
     return block_n, num_stages, consumers, persistent
 
 
-# Consumers per program whose persistent forward overlaps its tile boundaries (flash_fwd_hopper's OVERLAP_TILES),
-# where two sets of Q blocks fit.
-GLUON_OVERLAP_TILES_CONSUMERS = (2, 3)
+# Where a persistent Gluon forward with two sets of Q blocks overlaps one tile's end with the next's start
+# (flash_fwd_hopper's OVERLAP_TILES), as the shortest key length per (padded head_dim, causal). Against the same
+# kernel taking its tiles in turn on the H200 (BENCHMARKS.md, medians of three alternating rounds): at head_dim 128
+# 0.98x at 1k and 1.02-1.05x at 2k-4k, causal and not; at 64 without a mask 1.00-1.03x from 1k. Causal at 64 it
+# reads 0.94x / 0.98x / 1.00x at 1k / 2k / 4k, so those tiles run in turn.
+GLUON_OVERLAP_TILES_FROM_SEQLEN = {(64, False): 1, (128, False): 2048, (128, True): 2048}
 
 
-def gluon_overlaps_tiles(consumers):
-    """Whether a persistent Gluon forward of ``consumers`` warpgroups overlaps one tile's end with the next's start."""
-    return consumers in GLUON_OVERLAP_TILES_CONSUMERS
+def gluon_overlaps_tiles(head_dim_pad, seqlen_k, causal):
+    """Whether a persistent Gluon forward overlaps its tile boundaries, where two sets of Q blocks fit.
+
+    Args:
+        causal: whether the keys are bounded on the right, as in gluon_forward_config.
+    """
+    return seqlen_k >= GLUON_OVERLAP_TILES_FROM_SEQLEN.get((head_dim_pad, causal), float("inf"))
 
 
 # Where the fused Gluon backward, its dQ shares reduced in arrival order with dQ's columns split between

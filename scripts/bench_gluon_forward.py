@@ -7,14 +7,15 @@ in bf16), then timed with do_bench; the table gives forward TFLOP/s and the rati
 candidate to cuDNN. Writes the cells as JSON to --out. --check first checks the candidates of the
 chosen head_dims on odd shapes. --variants persistent adds each candidate as the persistent kernel (one
 program per SM walking kernels/tile_schedule.py's order; named ...-persistent), its tile boundaries overlapped
-where the launcher would; in-turn, the persistent kernel with its tiles one after the other (...-in-turn); both
-checked and timed too. --rounds N times every candidate N times, in alternating order, and reports the median.
+where the launcher's rule says (tuning.gluon_overlaps_tiles); in-turn and overlapped force that choice either way
+(...-in-turn, ...-overlapped); all checked and timed too. --rounds N times every candidate N times, in
+alternating order, and reports the median.
 
     python scripts/bench_gluon_forward.py --head-dims 64 128 256 --seqlens 1024 4096 16384
     python scripts/bench_gluon_forward.py --check --head-dims 64 --seqlens 1024 4096 16384
     python scripts/bench_gluon_forward.py --check --variants default persistent --head-dims 64 128 \
         --configs n128-s2-c2 n128-s2-c3 --seqlens 1024 2048 4096
-    python scripts/bench_gluon_forward.py --check --variants persistent in-turn --rounds 4 --head-dims 64 128
+    python scripts/bench_gluon_forward.py --check --variants overlapped in-turn --rounds 3 --head-dims 64 128
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ CANDIDATES = {64: [(128, 2, 2), (128, 3, 2), (128, 2, 3), (128, 3, 3), (64, 4, 3
 
 def gluon_forward(q, k, v, causal, config, window=(-1, -1), softcap=0.0, variant="default"):
     """(out, lse) of the Gluon kernel with one (BLOCK_N, NUM_STAGES, CONSUMERS) config, one tile per program
-    (variant "default"), persistent, or persistent with its tiles one after the other ("in-turn")."""
+    (variant "default"), persistent by the launcher's rule, or persistent with its tile boundaries forced
+    one after the other ("in-turn") or overlapped ("overlapped")."""
     block_n, num_stages, consumers = config
     head_dim_pad = max(16, triton.next_power_of_2(q.shape[-1]))
     out = new_output(q)
@@ -53,7 +55,7 @@ def gluon_forward(q, k, v, causal, config, window=(-1, -1), softcap=0.0, variant
                                     head_dim_pad, [s for t in (q, k, v, out) for s in seq_strides(t, False)],
                                     lse.stride()[:2], block_n=block_n, num_stages=num_stages, consumers=consumers,
                                     persistent=variant != "default",
-                                    overlap_tiles=False if variant == "in-turn" else None)
+                                    overlap_tiles={"in-turn": False, "overlapped": True}.get(variant))
     return out, lse
 
 
@@ -143,9 +145,10 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--out", default="bench_gluon_forward.json")
     parser.add_argument("--check", action="store_true", help="first check every candidate on odd shapes")
-    parser.add_argument("--variants", nargs="+", choices=["default", "persistent", "in-turn"], default=["default"],
-                        help="one tile per program (default), the persistent kernel, and/or the persistent kernel "
-                             "with its tile boundaries not overlapped")
+    parser.add_argument("--variants", nargs="+", choices=["default", "persistent", "in-turn", "overlapped"],
+                        default=["default"], help="one tile per program (default), the persistent kernel as the "
+                        "launcher sets it, and/or the persistent kernel with its tile boundaries forced in turn or "
+                        "overlapped")
     parser.add_argument("--rounds", type=int, default=1, help="time each candidate this many times, in alternating "
                         "order, and report the median")
     parser.add_argument("--configs", nargs="+", metavar="NAME",

@@ -126,8 +126,8 @@ def attention_constexprs(head_dim, block_m, block_n, causal=True, window=False, 
 def gluon_forward_constexprs(head_dim, causal=True, window=False, softcap=False, group=1, config=None,
                              persistent=False, overlap_tiles=True):
     """config: (BLOCK_N, NUM_STAGES, CONSUMERS), tuning.GLUON_FORWARD_CONFIGS' by default; persistent: one program
-    per SM with the Q buffers the launcher gives it, its tile boundaries overlapped where the launcher would
-    (overlap_tiles=False: never)."""
+    per SM with the Q buffers the launcher gives it, its tile boundaries overlapped where two sets fit
+    (overlap_tiles=False: never; the launcher picks by length, tuning.gluon_overlaps_tiles)."""
     head_dim_pad = pad_head_dim(head_dim)
     block_n, num_stages, consumers = config or tuning.GLUON_FORWARD_CONFIGS[head_dim_pad]
     q_smem, kv_smem = flash_fwd_hopper.shared_layouts(block_n, head_dim_pad, torch.bfloat16)
@@ -136,7 +136,7 @@ def gluon_forward_constexprs(head_dim, causal=True, window=False, softcap=False,
                 BLOCK_N=block_n, NUM_STAGES=num_stages, LEFT_BOUNDED=window, RIGHT_BOUNDED=causal or window,
                 HAS_SOFTCAP=softcap, PERSISTENT=persistent, Q_SMEM=q_smem, KV_SMEM=kv_smem,
                 Q_BUFFERS=q_sets if persistent else 1,
-                OVERLAP_TILES=overlap_tiles and persistent and q_sets == 2 and tuning.gluon_overlaps_tiles(consumers))
+                OVERLAP_TILES=overlap_tiles and persistent and q_sets == 2)
 
 
 def gluon_backward_constexprs(head_dim, causal=True, window=False, softcap=False, group=1, block_m=None,
@@ -194,10 +194,11 @@ CASES = {
                                        GLUON_WARPS, 1),
     "gluon-fwd-d64-c3-persistent-full": (GLUON_FORWARD, gluon_forward_constexprs(64, causal=False, persistent=True),
                                          GLUON_WARPS, 1),
-    "gluon-fwd-d64-c2-persistent-window-softcap-gqa": (
+    # the persistent forward whose tiles run one after the other (launch_forward(overlap_tiles=False)): at head_dim
+    # 64 with a right bound what the launcher runs
+    "gluon-fwd-d64-c2-persistent-window-softcap-gqa-in-turn": (
         GLUON_FORWARD, gluon_forward_constexprs(64, window=True, softcap=True, group=4, config=(128, 2, 2),
-                                                persistent=True), GLUON_WARPS, 1),
-    # the persistent forward whose tiles run one after the other (launch_forward(overlap_tiles=False))
+                                                persistent=True, overlap_tiles=False), GLUON_WARPS, 1),
     "gluon-fwd-d128-persistent-causal-in-turn": (
         GLUON_FORWARD, gluon_forward_constexprs(128, persistent=True, overlap_tiles=False), GLUON_WARPS, 1),
     "gluon-fwd-d64-c3-persistent-full-in-turn": (

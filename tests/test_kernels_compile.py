@@ -170,7 +170,8 @@ PERSISTENT_FORWARD = {"gluon-fwd-d128-persistent-causal": "gluon-fwd-d128-causal
                       "gluon-fwd-d128-persistent-full": "gluon-fwd-d128-full",
                       "gluon-fwd-d64-c3-persistent-full": "gluon-fwd-d64-c3-causal",
                       "gluon-fwd-d64-c3-persistent-full-in-turn": "gluon-fwd-d64-c3-causal",
-                      "gluon-fwd-d64-c2-persistent-window-softcap-gqa": "gluon-fwd-d64-c2-window-softcap-gqa",
+                      "gluon-fwd-d64-c2-persistent-window-softcap-gqa-in-turn":
+                          "gluon-fwd-d64-c2-window-softcap-gqa",
                       "gluon-fwd-d256-persistent-causal": "gluon-fwd-d256"}
 
 
