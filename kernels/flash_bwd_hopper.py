@@ -86,88 +86,6 @@ def _dkdv_load_partition(q_base, do_base, k_base, v_base, lse_group, delta_group
 
 
 @gluon.jit
-def _issue_scores(k_tile, v_tile, q_tile, do_tile, delta_tile, q_ready, do_ready, phase, st_zero,
-                  DELTA_IN_ACC: gl.constexpr, QUERIES: gl.constexpr):
-    """S^T = K Q^T and dP^T = V dO^T, issued asynchronously once their query tile's Q and dO have landed; with
-    DELTA_IN_ACC dP^T's accumulator starts at -delta (filled before S^T's issue: ptxas serialises the two products
-    if registers are written between them), so that the product is dP^T - delta."""
-    mbarrier.wait(q_ready, phase)
-    dp_t = st_zero
-    if DELTA_IN_ACC:
-        dp_t = opaque_copy(st_zero - gl.expand_dims(delta_tile.load(QUERIES), 0))
-    s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-    mbarrier.wait(do_ready, phase)
-    dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), dp_t, use_acc=DELTA_IN_ACC, is_async=True)
-    return s_t, dp_t
-
-
-@gluon.jit
-def _probabilities(s_t, lse_log2, m0, un_lo, un_hi, cols, seqlen_q, seqlen_k, qk_scale, softcap_log2, window_left,
-                   window_right, BLOCK_M: gl.constexpr, QUERIES: gl.constexpr, LEFT_BOUNDED: gl.constexpr,
-                   RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr):
-    """P^T from S^T (and tanh of the scaled scores, which softcap's gradient reads); masked query tiles get p = 0
-    where a key is not visible."""
-    s_t = s_t * qk_scale
-    tanh_t = s_t
-    if HAS_SOFTCAP:
-        tanh_t = tanh(s_t)
-        s_t = tanh_t * softcap_log2
-    p_t = gl.exp2(s_t - gl.expand_dims(lse_log2, 0))
-    if (m0 < un_lo) | (m0 >= un_hi):
-        rows = m0 + gl.arange(0, BLOCK_M, layout=QUERIES)
-        keep = visible(gl.expand_dims(rows, 0), cols, seqlen_q, seqlen_k, window_left, window_right,
-                       LEFT_BOUNDED, RIGHT_BOUNDED)
-        p_t = gl.where(keep, p_t, 0.0)
-    return p_t, tanh_t
-
-
-@gluon.jit
-def _score_gradient(p_t, dp_minus_delta, tanh_t, HAS_SOFTCAP: gl.constexpr):
-    """dS^T = P^T (dP^T - delta), through softcap's tanh where there is one."""
-    ds_t = p_t * dp_minus_delta
-    if HAS_SOFTCAP:
-        ds_t = ds_t * (1.0 - tanh_t * tanh_t)
-    return ds_t
-
-
-@gluon.jit
-def _dkdv_tile(i, dk, dv, ds_op, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, slot_empty,
-               start, tiles_per_head, un_lo, un_hi, cols, seqlen_q, seqlen_k, qk_scale, softcap_log2, window_left,
-               window_right, st_zero, A_LAYOUT: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
-               QUERIES: gl.constexpr, OUT_COL: gl.constexpr, OUT_DIM: gl.constexpr, LEFT_BOUNDED: gl.constexpr,
-               RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr, AFTER_PENDING_DK: gl.constexpr):
-    """Query tile i's four products into this consumer's dK and dV (DQ_SEPARATE); returns with its dK product, and
-    that product's A operand dS^T, in flight. AFTER_PENDING_DK: the previous tile's dK product is in flight on entry
-    (with its ``ds_op``); it is waited for with S^T, and then the previous tile's slot released. dP^T's accumulator
-    then starts at 0, not -delta (no register may be written while a product is in flight), and delta is
-    subtracted from the product, read while dV runs."""
-    stage = i % NUM_STAGES
-    m0 = start + (i - (i // tiles_per_head) * tiles_per_head) * BLOCK_M
-    q_tile = q_smem.index(stage)
-    do_tile = do_smem.index(stage)
-    s_t, dp_t = _issue_scores(k_tile, v_tile, q_tile, do_tile, delta_smem.index(stage), q_ready.index(stage),
-                              do_ready.index(stage), (i // NUM_STAGES) & 1, st_zero, not AFTER_PENDING_DK, QUERIES)
-    if AFTER_PENDING_DK:
-        s_t, dk, ds_op = warpgroup_mma_wait(1, deps=[s_t, dk, ds_op])
-        mbarrier.arrive(slot_empty.index((i + NUM_STAGES - 1) % NUM_STAGES), count=1)
-    else:
-        s_t = warpgroup_mma_wait(1, deps=[s_t])
-    lse_log2 = lse_smem.index(stage).load(QUERIES)
-    p_t, tanh_t = _probabilities(s_t, lse_log2, m0, un_lo, un_hi, cols, seqlen_q, seqlen_k, qk_scale, softcap_log2,
-                                 window_left, window_right, BLOCK_M, QUERIES, LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP)
-    p_op = gl.convert_layout(p_t.to(q_tile.dtype), A_LAYOUT)
-    dv = warpgroup_mma(p_op, do_tile.slice(OUT_COL, OUT_DIM, dim=1), dv, is_async=True)
-    dp_t = warpgroup_mma_wait(1, deps=[dp_t])
-    if AFTER_PENDING_DK:
-        dp_t = dp_t - gl.expand_dims(delta_smem.index(stage).load(QUERIES), 0)
-    ds_t = _score_gradient(p_t, dp_t, tanh_t, HAS_SOFTCAP)
-    ds_op = gl.convert_layout(ds_t.to(q_tile.dtype), A_LAYOUT)
-    dk = warpgroup_mma(ds_op, q_tile.slice(OUT_COL, OUT_DIM, dim=1), dk, is_async=True)
-    dv, p_op = warpgroup_mma_wait(1, deps=[dv, p_op])
-    return dk, dv, ds_op
-
-
-@gluon.jit
 def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks, stride_dvs, q_smem, do_smem,
                             k_smem, v_smem, lse_smem, delta_smem, kv_bars, pair_bars, q_ready,
                             do_ready, slot_empty, n0, start, un_lo, un_hi, tiles_per_head, seqlen_q, seqlen_k,
@@ -177,7 +95,7 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                             LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                             SPLIT_HEAD_DIM: gl.constexpr, KV_SMEM: gl.constexpr, DQ_MODE: gl.constexpr,
-                            DQ_TMA: gl.constexpr, DQ_SPLIT: gl.constexpr, PAIRED_TILES: gl.constexpr):
+                            DQ_TMA: gl.constexpr, DQ_SPLIT: gl.constexpr):
     # The consumer's keys and its columns of dK and dV.
     TILE: gl.constexpr = 0 if SPLIT_HEAD_DIM else CONSUMER
     OUT_DIM: gl.constexpr = HEAD_DIM_PAD // 2 if SPLIT_HEAD_DIM else HEAD_DIM_PAD
@@ -212,50 +130,52 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
 
     for t in gl.static_range(DQ_PARTS):  # with DQ_SPLIT the dQ products read both K tiles
         mbarrier.wait(kv_bars.index((TILE + t) % 2), 0)
-    if DQ_MODE == DQ_SEPARATE:
-        # PAIRED_TILES: query tiles two a turn, the first's dK product running on under the second's S^T and
-        # dP^T (a loop cannot carry a product in flight past its back edge: ptxas then serialises every product).
-        TILES_PER_TURN: gl.constexpr = 2 if PAIRED_TILES else 1
-        for t in range((GROUP * tiles_per_head + TILES_PER_TURN - 1) // TILES_PER_TURN):
-            turn = TILES_PER_TURN * t  # a multiple the compiler sees: each paired tile's ring slot is a constant
-            dk, dv, ds_op = _dkdv_tile(turn, dk, dv, st_zero, k_tile, v_tile, q_smem, do_smem, lse_smem, delta_smem,
-                                       q_ready, do_ready, slot_empty, start, tiles_per_head, un_lo, un_hi, cols,
-                                       seqlen_q, seqlen_k, qk_scale, softcap_log2, window_left, window_right, st_zero,
-                                       A_LAYOUT, BLOCK_M, NUM_STAGES, QUERIES, OUT_COL, OUT_DIM, LEFT_BOUNDED,
-                                       RIGHT_BOUNDED, HAS_SOFTCAP, False)
-            last = turn
-            if PAIRED_TILES:
-                if turn + 1 < GROUP * tiles_per_head:
-                    dk, dv, ds_op = _dkdv_tile(turn + 1, dk, dv, ds_op, k_tile, v_tile, q_smem, do_smem, lse_smem,
-                                               delta_smem, q_ready, do_ready, slot_empty, start, tiles_per_head, un_lo,
-                                               un_hi, cols, seqlen_q, seqlen_k, qk_scale, softcap_log2, window_left,
-                                               window_right, st_zero, A_LAYOUT, BLOCK_M, NUM_STAGES, QUERIES, OUT_COL,
-                                               OUT_DIM, LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP, True)
-                    last = turn + 1
-            dk, ds_op = warpgroup_mma_wait(0, deps=[dk, ds_op])
-            mbarrier.arrive(slot_empty.index(last % NUM_STAGES), count=1)
-    else:
-        previous_share = semaphore_group  # DQ_ORDERED: the share added last, released a query tile later
-        for i in range(GROUP * tiles_per_head):
-            stage = i % NUM_STAGES
-            head = i // tiles_per_head
-            m0 = start + (i - head * tiles_per_head) * BLOCK_M
-            q_tile = q_smem.index(stage)
-            do_tile = do_smem.index(stage)
+    previous_share = semaphore_group  # DQ_ORDERED: the share added last, released a query tile later
+    for i in range(GROUP * tiles_per_head):
+        stage = i % NUM_STAGES
+        phase = (i // NUM_STAGES) & 1
+        head = i // tiles_per_head
+        m0 = start + (i - head * tiles_per_head) * BLOCK_M
+        q_tile = q_smem.index(stage)
+        do_tile = do_smem.index(stage)
 
-            # dP^T's accumulator starts at -delta: no delta row vector stays live beside the accumulators here
-            s_t, dp_t = _issue_scores(k_tile, v_tile, q_tile, do_tile, delta_smem.index(stage), q_ready.index(stage),
-                                      do_ready.index(stage), (i // NUM_STAGES) & 1, st_zero, True, QUERIES)
-            lse_log2 = lse_smem.index(stage).load(QUERIES)
-            s_t = warpgroup_mma_wait(1, deps=[s_t])
-            p_t, tanh_t = _probabilities(s_t, lse_log2, m0, un_lo, un_hi, cols, seqlen_q, seqlen_k, qk_scale,
-                                         softcap_log2, window_left, window_right, BLOCK_M, QUERIES, LEFT_BOUNDED,
-                                         RIGHT_BOUNDED, HAS_SOFTCAP)
-            p_op = gl.convert_layout(p_t.to(dtype), A_LAYOUT)
-            dv = warpgroup_mma(p_op, do_tile.slice(OUT_COL, OUT_DIM, dim=1), dv, is_async=True)
-            # the dS^T tile and dQ share leave no registers for dV's product to run on (ptxas spills 100 B more)
+        # dP^T's accumulator starts at -delta, so the product is dP^T - delta: no delta row vector stays
+        # live beside the four accumulator tiles. It is filled before S^T is issued: ptxas serialises
+        # the two products if registers are written between them. The producer's TMA brought the statistics
+        # with Q and dO: read from shared memory in S^T's column layout, with no global load's latency before
+        # the products and no layout conversion's barriers.
+        mbarrier.wait(q_ready.index(stage), phase)
+        dp_t = opaque_copy(st_zero - gl.expand_dims(delta_smem.index(stage).load(QUERIES), 0))
+        s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        mbarrier.wait(do_ready.index(stage), phase)
+        dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), dp_t, is_async=True)
+        lse_log2 = lse_smem.index(stage).load(QUERIES)
+        s_t = warpgroup_mma_wait(1, deps=[s_t])
+        s_t = s_t * qk_scale
+        if HAS_SOFTCAP:
+            tanh_t = tanh(s_t)
+            s_t = tanh_t * softcap_log2
+        p_t = gl.exp2(s_t - gl.expand_dims(lse_log2, 0))
+        if (m0 < un_lo) | (m0 >= un_hi):
+            rows = m0 + gl.arange(0, BLOCK_M, layout=QUERIES)
+            keep = visible(gl.expand_dims(rows, 0), cols, seqlen_q, seqlen_k, window_left, window_right,
+                           LEFT_BOUNDED, RIGHT_BOUNDED)
+            p_t = gl.where(keep, p_t, 0.0)
+        p_op = gl.convert_layout(p_t.to(dtype), A_LAYOUT)
+        dv = warpgroup_mma(p_op, do_tile.slice(OUT_COL, OUT_DIM, dim=1), dv, is_async=True)
+        if DQ_MODE == DQ_SEPARATE:  # dV's product runs on while dS^T is formed
+            dp_t = warpgroup_mma_wait(1, deps=[dp_t])
+        else:  # the fused forms' dS^T tile and dQ share leave no registers for it (ptxas spills 100 B more)
             dv, dp_t, p_op = warpgroup_mma_wait(0, deps=[dv, dp_t, p_op])
-            ds_t = _score_gradient(p_t, dp_t, tanh_t, HAS_SOFTCAP)
+        ds_t = p_t * dp_t
+        if HAS_SOFTCAP:
+            ds_t = ds_t * (1.0 - tanh_t * tanh_t)
+        if DQ_MODE == DQ_SEPARATE:
+            ds_op = gl.convert_layout(ds_t.to(dtype), A_LAYOUT)
+            dk = warpgroup_mma(ds_op, q_tile.slice(OUT_COL, OUT_DIM, dim=1), dk, is_async=True)
+            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv, dk, p_op, ds_op])
+            mbarrier.arrive(slot_empty.index(stage), count=1)
+        else:
             # dS^T goes through shared memory: as stored it is dK's A operand, and its permuted view
             # (dS, BLOCK_M x keys, MN-major) dQ's; the previous tile's products that read it (DQ_SPLIT: both
             # consumers') are done.
@@ -289,8 +209,8 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
                          DQ_MODE == DQ_ORDERED, CONSUMER_WARPS * 32, ROW_VECTOR)
             if DQ_MODE == DQ_ORDERED:  # carried through the loop only where it is read
                 previous_share = share
-        if DQ_MODE == DQ_ORDERED:  # the last share's release
-            release_dq_share(previous_share, GROUP * tiles_per_head > 0, CONSUMER_WARPS * 32, ROW_VECTOR)
+    if DQ_MODE == DQ_ORDERED:  # the last share's release
+        release_dq_share(previous_share, GROUP * tiles_per_head > 0, CONSUMER_WARPS * 32, ROW_VECTOR)
 
     # K and V are read by no product any more (with a split head_dim or DQ_SPLIT: by neither consumer,
     # once both have arrived): their tiles stage this consumer's dK and dV.
@@ -327,7 +247,7 @@ def _attn_bwd_dkdv_hopper_kernel(
     LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     SPLIT_HEAD_DIM: gl.constexpr, QO_SMEM: gl.constexpr, QO_TMA: gl.constexpr, KV_SMEM: gl.constexpr,
     DQ_MODE: gl.constexpr, DS_SMEM: gl.constexpr, DQ_SMEM: gl.constexpr, DQ_TMA: gl.constexpr,
-    DQ_SPLIT: gl.constexpr, PAIRED_TILES: gl.constexpr,
+    DQ_SPLIT: gl.constexpr,
 ):
     KV_TILES: gl.constexpr = 1 if SPLIT_HEAD_DIM else 2
     gl.static_assert((BLOCK_N == KV_TILES * CONSUMER_KEYS) & ((DQ_MODE != DQ_SEPARATE) | (not DQ_SPLIT)))
@@ -396,43 +316,28 @@ def _attn_bwd_dkdv_hopper_kernel(
                                     seqlen_k, softmax_scale, qk_scale, softcap_log2, window_left, window_right,
                                     ds_smem, dq_smem, dq_group, stride_dqs, stride_dqh, semaphore_group, q_tiles,
                                     GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, NUM_STAGES, LEFT_BOUNDED,
-                                    RIGHT_BOUNDED, HAS_SOFTCAP, SPLIT_HEAD_DIM, KV_SMEM, DQ_MODE, DQ_TMA, DQ_SPLIT,
-                                    PAIRED_TILES))
+                                    RIGHT_BOUNDED, HAS_SOFTCAP, SPLIT_HEAD_DIM, KV_SMEM, DQ_MODE, DQ_TMA, DQ_SPLIT))
          for c in (0, 1, 2)],
         [CONSUMER_WARPS, 1], [240, 24])
 
 
-# (BLOCK_M, NUM_STAGES) per padded head_dim, FlashAttention-3's tile: two or three stages of Q and dO tiles plus K and V
-# take 66-196 KB of shared memory. Registers bound BLOCK_M: a consumer holds S^T and dP^T (64 x BLOCK_M fp32 each)
-# beside its dK and dV columns (64 x head_dim fp32 each), so head_dim 64 has room for BLOCK_M 128; softcap's tanh tile
-# (64 x BLOCK_M) needs BLOCK_M 32 at 128 and 256, 64 at head_dim 64. At 128 the tiles are paired (PAIRED_TILE_SHAPES)
-# in a ring of three: with two, each paired tile's slot is a constant and ptxas hoists all of their wgmma descriptors
-# out of the loop and spills them (~1 KB, 84 local loads and stores a turn in one consumer); with three, none.
-CONFIGS = {64: (128, 2), 128: (64, 3), 256: (64, 2)}
-SOFTCAP_CONFIGS = {64: (64, 2), 128: (32, 2), 256: (32, 2)}
+# (BLOCK_M, NUM_STAGES) per padded head_dim, FlashAttention-3's tile: two stages of Q and dO tiles plus K and V take
+# 66-196 KB of shared memory. Registers bound BLOCK_M: a consumer holds S^T and dP^T (64 x BLOCK_M fp32 each) beside
+# its dK and dV columns (64 x head_dim fp32 each), so head_dim 64 has room for BLOCK_M 128; softcap's tanh tile
+# (64 x BLOCK_M) needs BLOCK_M 32 at 128 and 256, 64 at head_dim 64.
+CONFIGS = {64: (128, 2), 128: (64, 2), 256: (64, 2)}
+SOFTCAP_BLOCK_M = {64: 64, 128: 32, 256: 32}
 
 
-# Fused (launch_fused), BLOCK_M is dQ's wgmma M: 64, with softcap too, in a ring of two. Shared memory at head_dim 128:
-# the Q/dO ring (64 KB), K and V (64 KB), the dS^T tiles (16 KB) and the two fp32 dQ stages (64 KB; 32 KB half-width
-# with split_dq).
+# Fused (launch_fused), BLOCK_M is dQ's wgmma M: 64, with softcap too. Shared memory at head_dim 128: the Q/dO ring
+# (64 KB), K and V (64 KB), the dS^T tiles (16 KB) and the two fp32 dQ stages (64 KB; 32 KB half-width with split_dq).
 FUSED_BLOCK_M = 64
-FUSED_NUM_STAGES = 2
-
-
-# Where the separate-dQ dK/dV kernel takes its query tiles two a turn (its PAIRED_TILES), as (padded head_dim, BLOCK_M,
-# NUM_STAGES): ptxas keeps the second tile's S^T and dP^T beside the first's dK product in flight at head_dim 128 with
-# 64-row tiles; at 64 (BLOCK_M 128) it serialises every product for want of registers, at 256 it spills 2.6 KB.
-PAIRED_TILE_SHAPES = {(128, 64, 3)}
-
-
-def pairs_tiles(head_dim_pad, block_m, num_stages):
-    """Whether the dK/dV kernel pairs its query tiles (PAIRED_TILE_SHAPES) in this shape."""
-    return (head_dim_pad, block_m, num_stages) in PAIRED_TILE_SHAPES
 
 
 def config(head_dim_pad, softcap):
     """(BLOCK_M, NUM_STAGES) for a padded head_dim, with or without softcap."""
-    return (SOFTCAP_CONFIGS if softcap > 0.0 else CONFIGS)[head_dim_pad]
+    block_m, num_stages = CONFIGS[head_dim_pad]
+    return (SOFTCAP_BLOCK_M[head_dim_pad] if softcap > 0.0 else block_m), num_stages
 
 
 def block_n(head_dim_pad):
@@ -476,19 +381,18 @@ def fused_layouts(block_m, head_dim_pad, dtype, split_dq=False):
 
 def launch_dkdv(q, k, v, grad_out, dk, dv, lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left,
                 window_right, softcap, head_dim_pad, strides, strides_lse, block_m=None, num_stages=None,
-                dq_acc=None, dq_semaphores=None, split_dq=False, paired_tiles=None):
+                dq_acc=None, dq_semaphores=None, split_dq=False):
     """Launch the dK/dV kernel on dense (batch, seqlen, heads, head_dim) inputs the caller has validated;
     ``strides`` are (batch, seq, head) strides of q, k, v, grad_out, dk, dv; lse_log2 and delta as
     flash_bwd's preprocess wrote them. With ``dq_acc`` (fp32 zeros, (batch, seqlen_q, heads,
     head_dim_pad), contiguous) the kernel also adds dQ / softmax_scale into it: in key-block order behind
     ``dq_semaphores`` (int32 zeros, one per (batch, query head, FUSED_BLOCK_M query tile)), or in arrival
-    order where they are None; with ``split_dq`` each consumer adds half of dQ's columns (DQ_SPLIT).
-    ``paired_tiles`` (None: pairs_tiles' rule) forces the separate-dQ kernel's query tiles paired or one a turn."""
+    order where they are None; with ``split_dq`` each consumer adds half of dQ's columns (DQ_SPLIT)."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     default_m, default_stages = config(head_dim_pad, softcap)
     if dq_acc is not None:
-        default_m, default_stages = FUSED_BLOCK_M, FUSED_NUM_STAGES
+        default_m = FUSED_BLOCK_M
     block_m, num_stages = block_m or default_m, num_stages or default_stages
     qo_smem, qo_tma, kv_smem = shared_layouts(block_m, head_dim_pad, q.dtype)
     ensure_allocator(q.device)  # the in-kernel TMA descriptors' scratch
@@ -509,8 +413,6 @@ def launch_dkdv(q, k, v, grad_out, dk, dv, lse_log2, delta, softmax_scale, qk_sc
         LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
         SPLIT_HEAD_DIM=split_head_dim(head_dim_pad), QO_SMEM=qo_smem, QO_TMA=qo_tma, KV_SMEM=kv_smem,
         DQ_MODE=mode, DS_SMEM=ds_smem, DQ_SMEM=dq_smem, DQ_TMA=dq_tma, DQ_SPLIT=split_dq,
-        PAIRED_TILES=mode == DQ_SEPARATE and (pairs_tiles(head_dim_pad, block_m, num_stages) if paired_tiles is None
-                                              else paired_tiles),
         num_warps=CONSUMER_WARPS.value,
     )
 

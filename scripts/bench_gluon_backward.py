@@ -42,17 +42,8 @@ from flashformer.kernels.flash_fwd import attention_forward, log2_scales
 from flashformer.kernels.launch import seq_strides
 from flashformer.kernels.sizes import pad_head_dim
 
-# dK/dV launch candidates per padded head_dim, as launch_dkdv's overrides ({}: flash_bwd_hopper's own choice); at 128
-# the query tiles one a turn in the default ring of three, and the ring of two (where tiles are never paired)
-CANDIDATES = {64: [{}, {"block_m": 64}], 128: [{}, {"block_m": 32}, {"paired_tiles": False}, {"num_stages": 2}],
-              256: [{}, {"block_m": 32}]}
-
-
-def candidate_name(overrides):
-    """m<BLOCK_M or default>, then -s<NUM_STAGES> and -unpaired where the candidate sets them."""
-    return (f"m{overrides.get('block_m', 'default')}" + (f"-s{overrides['num_stages']}" if "num_stages" in overrides
-                                                         else "")
-            + ("-unpaired" if overrides.get("paired_tiles") is False else ""))
+# BLOCK_M candidates per padded head_dim (None: flash_bwd_hopper.config's choice)
+CANDIDATES = {64: [None, 64], 128: [None, 32], 256: [None, 32]}
 
 # Odd shapes for --check: (seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, window, softcap)
 CHECK_CASES = [(113, 203, 8, 2, 128, True, (-1, -1), 0.0), (239, 1, 8, 8, 64, False, (-1, -1), 0.0),
@@ -63,13 +54,13 @@ CHECK_CASES = [(113, 203, 8, 2, 128, True, (-1, -1), 0.0), (239, 1, 8, 8, 64, Fa
 
 
 @contextlib.contextmanager
-def gluon_candidate(overrides):
+def gluon_candidate(block_m):
     """Inside this block the Gluon backward takes every head_dim it has a config for (not only those
-    where it is the default), its dK/dV launch with ``overrides`` of launch_dkdv's keywords (CANDIDATES)."""
+    where it is the default), its dK/dV launch with BLOCK_M = ``block_m`` (None: its default)."""
     original, from_seqlen = flash_bwd_hopper.launch_dkdv, dict(tuning.GLUON_BACKWARD_FROM_SEQLEN)
     tuning.GLUON_BACKWARD_FROM_SEQLEN.update(dict.fromkeys(flash_bwd_hopper.CONFIGS, 1))
-    if overrides:
-        flash_bwd_hopper.launch_dkdv = functools.partial(original, **overrides)
+    if block_m is not None:
+        flash_bwd_hopper.launch_dkdv = functools.partial(original, block_m=block_m)
     try:
         yield
     finally:
@@ -86,11 +77,11 @@ VARIANTS = ("two-kernel", "fused", "fused-nondet", "fused-split", "fused-split-n
 SMOKE_TIMEOUT_S = 180
 
 
-def backward(q, k, v, out, lse, grad_out, causal, window, softcap, gluon, overrides=None, grad_lse=None,
+def backward(q, k, v, out, lse, grad_out, causal, window, softcap, gluon, block_m=None, grad_lse=None,
              variant="two-kernel"):
     """(dq, dk, dv) of the backward, a Gluon ``variant`` (VARIANTS) or tl, from a given forward."""
     window_left, window_right = window_bounds(causal, window)
-    with gluon_candidate(overrides):
+    with gluon_candidate(block_m):
         return flash_bwd.attention_backward(grad_out, grad_lse, q, k, v, out, lse, q.shape[-1] ** -0.5,
                                             window_left, window_right, softcap,
                                             deterministic=not variant.endswith("-nondet"), gluon=gluon,
@@ -167,10 +158,10 @@ def check_candidates(variants):
             covered = pad_head_dim(head_dim) in flash_bwd_hopper.CONFIGS
             runs = []  # (name, whether a second run must match bit for bit, closure)
             if "two-kernel" in variants:
-                runs += [(candidate_name(overrides), False,
+                runs += [(f"m{block_m or 'default'}", False,
                           functools.partial(backward, q, k, v, out, lse, grad_out, causal, window, softcap, True,
-                                            overrides, grad_lse))
-                         for overrides in (CANDIDATES[pad_head_dim(head_dim)] if covered else [{}])]
+                                            block_m, grad_lse))
+                         for block_m in (CANDIDATES[pad_head_dim(head_dim)] if covered else [None])]
                 runs.append(("flash_attn_func", False,
                              functools.partial(gluon_path_gradients, q, k, v, grad_out, grad_lse, opts)))
             fused = flash_bwd_hopper.fused_supports(pad_head_dim(head_dim), softcap)
@@ -274,13 +265,13 @@ def main(argv=None):
                     timings["cudnn"] = sdpa_backward(q, k, v, grad_out, causal)
                 except Exception as error:
                     cell["cudnn_error"] = f"{type(error).__name__}: {str(error)[:300]}"
-                runs = [(candidate_name(overrides), overrides, "two-kernel") for overrides in CANDIDATES[head_dim_pad]
+                runs = [(f"m{block_m or 'default'}", block_m, "two-kernel") for block_m in CANDIDATES[head_dim_pad]
                         if "two-kernel" in variants]
                 runs += [(variant, None, variant) for variant in variants if variant != "two-kernel"
                          and flash_bwd_hopper.fused_supports(head_dim_pad, 0.0)]
-                for name, overrides, variant in runs:
+                for name, block_m, variant in runs:
                     run = functools.partial(backward, q, k, v, out, lse, grad_out, causal, (-1, -1), 0.0, True,
-                                            overrides, variant=variant)
+                                            block_m, variant=variant)
                     try:
                         grads = run()
                     except Exception as error:  # a candidate that does not compile or fit is reported, not fatal

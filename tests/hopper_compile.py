@@ -113,17 +113,6 @@ def stores_under_products(ptx):
     return overlapped
 
 
-def products_in_flight(ptx):
-    """The most wgmma groups in flight at once, walking the PTX in order: committed, and not yet waited for by a wait
-    that leaves fewer groups outstanding."""
-    events = re.findall(r"(wgmma\.commit_group)|wgmma\.wait_group\.sync\.aligned (\d+)", ptx)
-    most, outstanding = 0, 0
-    for product, wait in events:
-        outstanding = outstanding + 1 if product else min(outstanding, int(wait))
-        most = max(most, outstanding)
-    return most
-
-
 def attention_constexprs(head_dim, block_m, block_n, causal=True, window=False, softcap=False, varlen=False, group=1,
                          accumulate_dq=False, has_dlse=False, alibi=False, dropout=False):
     return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=pad_head_dim(head_dim), BLOCK_M=block_m,
@@ -157,7 +146,7 @@ def gluon_backward_constexprs(head_dim, causal=True, window=False, softcap=False
     head_dim_pad = pad_head_dim(head_dim)
     default_m, num_stages = flash_bwd_hopper.config(head_dim_pad, 1.0 if softcap else 0.0)
     if dq_mode != flash_bwd_hopper.DQ_SEPARATE.value:
-        default_m, num_stages = flash_bwd_hopper.FUSED_BLOCK_M, flash_bwd_hopper.FUSED_NUM_STAGES
+        default_m = flash_bwd_hopper.FUSED_BLOCK_M
     block_m = block_m or default_m
     qo_smem, qo_tma, kv_smem = flash_bwd_hopper.shared_layouts(block_m, head_dim_pad, torch.bfloat16)
     ds_smem, dq_smem, dq_tma = flash_bwd_hopper.fused_layouts(block_m, head_dim_pad, torch.bfloat16, split_dq)
@@ -166,8 +155,7 @@ def gluon_backward_constexprs(head_dim, causal=True, window=False, softcap=False
                 RIGHT_BOUNDED=causal or window, HAS_SOFTCAP=softcap,
                 SPLIT_HEAD_DIM=flash_bwd_hopper.split_head_dim(head_dim_pad), QO_SMEM=qo_smem, QO_TMA=qo_tma,
                 KV_SMEM=kv_smem, DQ_MODE=dq_mode, DS_SMEM=ds_smem, DQ_SMEM=dq_smem, DQ_TMA=dq_tma,
-                DQ_SPLIT=split_dq, PAIRED_TILES=dq_mode == flash_bwd_hopper.DQ_SEPARATE.value
-                and flash_bwd_hopper.pairs_tiles(head_dim_pad, block_m, num_stages))
+                DQ_SPLIT=split_dq)
 
 
 def gluon_dq_constexprs(head_dim, causal=True, window=False, softcap=False, group=1):
@@ -386,7 +374,6 @@ def main(selected):
                         "tma_store_loop_depth": min(loop_depths(ptx, TMA_STORE), default=None),
                         "stores_drained_under_products": stores_waited_under_products(ptx),
                         "stores_under_products": stores_under_products(ptx),
-                        "products_in_flight": products_in_flight(ptx),
                         "shared_bytes": compiled.metadata.shared, "registers": registers, "spill_bytes": spill_bytes}
     print(json.dumps(report))
 

@@ -3,7 +3,6 @@
 import argparse
 import cProfile
 import importlib.util
-import inspect
 import os
 import re
 import subprocess
@@ -132,21 +131,6 @@ def test_gluon_forward_bench_runs_every_candidate_in_each_variant(capsys):
     with pytest.raises(SystemExit):
         gluon.main(["--configs", "n96-s2-c3"])
     assert "--configs: unknown ['n96-s2-c3']" in capsys.readouterr().err
-
-
-def test_gluon_backward_bench_candidates_are_launch_keywords_with_names_of_their_own():
-    """bench_gluon_backward times each dK/dV candidate under its own name (the JSON and table key on them), each one
-    a set of launch_dkdv's keywords, the launcher's own choice first."""
-    from flashformer.kernels import flash_bwd_hopper
-
-    gluon = _load_script("bench_gluon_backward")
-    keywords = inspect.signature(flash_bwd_hopper.launch_dkdv).parameters
-    for head_dim, candidates in gluon.CANDIDATES.items():
-        names = [gluon.candidate_name(overrides) for overrides in candidates]
-        assert names[0] == "mdefault" and len(set(names)) == len(names), names
-        assert all(key in keywords for overrides in candidates for key in overrides), candidates
-    assert gluon.candidate_name({"num_stages": 2}) == "mdefault-s2"
-    assert gluon.candidate_name({"block_m": 32, "paired_tiles": False}) == "m32-unpaired"
 
 
 def test_plots_draw_the_measured_cells(bench, tmp_path):

@@ -96,22 +96,23 @@ def test_nondeterministic_backward_reduces_dq_through_tma(report):
 
 
 # The Gluon dK/dV kernel at BLOCK_M = 64 (flash_bwd_hopper.CONFIGS): its four accumulators take 192 of a
-# consumer's 240 registers. At head_dim 80-128 its query tiles are paired (one tile's dK product in flight beside the
-# next tile's S^T and dP^T): a few scalars of the consumer's set-up go to local memory, none inside the query loop
-# (the SASS); with softcap nothing. At 192-256 the 64-bit shared-memory descriptors of the 16 k-steps of S^T and
-# dP^T (reloaded once per query tile).
+# consumer's 240 registers. With the row statistics read from shared memory it spills nothing at head_dim 128 and
+# a scalar or two at 80 and with softcap; at 192-256 the 64-bit shared-memory descriptors of the 16 k-steps of S^T
+# and dP^T (reloaded once per query tile).
 # The fused Gluon backward (dQ formed in the dK/dV kernel) keeps a few more scalars beside its accumulators at
 # head_dim 128 (the dQ share's stage and descriptor, the semaphore's rank): stored before the query loop,
 # each reloaded once per query tile (six to eight 4-byte reloads per tile; no store in the loop); at head_dim
 # 64 with softcap a scalar or two. The ordered forms also carry the previous tile's semaphore across the loop
 # (released a tile late): 30-130 B more at head_dim 128.
+# At head_dim 64 the dK/dV kernel's BLOCK_M 128 (S^T and dP^T of 64 registers each) leaves six scalars in
+# local memory: six 4-byte stores and reloads per query tile in an 840-instruction loop (the SASS),
+# included in the H200 timing that made it the default (1.00-1.12x the tl kernels).
 # The persistent forward carries its tile loop's state (tile, ring counters, buffer) across the key loop:
 # ptxas keeps a value or two of it in local memory at 160-232 registers per consumer. Its tiles overlapped at
 # their boundaries (two products and the epilogue live at once) leave more there: reloaded once per tile, and
 # once per masked key tile at most (the SASS: no local access in the unmasked key loop).
-GLUON_SPILL_BOUND = {"gluon-bwd_dkdv-d80-window": 96, "gluon-bwd_dkdv-d128-causal-gqa": 160,
-                     "gluon-bwd_dkdv-d128-full": 64, "gluon-bwd_dkdv-d256-causal-gqa": 384,
-                     "gluon-bwd_dkdv-d192-window": 512,
+GLUON_SPILL_BOUND = {"gluon-bwd_dkdv-d80-window": 16, "gluon-bwd_dkdv-d256-causal-gqa": 384,
+                     "gluon-bwd_dkdv-d192-window": 512, "gluon-bwd_dkdv-d64-causal-gqa": 128,
                      "gluon-bwd_dkdv-d256-full-softcap": 32,
                      "gluon-fwd-d128-persistent-causal": 384, "gluon-fwd-d128-persistent-full": 256,
                      "gluon-fwd-d64-c3-persistent-full": 704, "gluon-fwd-d128-persistent-causal-in-turn": 64,
@@ -140,21 +141,6 @@ def test_gluon_kernels_overlap_softmax_with_the_tensor_cores(report):
         assert case["async_wgmma_wait"] and case["setmaxnreg"], (name, case)
         assert case["spill_bytes"] <= GLUON_SPILL_BOUND.get(name, 0), (name, case)
     assert not any(case.get("async_wgmma_wait") for name, case in report.items() if name.startswith("fwd-"))
-
-
-@needs_gluon_triton
-def test_gluon_dkdv_kernel_runs_each_dk_product_on_under_the_next_tiles_scores(report):
-    """Where the dK/dV kernel pairs its query tiles (flash_bwd_hopper.PAIRED_TILE_SHAPES), three products are in
-    flight at once (one tile's dK, the next tile's S^T and dP^T); elsewhere two, as in every other Gluon kernel
-    but the fused split form."""
-    from hopper_compile import CASES
-
-    for name, case in report.items():
-        if name.startswith("gluon-bwd_dkdv"):
-            _, constexprs, *_ = CASES[name]
-            expected = 3 if constexprs["PAIRED_TILES"] else 2
-            assert case["products_in_flight"] == expected, (name, case["products_in_flight"])
-    assert report["gluon-bwd_dkdv-d128-causal-gqa"]["products_in_flight"] == 3
 
 
 @needs_gluon_triton

@@ -261,6 +261,6 @@ def test_gluon_backward_query_tiles_end_inside_the_row_statistics_padding():
     """The Gluon dK/dV kernel reads a query tile's delta and lse unmasked: every BLOCK_M it launches with
     must divide the rows each head's statistics are padded to."""
     from flashformer.kernels import bwd_stats, flash_bwd_hopper
-    block_ms = {m for m, _ in (*flash_bwd_hopper.CONFIGS.values(), *flash_bwd_hopper.SOFTCAP_CONFIGS.values())}
+    block_ms = {m for m, _ in flash_bwd_hopper.CONFIGS.values()} | set(flash_bwd_hopper.SOFTCAP_BLOCK_M.values())
     block_ms.add(flash_bwd_hopper.FUSED_BLOCK_M)
     assert all(bwd_stats.STATS_ROWS.value % block_m == 0 for block_m in block_ms), block_ms
