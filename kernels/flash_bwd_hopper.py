@@ -275,10 +275,10 @@ def _attn_bwd_dkdv_hopper_kernel(
     # Consumers 0 and 1, then the producer (a comprehension: `+` on partition tuples strips constexprs)
     gl.warp_specialize(
         [(dkdv_load_partition, (q_base, do_base, k_base, v_base, lse_group, delta_group, stride_qh, stride_qs,
-                                 stride_doh, stride_dos, stride_ks, stride_vs, stride_lse_h, seqlen_q, seqlen_k, q_smem,
-                                 do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bars, q_ready, do_ready, slot_empty,
-                                 n0, start, tiles_per_head, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, NUM_STAGES,
-                                 SPLIT_HEAD_DIM, QO_TMA, KV_SMEM, CONSUMER_KEYS))
+                                stride_doh, stride_dos, stride_ks, stride_vs, stride_lse_h, seqlen_q, seqlen_k, q_smem,
+                                do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bars, q_ready, do_ready, slot_empty,
+                                n0, start, tiles_per_head, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, NUM_STAGES,
+                                SPLIT_HEAD_DIM, QO_TMA, KV_SMEM, CONSUMER_KEYS))
          if c == 2 else
          (_dkdv_consume_partition, (c, dk_base, dv_base, stride_dks, stride_dvs, q_smem, do_smem, k_smem, v_smem,
                                     lse_smem, delta_smem, kv_bars, pair_bars, q_ready,
