@@ -1,53 +1,22 @@
-"""The fused Gluon backward's dQ share (flash_bwd_hopper.py with DQ_MODE ordered, unordered or fixed point), reduced
+"""The fused Gluon backward's dQ share (flash_bwd_hopper.py with DQ_MODE ordered or unordered), reduced
 in bulk as FlashAttention-3 does it: a consumer stores its share dS K (fp32) to a shared-memory tile and
 adds the whole tile into the fp32 dQ accumulator with one TMA reduction (PTX
 cp.reduce.async.bulk.tensor ... .add), instead of 64 x head_dim scalar atomics.
 
 Ordered (deterministic): one int32 semaphore per (batch, query head, query tile) admits the tile's
 contributors one at a time in a fixed order, so every element's fp32 sum runs in the same order on every
-run. Fixed point (deterministic, in arrival order): each share is scaled by a power of two per query head
-(fixed_point_scales) and rounded to int32 before an integer reduction; integer addition is associative, so the
-sum is the same in any order. Gluon 3.6's hopper tma module has copies only; the reduction is its IR op
-(ttng.async_tma_reduce).
+run. Gluon 3.6's hopper tma module has copies only; the reduction is its IR op (ttng.async_tma_reduce).
 Also here: the heads descriptors (and their tiles' views) through which the dK/dV kernel's TMA copies and
 reductions see every head of a GQA group.
 """
 
 from __future__ import annotations
 
-import torch
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
-
-
-# A query head's dQ bound is scaled to at most this power of two: half of int32's range, the other half covering
-# the truncation of every share (under one unit each) and the fp32 rounding of the bound itself.
-FIXED_POINT_RANGE = 2.0 ** 30
-
-
-def fixed_point_scales(grad_out, k, v):
-    """Per (batch, query head), fp32: the power of two DQ_FIXED_POINT scales every dQ share (dS K) by, the largest
-    with scale * bound <= FIXED_POINT_RANGE, where the bound holds for the sum of any of the head's shares.
-
-    With dS_ij = P_ij (dP_ij - delta_i) (times softcap's 1 - tanh^2 <= 1) and delta_i = sum_j P_ij dP_ij, a
-    convex combination: sum_j |dS_ij| <= max_j |dP_ij - delta_i| <= 2 max_j |dP_ij| <= 2 |dO_i| max_j |V_j|, so any
-    partial sum of sum_j dS_ij K_jd is within bound = 2 max_i |dO_i| max_j |V_j| max_jd |K_jd|. Computed on the
-    device (no host sync). A non-finite bound gives NaN, so that dQ comes out NaN as the fp32 sums would; a zero
-    bound (dO, V or K all zero, every share 0) gives 2^126.
-
-    Args:
-        grad_out: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim).
-    """
-    group = grad_out.shape[2] // k.shape[2]
-    do_norm = torch.linalg.vector_norm(grad_out, dim=-1, dtype=torch.float32).amax(dim=1)
-    v_norm = torch.linalg.vector_norm(v, dim=-1, dtype=torch.float32).amax(dim=1)
-    k_max = k.abs().amax(dim=(1, 3)).float()
-    bound = 2.0 * do_norm * (v_norm * k_max).repeat_interleave(group, dim=1)
-    scale = torch.exp2(torch.floor(torch.log2(FIXED_POINT_RANGE / bound)).clamp(-126.0, 126.0))
-    return torch.where(bound.isfinite(), scale, float("nan"))
 
 
 @builtin
@@ -57,14 +26,6 @@ def async_reduce_add_shared_to_global(tensor_desc, coord, src, _semantic=None):
     rewritten after tma.store_wait."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
-
-
-@gluon.jit
-def fixed_point_share(dq, scale):
-    """A dQ share in DQ_FIXED_POINT's int32 units: ``dq * scale`` rounded to the nearest integer (cvt.rni: no bias
-    toward zero to add up over the shares; NaN gives 0, which the NaN scale turns back into NaN at the end)."""
-    return gl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,r", [dq * scale], dtype=gl.int32, is_pure=True,
-                                     pack=1)
 
 
 @gluon.jit

@@ -319,10 +319,8 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
             preprocess forms the row statistics; deterministic=False may then still take the two kernels.
         gluon_form: with gluon, "two-kernel" (dQ, then dK/dV), "fused" (the dK/dV kernel alone also forms
             dQ, flash_bwd_hopper.launch_fused: 5 tile matmuls, its dQ shares reduced in a fixed order when
-            deterministic, else in arrival order), "fused-split" (the same with dQ's columns split between
-            the consumers), or "fused-fixed" / "fused-split-fixed" (dQ's shares in int32 fixed point, in arrival
-            order and bit-identical run to run whatever ``deterministic`` says); the fused forms where they cover
-            the head_dim and softcap. None: tuning's choice.
+            deterministic, else in arrival order) or "fused-split" (the same with dQ's columns split between
+            the consumers); the fused forms where they cover the head_dim and softcap. None: tuning's choice.
     """
     is_varlen = cu_seqlens_q is not None
     q, k, v, out, grad_out = (as_descriptor_compatible(t) for t in (q, k, v, out, grad_out))
@@ -371,8 +369,7 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
             dkdv_strides = [s for t in (q, k, v, grad_out, dk, dv) for s in seq_strides(t, False)]
             if form != "two-kernel" and flash_bwd_hopper.fused_supports(head_dim_pad, softcap):
                 flash_bwd_hopper.launch_fused(q, k, v, grad_out, dq, dk, dv, *launch_args, dkdv_strides, strides_stats,
-                                              deterministic=deterministic, split_dq=form.startswith("fused-split"),
-                                              fixed_point=form.endswith("-fixed"))
+                                              deterministic=deterministic, split_dq=form == "fused-split")
                 return dq, dk, dv
             flash_bwd_dq_hopper.launch_dq(q, k, v, grad_out, dq, *launch_args,
                                        [s for t in (q, k, v, grad_out, dq) for s in seq_strides(t, False)],

@@ -14,7 +14,6 @@ flash_bwd.py's (bottom-right causal, windows, softcap, GQA, the lse gradient); k
 Fused (DQ_MODE, launch_fused; deterministic=False's form where tuning.gluon_backward_form has it): a consumer also adds
 its share of the query tile's dQ, dS K from dS^T in shared memory, into an fp32 accumulator by one TMA reduction
 (dq_reduce_hopper.py): 5 products per tile, not 7 (DQ_SPLIT: half of dQ's columns per consumer, over both dS^T tiles).
-In fixed point (DQ_FIXED_POINT) the accumulator is int32 and the sum bit-identical run to run in arrival order.
 """
 
 from __future__ import annotations
@@ -28,10 +27,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .dq_reduce_hopper import add_dq_share, fixed_point_scales, fixed_point_share, heads_descriptor, release_dq_share
-from .flash_bwd_hopper_load import dkdv_load_partition
 from .hopper_ops import mma_layout, rows_descriptor, unspecialised_jit
 from .launch import ensure_allocator, launcher
+from .dq_reduce_hopper import add_dq_share, heads_descriptor, release_dq_share, tma_view
 from .tile_ops import last_key_block, opaque_copy, query_range, tanh, visible
 from .tuning import GLUON_BACKWARD_FROM_SEQLEN
 
@@ -42,13 +40,49 @@ CONSUMER_KEYS = gl.constexpr(64)
 SPLIT_HEAD_DIM_ABOVE = 128
 # Where dQ goes (DQ_MODE). SEPARATE: flash_bwd_dq_hopper.py's kernel recomputes S and dP (7 products per tile pair).
 # ORDERED / UNORDERED: each consumer reduces its share dS K into an fp32 accumulator (5 products) in a fixed key-block
-# order behind a semaphore per query tile (ORDERED) or as the shares arrive. FIXED_POINT: as the shares arrive, into
-# an int32 accumulator, each share scaled by its query head's power of two (dq_reduce_hopper.fixed_point_scales) and
-# rounded: integer sums do not depend on their order, so dQ is bit-identical run to run without an ordering.
+# order behind a semaphore per query tile (ORDERED) or as the shares arrive.
 DQ_SEPARATE = gl.constexpr(0)
 DQ_ORDERED = gl.constexpr(1)
 DQ_UNORDERED = gl.constexpr(2)
-DQ_FIXED_POINT = gl.constexpr(3)
+
+
+@gluon.jit
+def _dkdv_load_partition(q_base, do_base, k_base, v_base, lse_group, delta_group, stride_qh, stride_qs, stride_doh,
+                         stride_dos, stride_ks, stride_vs, stride_lse_h, seqlen_q, seqlen_k, q_smem, do_smem, k_smem,
+                         v_smem, lse_smem, delta_smem, kv_bars, q_ready, do_ready, slot_empty, n0, start,
+                         tiles_per_head, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+                         BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_HEAD_DIM: gl.constexpr,
+                         QO_TMA: gl.constexpr, KV_SMEM: gl.constexpr):
+    q_desc = heads_descriptor(q_base, GROUP, seqlen_q, stride_qh, stride_qs, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, QO_TMA)
+    do_desc = heads_descriptor(do_base, GROUP, seqlen_q, stride_doh, stride_dos, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
+                                QO_TMA)
+    k_desc = rows_descriptor(k_base, seqlen_k, stride_ks, CONSUMER_KEYS, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
+    v_desc = rows_descriptor(v_base, seqlen_k, stride_vs, CONSUMER_KEYS, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
+    # The group's row statistics as one run of rows (each head's padded to STATS_ROWS), BLOCK_M rows a copy.
+    lse_desc = tma.make_tensor_descriptor(lse_group, [GROUP * stride_lse_h], [1], [BLOCK_M], lse_smem.layout)
+    delta_desc = tma.make_tensor_descriptor(delta_group, [GROUP * stride_lse_h], [1], [BLOCK_M], lse_smem.layout)
+    for c in gl.static_range(1 if SPLIT_HEAD_DIM else 2):
+        bar = kv_bars.index(c)
+        mbarrier.expect(bar, 2 * k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [n0 + c * CONSUMER_KEYS, 0], bar, k_smem.index(c))
+        tma.async_copy_global_to_shared(v_desc, [n0 + c * CONSUMER_KEYS, 0], bar, v_smem.index(c))
+    for i in range(GROUP * tiles_per_head):
+        stage = i % NUM_STAGES
+        head = i // tiles_per_head
+        m0 = start + (i - head * tiles_per_head) * BLOCK_M
+        # The slot's previous use (tile i - NUM_STAGES) must be released by both consumers first.
+        mbarrier.wait(slot_empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1, pred=i >= NUM_STAGES)
+        # delta with Q (dP^T's accumulator starts at -delta before S^T is issued), lse with dO
+        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [head, m0, 0], q_ready.index(stage),
+                                        tma_view(q_smem.index(stage)))
+        tma.async_copy_global_to_shared(delta_desc, [head * stride_lse_h + m0], q_ready.index(stage),
+                                        delta_smem.index(stage))
+        mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes + lse_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [head, m0, 0], do_ready.index(stage),
+                                        tma_view(do_smem.index(stage)))
+        tma.async_copy_global_to_shared(lse_desc, [head * stride_lse_h + m0], do_ready.index(stage),
+                                        lse_smem.index(stage))
 
 
 @gluon.jit
@@ -56,7 +90,7 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
                             k_smem, v_smem, lse_smem, delta_smem, kv_bars, pair_bars, q_ready,
                             do_ready, slot_empty, n0, start, un_lo, un_hi, tiles_per_head, seqlen_q, seqlen_k,
                             softmax_scale, qk_scale, softcap_log2, window_left, window_right, ds_smem, dq_smem,
-                            dq_group, stride_dqs, stride_dqh, semaphore_group, q_tiles, scale_group,
+                            dq_group, stride_dqs, stride_dqh, semaphore_group, q_tiles,
                             GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                             LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
@@ -171,8 +205,6 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
             rank = 2 * (last_key_block(m0, seqlen_q, seqlen_k, window_right, BLOCK_M, BLOCK_N, RIGHT_BOUNDED)
                         - n0 // BLOCK_N) + (0 if DQ_SPLIT else CONSUMER)
             share = semaphore_group + head * q_tiles + m0 // BLOCK_M
-            if DQ_MODE == DQ_FIXED_POINT:  # this query head's power of two: exact, and so is its inverse after
-                dq = fixed_point_share(dq, gl.load(scale_group + head))
             add_dq_share(dq, dq_stage, dq_desc, head, m0, DQ_COL, share, rank, previous_share, i > 0,
                          DQ_MODE == DQ_ORDERED, CONSUMER_WARPS * 32, ROW_VECTOR)
             if DQ_MODE == DQ_ORDERED:  # carried through the loop only where it is read
@@ -199,7 +231,7 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
 
 @unspecialised_jit
 def _attn_bwd_dkdv_hopper_kernel(
-    Q, K, V, DO, DK, DV, LSE_LOG2, DELTA, DQ_ACC, DQ_SEMAPHORES, DQ_SCALES,
+    Q, K, V, DO, DK, DV, LSE_LOG2, DELTA, DQ_ACC, DQ_SEMAPHORES,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -240,7 +272,6 @@ def _attn_bwd_dkdv_hopper_kernel(
     q_tiles = (seqlen_q + BLOCK_M - 1) // BLOCK_M
     dq_group = DQ_ACC + batch * stride_dqb + head0 * stride_dqh
     semaphore_group = DQ_SEMAPHORES + (batch * gl.num_programs(1) + kv_head) * GROUP * q_tiles
-    scale_group = DQ_SCALES + (batch * gl.num_programs(1) + kv_head) * GROUP  # FIXED_POINT: one per query head
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM_PAD], QO_SMEM)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM_PAD], QO_SMEM)
     k_smem = gl.allocate_shared_memory(dtype, [KV_TILES, CONSUMER_KEYS, HEAD_DIM_PAD], KV_SMEM)
@@ -252,8 +283,7 @@ def _attn_bwd_dkdv_hopper_kernel(
         ds_smem, dq_smem = v_smem, v_smem  # not read
     else:  # each consumer's dS^T tile and dQ share
         ds_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_KEYS, BLOCK_M], DS_SMEM)
-        dq_smem = gl.allocate_shared_memory(DQ_ACC.dtype.element_ty,
-                                            [2, BLOCK_M, HEAD_DIM_PAD // (2 if DQ_SPLIT else 1)], DQ_SMEM)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM_PAD // (2 if DQ_SPLIT else 1)], DQ_SMEM)
     kv_bars = gl.allocate_shared_memory(gl.int64, [KV_TILES, 1], mbarrier.MBarrierLayout())
     # Both consumers done with K and V; with DQ_SPLIT also the dS^T tiles' ready / free pair
     pair_bars = gl.allocate_shared_memory(gl.int64, [3 if DQ_SPLIT else 1, 1], mbarrier.MBarrierLayout())
@@ -274,18 +304,17 @@ def _attn_bwd_dkdv_hopper_kernel(
     tiles_per_head = (end - start) // BLOCK_M
     # Consumers 0 and 1, then the producer (a comprehension: `+` on partition tuples strips constexprs)
     gl.warp_specialize(
-        [(dkdv_load_partition, (q_base, do_base, k_base, v_base, lse_group, delta_group, stride_qh, stride_qs,
-                                stride_doh, stride_dos, stride_ks, stride_vs, stride_lse_h, seqlen_q, seqlen_k, q_smem,
-                                do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bars, q_ready, do_ready, slot_empty,
-                                n0, start, tiles_per_head, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, NUM_STAGES,
-                                SPLIT_HEAD_DIM, QO_TMA, KV_SMEM, CONSUMER_KEYS))
+        [(_dkdv_load_partition, (q_base, do_base, k_base, v_base, lse_group, delta_group, stride_qh, stride_qs,
+                                 stride_doh, stride_dos, stride_ks, stride_vs, stride_lse_h, seqlen_q, seqlen_k, q_smem,
+                                 do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bars, q_ready, do_ready, slot_empty,
+                                 n0, start, tiles_per_head, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, NUM_STAGES,
+                                 SPLIT_HEAD_DIM, QO_TMA, KV_SMEM))
          if c == 2 else
          (_dkdv_consume_partition, (c, dk_base, dv_base, stride_dks, stride_dvs, q_smem, do_smem, k_smem, v_smem,
                                     lse_smem, delta_smem, kv_bars, pair_bars, q_ready,
                                     do_ready, slot_empty, n0, start, un_lo, un_hi, tiles_per_head, seqlen_q,
                                     seqlen_k, softmax_scale, qk_scale, softcap_log2, window_left, window_right,
                                     ds_smem, dq_smem, dq_group, stride_dqs, stride_dqh, semaphore_group, q_tiles,
-                                    scale_group,
                                     GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, NUM_STAGES, LEFT_BOUNDED,
                                     RIGHT_BOUNDED, HAS_SOFTCAP, SPLIT_HEAD_DIM, KV_SMEM, DQ_MODE, DQ_TMA, DQ_SPLIT))
          for c in (0, 1, 2)],
@@ -340,29 +369,25 @@ def shared_layouts(block_m, head_dim_pad, dtype):
 
 
 @functools.cache
-def fused_layouts(block_m, head_dim_pad, dtype, split_dq=False, fixed_point=False):
+def fused_layouts(block_m, head_dim_pad, dtype, split_dq=False):
     """NVMMA layouts of the fused kernel's tiles: a consumer's (keys, BLOCK_M) dS^T (dK's and, permuted, dQ's A
-    operand), its dQ stage (fp32, int32 with ``fixed_point``; half the head_dim wide with ``split_dq``), and that
-    stage as the accumulator's TMA box."""
+    operand), its fp32 dQ stage (half the head_dim wide with ``split_dq``), and that stage as the accumulator's TMA box."""
     gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    acc_dtype = gl.int32 if fixed_point else gl.float32
     dq_box = [block_m, head_dim_pad // 2 if split_dq else head_dim_pad]
     return (gl.NVMMASharedLayout.get_default_for([CONSUMER_KEYS.value, block_m], gl_dtype),
-            gl.NVMMASharedLayout.get_default_for(dq_box, acc_dtype),
-            gl.NVMMASharedLayout.get_default_for([1, *dq_box], acc_dtype))
+            gl.NVMMASharedLayout.get_default_for(dq_box, gl.float32),
+            gl.NVMMASharedLayout.get_default_for([1, *dq_box], gl.float32))
 
 
 def launch_dkdv(q, k, v, grad_out, dk, dv, lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left,
                 window_right, softcap, head_dim_pad, strides, strides_lse, block_m=None, num_stages=None,
-                dq_acc=None, dq_semaphores=None, split_dq=False, dq_scales=None):
+                dq_acc=None, dq_semaphores=None, split_dq=False):
     """Launch the dK/dV kernel on dense (batch, seqlen, heads, head_dim) inputs the caller has validated;
     ``strides`` are (batch, seq, head) strides of q, k, v, grad_out, dk, dv; lse_log2 and delta as
     flash_bwd's preprocess wrote them. With ``dq_acc`` (fp32 zeros, (batch, seqlen_q, heads,
     head_dim_pad), contiguous) the kernel also adds dQ / softmax_scale into it: in key-block order behind
     ``dq_semaphores`` (int32 zeros, one per (batch, query head, FUSED_BLOCK_M query tile)), or in arrival
-    order where they are None; with ``split_dq`` each consumer adds half of dQ's columns (DQ_SPLIT). With
-    ``dq_scales`` (dq_reduce_hopper.fixed_point_scales) ``dq_acc`` is int32 zeros and each share is added scaled
-    by its query head's factor and truncated (DQ_FIXED_POINT), in arrival order."""
+    order where they are None; with ``split_dq`` each consumer adds half of dQ's columns (DQ_SPLIT)."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     default_m, default_stages = config(head_dim_pad, softcap)
@@ -372,15 +397,13 @@ def launch_dkdv(q, k, v, grad_out, dk, dv, lse_log2, delta, softmax_scale, qk_sc
     qo_smem, qo_tma, kv_smem = shared_layouts(block_m, head_dim_pad, q.dtype)
     ensure_allocator(q.device)  # the in-kernel TMA descriptors' scratch
     keys = block_n(head_dim_pad)
-    mode = (DQ_SEPARATE if dq_acc is None else DQ_FIXED_POINT if dq_scales is not None
-            else DQ_UNORDERED if dq_semaphores is None else DQ_ORDERED)
+    mode = DQ_SEPARATE if dq_acc is None else DQ_UNORDERED if dq_semaphores is None else DQ_ORDERED
     # DQ_MODE decides whether the dQ pointers are read; placeholders of their types where they are not.
     placeholders = (delta if dq_acc is None else dq_acc,
-                    delta.view(torch.int32) if dq_semaphores is None else dq_semaphores,
-                    delta if dq_scales is None else dq_scales)
+                    delta.view(torch.int32) if dq_semaphores is None else dq_semaphores)
     # Key blocks on the grid's fastest axis: DQ_ORDERED's contributors wait for blocks started earlier.
     grid = (triton.cdiv(seqlen_k, keys), heads_kv, batch)
-    ds_smem, dq_smem, dq_tma = fused_layouts(block_m, head_dim_pad, q.dtype, split_dq, dq_scales is not None)
+    ds_smem, dq_smem, dq_tma = fused_layouts(block_m, head_dim_pad, q.dtype, split_dq)
     launcher(_attn_bwd_dkdv_hopper_kernel, grid)(
         q, k, v, grad_out, dk, dv, lse_log2, delta, *placeholders, *strides,
         *(dq_acc.stride()[:3] if dq_acc is not None else (0, 0, 0)), *strides_lse, seqlen_q, seqlen_k,
@@ -402,24 +425,17 @@ def fused_supports(head_dim_pad, softcap):
 
 
 def launch_fused(q, k, v, grad_out, dq, dk, dv, lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left,
-                 window_right, softcap, head_dim_pad, strides, strides_lse, deterministic=True, split_dq=False,
-                 fixed_point=False):
+                 window_right, softcap, head_dim_pad, strides, strides_lse, deterministic=True, split_dq=False):
     """dQ, dK and dV from the dK/dV kernel alone (where fused_supports): the dQ shares summed in fp32 in a
-    fixed order (``deterministic``) or in arrival order, or with ``fixed_point`` in int32 fixed point in arrival
-    order (bit-identical run to run all the same), then scaled into ``dq``; with ``split_dq`` each consumer adds
-    half of dQ's columns. Arguments as launch_dkdv's, ``strides`` without dq's."""
+    fixed order (``deterministic``) or in arrival order, then scaled into ``dq``; with ``split_dq`` each
+    consumer adds half of dQ's columns. Arguments as launch_dkdv's, ``strides`` without dq's."""
     batch, seqlen_q, heads_q, head_dim = q.shape
-    acc_dtype = torch.int32 if fixed_point else torch.float32
-    dq_acc = torch.zeros(batch, seqlen_q, heads_q, head_dim_pad, dtype=acc_dtype, device=q.device)
-    semaphores, scales = None, None
-    if fixed_point:
-        scales = fixed_point_scales(grad_out, k, v)
-    elif deterministic:
+    dq_acc = torch.zeros(batch, seqlen_q, heads_q, head_dim_pad, dtype=torch.float32, device=q.device)
+    semaphores = None
+    if deterministic:
         semaphores = torch.zeros(batch * heads_q * triton.cdiv(seqlen_q, FUSED_BLOCK_M), dtype=torch.int32,
                                  device=q.device)
     launch_dkdv(q, k, v, grad_out, dk, dv, lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left,
                 window_right, softcap, head_dim_pad, strides, strides_lse, dq_acc=dq_acc, dq_semaphores=semaphores,
-                split_dq=split_dq, dq_scales=scales)
-    if fixed_point:
-        return dq.copy_(dq_acc[..., :head_dim] * (softmax_scale / scales)[:, None, :, None])
+                split_dq=split_dq)
     return dq.copy_(dq_acc[..., :head_dim].mul_(softmax_scale))

@@ -272,7 +272,7 @@ def gluon_overlaps_tiles(head_dim_pad, seqlen_k, causal):
 GLUON_UNORDERED_FUSED_FROM_SEQLEN = {(128, False): 2048, (128, True): 8192}
 
 
-GLUON_BACKWARD_FORMS = ("two-kernel", "fused", "fused-split", "fused-fixed", "fused-split-fixed")
+GLUON_BACKWARD_FORMS = ("two-kernel", "fused", "fused-split")
 
 
 def checked_gluon_form(gluon_form):

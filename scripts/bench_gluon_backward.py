@@ -4,15 +4,14 @@
 fused (dQ formed in the dK/dV kernel, each share added by a TMA reduction, ordered by semaphores:
 deterministic), fused-nondet (the same in arrival order), fused-split and fused-split-nondet (the same
 two with the consumers' dS^T shared and dQ's columns split between them: flash_bwd_hopper's DQ_SPLIT,
-half the reduce traffic), fused-fixed and fused-split-fixed (dQ's shares in int32 fixed point, in arrival order:
-deterministic without an ordering, DQ_FIXED_POINT). A fused variant's first call runs in a
+half the reduce traffic). A fused variant's first call runs in a
 child process under a timeout first (--smoke): one that hangs or fails there is reported and left out
 of the rest of the run.
 
 --check first compares dq/dk/dv of every variant (and of the whole Gluon path through
 flash_attn_func, lse gradient included) with fp64 autograd on odd shapes, outputs
-NaN-poisoned, by flash-attn's rule: at most twice the tl backward's error; the ordered and fixed-point fused forms
-must also give bit-identical gradients on a second run. Then, for every
+NaN-poisoned, by flash-attn's rule: at most twice the tl backward's error; the ordered fused forms must also give
+bit-identical gradients on a second run. Then, for every
 head_dim / causal / seqlen cell (batch * seqlen = --tokens, heads * head_dim = 2048, 8 heads at
 head_dim 256), it times the backward alone (out, lse and dO given) with do_bench: TFLOP/s at 2.5x the
 forward's FLOPs, and the Gluon path's three launches (preprocess, dQ, dK/dV) alone in ms. The
@@ -21,8 +20,6 @@ markdown table comes last; the cells go to --out as JSON.
     python scripts/bench_gluon_backward.py --check --head-dims 64 128 256 --seqlens 1024 4096 16384
     python scripts/bench_gluon_backward.py --check --variants two-kernel fused fused-nondet fused-split \
         fused-split-nondet --head-dims 128 --seqlens 4096 16384
-    python scripts/bench_gluon_backward.py --check --variants two-kernel fused-split-nondet fused-split-fixed \
-        --head-dims 128 --seqlens 4096 16384
 """
 
 from __future__ import annotations
@@ -76,8 +73,7 @@ def window_bounds(causal, window):
     return window[0], 0 if causal else window[1]
 
 
-VARIANTS = ("two-kernel", "fused", "fused-nondet", "fused-split", "fused-split-nondet", "fused-fixed",
-            "fused-split-fixed")
+VARIANTS = ("two-kernel", "fused", "fused-nondet", "fused-split", "fused-split-nondet")
 SMOKE_TIMEOUT_S = 180
 
 

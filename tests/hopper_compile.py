@@ -25,7 +25,7 @@ from flashformer.kernels.interface import GLUON_TRITON_VERSIONS
 from flashformer.kernels.sizes import pad_head_dim
 from flashformer.kernels.tile_schedule import q_buffers
 
-FP32_POINTERS = {"LSE", "DELTA", "LSE_LOG2", "DLSE", "LSE_PART", "O_PART", "DQ_ACC", "DQ_SCALES", "LOSSES", "TOKEN_SCALE",
+FP32_POINTERS = {"LSE", "DELTA", "LSE_LOG2", "DLSE", "LSE_PART", "O_PART", "DQ_ACC", "LOSSES", "TOKEN_SCALE",
                  "ALIBI_SLOPES"}
 INT64_POINTERS = {"TARGETS", "DROPOUT_SEED"}
 INT32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K", "BLOCK_TABLE", "DQ_SEMAPHORES", "TILE_SCHEDULE"}
@@ -34,18 +34,15 @@ TMA_STORE = r"cp\.async\.bulk\.tensor\.\w+\.global\.shared"
 FLOAT_SCALARS = {"qk_scale", "softcap_log2", "softmax_scale", "softcap", "dropout_rescale"}
 
 
-def compile_for_hopper(kernel, constexprs, num_warps, num_stages, maxnreg=None, dtype="bf16", pointer_types=None):
+def compile_for_hopper(kernel, constexprs, num_warps, num_stages, maxnreg=None, dtype="bf16"):
     """Compile ``kernel`` (a tl or a Gluon kernel) for sm_90 with the given constexprs; pointers named
-    in CAPS (``pointer_types`` overrides their element types by name), other args i32. Returns the compiled kernel
-    and its ptxas -v log."""
+    in CAPS, other args i32. Returns the compiled kernel and its ptxas -v log."""
     names = kernel.arg_names
     signature, constants = {}, {}
     for index, name in enumerate(names):
         if name in constexprs:
             signature[name] = "constexpr"
             constants[(index,)] = constexprs[name]
-        elif name in (pointer_types or {}):
-            signature[name] = pointer_types[name]
         elif name.isupper():
             signature[name] = ("*fp32" if name in FP32_POINTERS else "*i32" if name in INT32_POINTERS
                                else "*i64" if name in INT64_POINTERS else f"*{dtype}")
@@ -152,8 +149,7 @@ def gluon_backward_constexprs(head_dim, causal=True, window=False, softcap=False
         default_m = flash_bwd_hopper.FUSED_BLOCK_M
     block_m = block_m or default_m
     qo_smem, qo_tma, kv_smem = flash_bwd_hopper.shared_layouts(block_m, head_dim_pad, torch.bfloat16)
-    ds_smem, dq_smem, dq_tma = flash_bwd_hopper.fused_layouts(block_m, head_dim_pad, torch.bfloat16, split_dq,
-                                                              dq_mode == flash_bwd_hopper.DQ_FIXED_POINT.value)
+    ds_smem, dq_smem, dq_tma = flash_bwd_hopper.fused_layouts(block_m, head_dim_pad, torch.bfloat16, split_dq)
     return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m,
                 BLOCK_N=flash_bwd_hopper.block_n(head_dim_pad), NUM_STAGES=num_stages, LEFT_BOUNDED=window,
                 RIGHT_BOUNDED=causal or window, HAS_SOFTCAP=softcap,
@@ -177,8 +173,6 @@ GLUON_DQ = flash_bwd_dq_hopper._attn_bwd_dq_hopper_kernel
 GLUON_DKDV = flash_bwd_hopper._attn_bwd_dkdv_hopper_kernel
 GLUON_WARPS = flash_fwd_hopper.CONSUMER_WARPS.value
 ORDERED, UNORDERED = flash_bwd_hopper.DQ_ORDERED.value, flash_bwd_hopper.DQ_UNORDERED.value
-FIXED_POINT = flash_bwd_hopper.DQ_FIXED_POINT.value
-INT32_DQ = {"DQ_ACC": "*i32"}  # the fixed-point forms' accumulator
 CASES = {
     "gluon-fwd-d128-causal": (GLUON_FORWARD, gluon_forward_constexprs(128), flash_fwd_hopper.CONSUMER_WARPS.value, 1),
     "gluon-fwd-d128-full": (GLUON_FORWARD, gluon_forward_constexprs(128, causal=False), flash_fwd_hopper.CONSUMER_WARPS.value, 1),
@@ -268,16 +262,6 @@ CASES = {
         GLUON_WARPS, 1),
     "gluon-bwd_fused_unordered_split-d80-window": (
         GLUON_DKDV, gluon_backward_constexprs(80, window=True, dq_mode=UNORDERED, split_dq=True), GLUON_WARPS, 1),
-    # dQ in int32 fixed point, reduced in arrival order (DQ_FIXED_POINT)
-    "gluon-bwd_fused_fixed_split-d128-causal-gqa": (
-        GLUON_DKDV, gluon_backward_constexprs(128, group=4, dq_mode=FIXED_POINT, split_dq=True), GLUON_WARPS, 1, None,
-        "bf16", INT32_DQ),
-    "gluon-bwd_fused_fixed_split-d128-full": (
-        GLUON_DKDV, gluon_backward_constexprs(128, causal=False, dq_mode=FIXED_POINT, split_dq=True), GLUON_WARPS, 1,
-        None, "bf16", INT32_DQ),
-    "gluon-bwd_fused_fixed-d64-window-softcap-gqa": (
-        GLUON_DKDV, gluon_backward_constexprs(64, window=True, softcap=True, group=2, dq_mode=FIXED_POINT), GLUON_WARPS,
-        1, None, "bf16", INT32_DQ),
     "gluon-bwd_dq-d128-causal-gqa": (GLUON_DQ, gluon_dq_constexprs(128, group=4), GLUON_WARPS, 1),
     "gluon-bwd_dq-d128-window-softcap": (GLUON_DQ, gluon_dq_constexprs(128, window=True, softcap=True), GLUON_WARPS, 1),
     "gluon-bwd_dq-d64-full": (GLUON_DQ, gluon_dq_constexprs(64, causal=False), GLUON_WARPS, 1),
@@ -370,9 +354,6 @@ def main(selected):
                         # a TMA reduce-add, and a descriptor of fp32 elements (tensor map type 7) for it
                         "tma_reduce_add": bool(re.search(r"cp\.reduce\.async\.bulk\.tensor\.[\w:.]*\.add\b", ptx)),
                         "f32_tensor_map": bool(re.search(r"tensormap\.replace\.tile\.elemtype\S*\s[^;]*,\s*0x7;",
-                                                         ptx)),
-                        # and one of int32 elements (type 3): the fixed-point dQ accumulator
-                        "i32_tensor_map": bool(re.search(r"tensormap\.replace\.tile\.elemtype\S*\s[^;]*,\s*0x3;",
                                                          ptx)),
                         # element-wise fp32 adds (atom or red, any scope, vector or not; the semaphores' are u32)
                         "f32_global_atomics": sum(".add" in op and "f32" in op

@@ -127,9 +127,6 @@ GLUON_SPILL_BOUND.update({"gluon-bwd_fused_split-d128-causal": 512, "gluon-bwd_f
                           "gluon-bwd_fused_unordered_split-d128-full": 128,
                           "gluon-bwd_fused_unordered_split-d80-window": 224,
                           "gluon-bwd_fused_split-d64-window-softcap-gqa": 128})
-# dQ in fixed point: the same, and the query head's scale beside them.
-GLUON_SPILL_BOUND.update({"gluon-bwd_fused_fixed_split-d128-causal-gqa": 256,
-                          "gluon-bwd_fused_fixed_split-d128-full": 32})
 
 
 @needs_gluon_triton
@@ -149,12 +146,10 @@ def test_gluon_kernels_overlap_softmax_with_the_tensor_cores(report):
 @needs_gluon_triton
 def test_gluon_dkdv_kernels_take_their_row_statistics_by_tma(report):
     """The dK/dV kernel's consumers (every form, dQ fused or not) read delta and lse from shared memory, where the
-    producer's TMA put them with each Q and dO tile: no global load waits inside the query loop but, in fixed point,
-    the query head's scale (one scalar per consumer)."""
+    producer's TMA put them with each Q and dO tile: no global load waits inside the query loop."""
     dkdv = {name: case for name, case in report.items() if name.startswith(("gluon-bwd_dkdv", "gluon-bwd_fused"))}
     assert dkdv
-    assert all(case["global_loads"] == (2 if name.startswith("gluon-bwd_fused_fixed") else 0)
-               for name, case in dkdv.items()), {n: c["global_loads"] for n, c in dkdv.items()}
+    assert all(case["global_loads"] == 0 for case in dkdv.values()), {n: c["global_loads"] for n, c in dkdv.items()}
 
 
 @needs_gluon_triton
@@ -210,9 +205,9 @@ def test_persistent_gluon_forward_overlaps_its_output_store(report):
 @needs_gluon_triton
 def test_fused_gluon_bwd_reduces_dq_shares_in_bulk(report):
     """The fused Gluon backward (flash_bwd_hopper.launch_fused) adds each consumer's dQ share with one TMA
-    reduce-add through an fp32 descriptor (int32 in fixed point), never with element-wise fp32 atomics, and no local
-    memory in its PTX; ordered (deterministic) it acquires and releases its semaphores, unordered and fixed-point it
-    does not. The two-kernel dK/dV kernel reduces nothing. Both fp32 forms at head_dim 64 and 128, causal and not."""
+    reduce-add through an fp32 descriptor, never with element-wise fp32 atomics, and no local memory in
+    its PTX; ordered (deterministic) it acquires and releases its semaphores, unordered it does not. The
+    two-kernel dK/dV kernel reduces nothing. Both forms at head_dim 64 and 128, causal and not."""
     fused = {name: case for name, case in report.items() if name.startswith("gluon-bwd_fused")}
     shapes = {(name.startswith("gluon-bwd_fused_unordered"), name.split("-")[2], "causal" in name) for name in fused}
     assert shapes >= {(unordered, d, causal) for unordered in (False, True) for d in ("d64", "d128")
@@ -221,10 +216,7 @@ def test_fused_gluon_bwd_reduces_dq_shares_in_bulk(report):
         assert case["tma_reduce_add"] and case["f32_tensor_map"], (name, case)
         assert case["f32_global_atomics"] == 0 and not case["local_memory"], (name, case)
         assert case["shared_bytes"] <= 227 * 1024, (name, case)
-        fixed_point = name.startswith("gluon-bwd_fused_fixed")
-        assert case["i32_tensor_map"] == fixed_point, (name, case)
-        in_arrival_order = name.startswith(("gluon-bwd_fused_unordered", "gluon-bwd_fused_fixed"))
-        assert case["acquire_release"] == (not in_arrival_order), (name, case)
+        assert case["acquire_release"] == (not name.startswith("gluon-bwd_fused_unordered")), (name, case)
     dkdv = {name: case for name, case in report.items() if name.startswith("gluon-bwd_dkdv")}
     assert dkdv and not any(case["tma_reduce"] or case["acquire_release"] for case in dkdv.values()), dkdv
 
