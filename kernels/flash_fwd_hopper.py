@@ -37,12 +37,13 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from .flash_fwd_hopper_load import heads_descriptor, load_partition
 from .flash_fwd_hopper_tile import (CONSUMER_WARPS, attend, finish_values, issue_scores, key_loop, normalised,
-                                    opening_softmax, retire_store, store_out)
+                                    opening_softmax, pass_turn, retire_store, store_out, wait_turn)
 from .hopper_ops import CONSUMER_ROWS, mma_layout, rows_descriptor, unspecialised_jit
 from .launch import ensure_allocator, launcher, sm_count
 from .tile_schedule import (device_schedule, program_tile, q_buffers, query_block, scheduled_tiles, section_pairs,
                             tile_coords)
-from .tuning import GLUON_FORWARD_FROM_SEQLEN, gluon_forward_config, gluon_overlaps_tiles
+from .tuning import (GLUON_FORWARD_FROM_SEQLEN, gluon_consumers_take_turns, gluon_forward_config,
+                     gluon_overlaps_tiles)
 
 # A program is CONSUMERS + 1 partitions (gl.warp_specialize): one TMA producer warp and CONSUMERS
 # consumer warpgroups, each over 64 of the tile's 64 * CONSUMERS query rows. A consumer frees a K/V slot
@@ -88,7 +89,7 @@ def _attend_tiles(CONSUMER: gl.constexpr, o_desc, LSE, stride_lse_b, stride_lse_
                   q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty,
                   HEAD_DIM_PAD: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                   CONSUMERS: gl.constexpr, LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr,
-                  HAS_SOFTCAP: gl.constexpr, Q_BUFFERS: gl.constexpr):
+                  HAS_SOFTCAP: gl.constexpr, Q_BUFFERS: gl.constexpr, TURNS: gl.constexpr):
     """A persistent consumer whose tiles run one after the other (each through _attend)."""
     BLOCK_M: gl.constexpr = CONSUMERS * CONSUMER_ROWS
     # With one set of Q blocks the next tile's queries need the block at once: no store drains under it.
@@ -107,7 +108,8 @@ def _attend_tiles(CONSUMER: gl.constexpr, o_desc, LSE, stride_lse_b, stride_lse_
                      LSE + batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h, row0, start,
                      un_lo, un_hi, num_tiles, loaded, (tile_index // Q_BUFFERS) & 1, seqlen_q, seqlen_k,
                      qk_scale, softcap_log2, window_left, window_right, q_free.index(previous), tile_index > 0,
-                     HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP, DEFER_STORE)
+                     HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP, DEFER_STORE,
+                     CONSUMER, TURNS)
         store_out(o_desc, batch, row0, head, out, q_smem.index(slot), True, WAIT_STORE)
         if WAIT_STORE:
             mbarrier.arrive(q_free.index(slot), count=1)  # the producer may load this buffer's next Q block
@@ -121,7 +123,7 @@ def _attend_overlapped(CONSUMER: gl.constexpr, o_desc, LSE, stride_lse_b, stride
                        TILE_SCHEDULE, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty,
                        HEAD_DIM_PAD: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                        CONSUMERS: gl.constexpr, LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr,
-                       HAS_SOFTCAP: gl.constexpr):
+                       HAS_SOFTCAP: gl.constexpr, TURNS: gl.constexpr):
     """A persistent consumer over two sets of Q blocks whose tiles overlap at their boundaries: the next tile's
     first S is issued under this tile's last P V, this tile's epilogue runs while that S computes, and its
     output store drains under that S's softmax. No product crosses the loop's back edge: the next tile's P, max
@@ -142,7 +144,9 @@ def _attend_overlapped(CONSUMER: gl.constexpr, o_desc, LSE, stride_lse_b, stride
     p_op, row_max, row_sum = no_p, no_max, no_sum
     mbarrier.wait(q_bars.index(CONSUMER), 0)
     if num_tiles > 0:  # the first tile's first S, with nothing to overlap yet
+        wait_turn(CONSUMER, TURNS)
         s = issue_scores(q_smem.index(CONSUMER), k_smem, k_ready, 0, BLOCK_N, NUM_STAGES)
+        pass_turn(CONSUMER, TURNS)
         s = warpgroup_mma_wait(0, deps=[s])
         mbarrier.arrive(k_empty.index(0), count=1)
         p_op, row_max, row_sum = opening_softmax(
@@ -160,7 +164,7 @@ def _attend_overlapped(CONSUMER: gl.constexpr, o_desc, LSE, stride_lse_b, stride
                                                v_empty, acc, p_op, row_max, row_sum, rows, start, un_lo, un_hi,
                                                num_tiles, loaded, seqlen_q, seqlen_k, qk_scale, softcap_log2,
                                                window_left, window_right, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES,
-                                               LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP)
+                                               LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP, CONSUMER, TURNS)
         lse_ptr = LSE + batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h
         next_batch, next_head, next_m0, next_start, next_un_lo, next_un_hi, next_tiles = _tile_at(
             TILE_SCHEDULE, first + tile_index + 1, last, seqlen_q, seqlen_k, window_left, window_right, batch_size,
@@ -172,10 +176,12 @@ def _attend_overlapped(CONSUMER: gl.constexpr, o_desc, LSE, stride_lse_b, stride
         next_p, next_max, next_sum = no_p, no_max, no_sum
         if (num_tiles > 0) & has_next & (next_tiles > 0):
             stage = (next_loaded - 1) % NUM_STAGES
+            wait_turn(CONSUMER, TURNS)
             mbarrier.wait(v_ready.index(stage), ((next_loaded - 1) // NUM_STAGES) & 1)
             o_run = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
             mbarrier.wait(q_bars.index(following), next_phase)
             s = issue_scores(q_smem.index(following), k_smem, k_ready, next_loaded, BLOCK_N, NUM_STAGES)
+            pass_turn(CONSUMER, TURNS)
             o_done = warpgroup_mma_wait(1, deps=[o_run])
             mbarrier.arrive(v_empty.index(stage), count=1)
             store_out(o_desc, batch, row0, head,
@@ -189,12 +195,14 @@ def _attend_overlapped(CONSUMER: gl.constexpr, o_desc, LSE, stride_lse_b, stride
                                                          HAS_SOFTCAP)
         else:
             if num_tiles > 0:
-                acc = finish_values(p_op, v_smem, v_ready, v_empty, next_loaded - 1, acc, NUM_STAGES)
+                acc = finish_values(p_op, v_smem, v_ready, v_empty, next_loaded - 1, acc, NUM_STAGES, CONSUMER, TURNS)
             store_out(o_desc, batch, row0, head, normalised(acc, row_max, row_sum, lse_ptr, rows, seqlen_q, O_LAYOUT).to(dtype),
                       q_smem.index(slot), True, False)
             if has_next & (next_tiles > 0):
                 mbarrier.wait(q_bars.index(following), next_phase)
+                wait_turn(CONSUMER, TURNS)
                 s = issue_scores(q_smem.index(following), k_smem, k_ready, next_loaded, BLOCK_N, NUM_STAGES)
+                pass_turn(CONSUMER, TURNS)
                 s = warpgroup_mma_wait(0, deps=[s])
                 mbarrier.arrive(k_empty.index(next_loaded % NUM_STAGES), count=1)
                 next_p, next_max, next_sum = opening_softmax(s, next_rows, next_start, next_un_lo, next_un_hi,
@@ -220,8 +228,10 @@ def _consume_partition(CONSUMER: gl.constexpr, O, LSE, stride_ob, stride_os, str
                        BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                        LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                        Q_BUFFERS: gl.constexpr, PERSISTENT: gl.constexpr, OVERLAP_TILES: gl.constexpr,
-                       Q_SMEM: gl.constexpr):
+                       Q_SMEM: gl.constexpr, TURNS: gl.constexpr):
     BLOCK_M: gl.constexpr = CONSUMERS * CONSUMER_ROWS
+    if CONSUMER == CONSUMERS - 1:
+        pass_turn(CONSUMER, TURNS)  # consumer 0 takes the first turn
     if PERSISTENT:
         o_desc = heads_descriptor(O, batch_size, seqlen_q, heads, stride_ob, stride_os, stride_oh, CONSUMER_ROWS,
                                   HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
@@ -230,13 +240,13 @@ def _consume_partition(CONSUMER: gl.constexpr, O, LSE, stride_ob, stride_os, str
                                softcap_log2, window_left, window_right, batch_size, heads, num_m_blocks, section,
                                TILE_SCHEDULE, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty,
                                v_empty, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, CONSUMERS, LEFT_BOUNDED, RIGHT_BOUNDED,
-                               HAS_SOFTCAP)
+                               HAS_SOFTCAP, TURNS)
         else:
             _attend_tiles(CONSUMER, o_desc, LSE, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, qk_scale,
                           softcap_log2, window_left, window_right, batch_size, heads, num_m_blocks, section,
                           TILE_SCHEDULE, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty,
                           HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, CONSUMERS, LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP,
-                          Q_BUFFERS)
+                          Q_BUFFERS, TURNS)
     else:
         batch, head, pid_m = program_tile(RIGHT_BOUNDED)
         m0, start, un_lo, un_hi, num_tiles = query_block(pid_m, seqlen_q, seqlen_k, window_left, window_right,
@@ -247,7 +257,7 @@ def _consume_partition(CONSUMER: gl.constexpr, O, LSE, stride_ob, stride_os, str
                      v_empty, LSE + batch * stride_lse_b + head * stride_lse_h, row0, start, un_lo, un_hi, num_tiles,
                      0, 0, seqlen_q, seqlen_k, qk_scale, softcap_log2, window_left, window_right,
                      q_bars.index(CONSUMER), False, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, LEFT_BOUNDED, RIGHT_BOUNDED,
-                     HAS_SOFTCAP, False)
+                     HAS_SOFTCAP, False, CONSUMER, TURNS)
         o_desc = rows_descriptor(O + batch * stride_ob + head * stride_oh, seqlen_q, stride_os, CONSUMER_ROWS,
                                  HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
         store_out(o_desc, batch, row0, head, out, q_smem.index(CONSUMER), PERSISTENT, True)
@@ -268,12 +278,13 @@ def _attn_fwd_hopper_kernel(
     CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     Q_BUFFERS: gl.constexpr, PERSISTENT: gl.constexpr, OVERLAP_TILES: gl.constexpr, Q_SMEM: gl.constexpr,
-    KV_SMEM: gl.constexpr,
+    KV_SMEM: gl.constexpr, TURNS: gl.constexpr,
 ):
     """One query tile per program on a (query blocks, heads, batch) grid or, PERSISTENT, a 1-D grid whose
     programs each walk their slice of TILE_SCHEDULE (tile_schedule.schedule_table), with Q_BUFFERS sets of Q
     blocks (2: the next tile's queries load while this tile runs). OVERLAP_TILES (persistent, two sets): a tile's
-    boundary with the next overlaps (_attend_overlapped)."""
+    boundary with the next overlaps (_attend_overlapped). TURNS (CONSUMERS, or 0): the consumers issue their
+    products in rotation (flash_fwd_hopper_tile.wait_turn)."""
     dtype: gl.constexpr = Q.dtype.element_ty
     q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * CONSUMERS, CONSUMER_ROWS, HEAD_DIM_PAD], Q_SMEM)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM_PAD], KV_SMEM)
@@ -311,7 +322,7 @@ def _attn_fwd_hopper_kernel(
                                num_m_blocks, section, TILE_SCHEDULE, q_smem, k_smem, v_smem, q_bars, q_free,
                                k_ready, v_ready, k_empty, v_empty, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES,
                                CONSUMERS, LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP, Q_BUFFERS, PERSISTENT,
-                               OVERLAP_TILES, Q_SMEM))
+                               OVERLAP_TILES, Q_SMEM, TURNS))
          for c in (0, 1, 2, 3)[:CONSUMERS + 1]],
         _partition_warps(CONSUMERS), _partition_registers(CONSUMERS))
 
@@ -334,11 +345,12 @@ def shared_layouts(block_n, head_dim_pad, dtype):
 
 def launch_forward(q, k, v, out, lse, qk_scale, softcap_log2, window_left, window_right, softcap, head_dim_pad,
                    strides, strides_lse, block_n=None, num_stages=None, consumers=None, persistent=None,
-                   overlap_tiles=None):
+                   overlap_tiles=None, turns=None):
     """Launch the kernel on dense (batch, seqlen, heads, head_dim) inputs the caller has validated;
     block_n, num_stages, consumers (2 or 3 warpgroups of 64 rows) and persistent (one program per SM, each
     walking its share of tile_schedule's order) override gluon_forward_config's choice, overlap_tiles (a
-    persistent program's tile boundaries overlapped, where it has two sets of Q blocks) the rule's."""
+    persistent program's tile boundaries overlapped, where it has two sets of Q blocks) the rule's, and turns (the
+    consumers issuing their products in rotation) tuning.gluon_consumers_take_turns'."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     default_n, default_stages, default_consumers, default_persistent = gluon_forward_config(head_dim_pad, seqlen_k,
@@ -357,6 +369,8 @@ def launch_forward(q, k, v, out, lse, qk_scale, softcap_log2, window_left, windo
                                window_left, window_right, block_m, block_n) if persistent else None
     persistent = schedule is not None  # no table yet for this shape inside a CUDA-graph capture: one tile per program
     q_sets = q_buffers(2 * num_stages * block_n, block_m, head_dim_pad, q.element_size()) if persistent else 1
+    if turns is None:
+        turns = gluon_consumers_take_turns(head_dim_pad, consumers, persistent)
     if overlap_tiles is None:
         overlap_tiles = gluon_overlaps_tiles(head_dim_pad, seqlen_k, window_right >= 0)
     grid = (programs,) if persistent else (num_m_blocks, heads_q, batch)
@@ -367,5 +381,5 @@ def launch_forward(q, k, v, out, lse, qk_scale, softcap_log2, window_left, windo
         CONSUMERS=consumers, BLOCK_N=block_n, NUM_STAGES=num_stages,
         LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
         Q_BUFFERS=q_sets, PERSISTENT=persistent, OVERLAP_TILES=overlap_tiles and q_sets == 2, Q_SMEM=q_smem,
-        KV_SMEM=kv_smem, num_warps=CONSUMER_WARPS.value,
+        KV_SMEM=kv_smem, TURNS=consumers if turns else 0, num_warps=CONSUMER_WARPS.value,
     )

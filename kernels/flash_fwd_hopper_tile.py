@@ -16,6 +16,40 @@ from .hopper_ops import CONSUMER_ROWS, mma_layout
 from .tile_ops import tanh, visible
 
 CONSUMER_WARPS = gl.constexpr(4)  # a warpgroup
+# Named barriers of the consumers' turns on the tensor cores, one per consumer, above those Triton gives its
+# partitions' own thread barriers (ids 0 and 2 onwards; tests/test_kernels_compile.py checks the PTX for a clash).
+TURN_BARRIER = gl.constexpr(8)
+
+
+@gluon.jit
+def _named_barrier(barrier_id, ARRIVE: gl.constexpr):
+    """bar.sync (or, ARRIVE, bar.arrive) on named barrier ``barrier_id`` for 256 threads (the warpgroup whose turn
+    it is and the one handing it over), once per thread of the calling warpgroup: an elementwise asm over one
+    element per thread."""
+    ONE_PER_THREAD: gl.constexpr = gl.BlockedLayout([1], [32], [CONSUMER_WARPS], [0])
+    ids = gl.full([32 * CONSUMER_WARPS], barrier_id, gl.int32, ONE_PER_THREAD)
+    if ARRIVE:
+        gl.inline_asm_elementwise("mov.u32 $0, $1;\n\tbar.arrive $1, 256;", "=r,r", [ids], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise("mov.u32 $0, $1;\n\tbar.sync $1, 256;", "=r,r", [ids], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
+def wait_turn(CONSUMER: gl.constexpr, TURNS: gl.constexpr):
+    """TURNS (the number of consumers; 0: no turns): wait until the consumer before this one has issued its
+    products, so that the consumers issue theirs in rotation and one's softmax runs under the next one's
+    products, as FlashAttention-3's warp scheduler barriers make them."""
+    if TURNS > 0:
+        _named_barrier(TURN_BARRIER + CONSUMER, False)
+
+
+@gluon.jit
+def pass_turn(CONSUMER: gl.constexpr, TURNS: gl.constexpr):
+    """Hand the tensor cores to the next consumer (see wait_turn)."""
+    if TURNS > 0:
+        _named_barrier(TURN_BARRIER + (CONSUMER + 1) % TURNS, True)
 
 
 @gluon.jit
@@ -65,11 +99,14 @@ def issue_scores(q_tile, k_smem, k_ready, count, BLOCK_N: gl.constexpr, NUM_STAG
 
 
 @gluon.jit
-def finish_values(p_op, v_smem, v_ready, v_empty, count, acc, NUM_STAGES: gl.constexpr):
+def finish_values(p_op, v_smem, v_ready, v_empty, count, acc, NUM_STAGES: gl.constexpr, CONSUMER: gl.constexpr,
+                  TURNS: gl.constexpr):
     """O += P V on the program's count-th value tile, waited for, its slot released."""
     stage = count % NUM_STAGES
+    wait_turn(CONSUMER, TURNS)
     mbarrier.wait(v_ready.index(stage), (count // NUM_STAGES) & 1)
     acc = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
+    pass_turn(CONSUMER, TURNS)
     acc = warpgroup_mma_wait(0, deps=[acc])
     mbarrier.arrive(v_empty.index(stage), count=1)
     return acc
@@ -96,10 +133,11 @@ def opening_softmax(s, rows, start, un_lo, un_hi, seqlen_q, seqlen_k, qk_scale, 
 def key_loop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, acc, p_op, row_max, row_sum, rows, start,
              un_lo, un_hi, num_tiles, loaded, seqlen_q, seqlen_k, qk_scale, softcap_log2, window_left, window_right,
              HEAD_DIM_PAD: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-             LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr):
+             LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+             CONSUMER: gl.constexpr, TURNS: gl.constexpr):
     """Key tiles 1 .. num_tiles - 1 of a query tile whose tile 0 is in p_op, row_max, row_sum (ring slots as in
-    flash_fwd_hopper_load): S_j and P_{j-1} V_{j-1} issued back to back, the softmax of tile j under P V.
-    Returns O through tile num_tiles - 2 and the last tile's P, max and sum."""
+    flash_fwd_hopper_load): S_j and P_{j-1} V_{j-1} issued back to back (in CONSUMER's turn where TURNS), the
+    softmax of tile j under P V. Returns O through tile num_tiles - 2 and the last tile's P, max and sum."""
     S_LAYOUT: gl.constexpr = mma_layout(BLOCK_N, CONSUMER_WARPS)
     O_LAYOUT: gl.constexpr = mma_layout(HEAD_DIM_PAD, CONSUMER_WARPS)
     P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
@@ -108,9 +146,11 @@ def key_loop(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, acc, p_
         n0 = start + j * BLOCK_N
         count = loaded + j
         prev = (count - 1) % NUM_STAGES
+        wait_turn(CONSUMER, TURNS)
         s = issue_scores(q_tile, k_smem, k_ready, count, BLOCK_N, NUM_STAGES)
         mbarrier.wait(v_ready.index(prev), ((count - 1) // NUM_STAGES) & 1)
         acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        pass_turn(CONSUMER, TURNS)
         s = warpgroup_mma_wait(1, deps=[s])
         mbarrier.arrive(k_empty.index(count % NUM_STAGES), count=1)
         s = logits(s, n0, rows, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
@@ -140,7 +180,7 @@ def attend(q_tile, q_bar, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ls
            num_tiles, loaded, q_phase, seqlen_q, seqlen_k, qk_scale, softcap_log2, window_left, window_right,
            pending_free, store_pending, HEAD_DIM_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
            NUM_STAGES: gl.constexpr, LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr,
-           HAS_SOFTCAP: gl.constexpr, DEFER_STORE: gl.constexpr):
+           HAS_SOFTCAP: gl.constexpr, DEFER_STORE: gl.constexpr, CONSUMER: gl.constexpr, TURNS: gl.constexpr):
     """One consumer's 64 query rows from row0, its Q block q_tile (ready at q_bar's phase q_phase), over
     the query tile's num_tiles key tiles, the program's loaded-th onwards: stores the rows' lse at ``lse_ptr``
     and returns the normalised output tile. DEFER_STORE: the previous tile's output store drains under this
@@ -154,7 +194,9 @@ def attend(q_tile, q_bar, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ls
     acc = gl.zeros([CONSUMER_ROWS, HEAD_DIM_PAD], gl.float32, O_LAYOUT)
     mbarrier.wait(q_bar, q_phase)
     if num_tiles > 0:
+        wait_turn(CONSUMER, TURNS)
         s = issue_scores(q_tile, k_smem, k_ready, loaded, BLOCK_N, NUM_STAGES)
+        pass_turn(CONSUMER, TURNS)
         if DEFER_STORE:
             retire_store(pending_free, store_pending)
         s = warpgroup_mma_wait(0, deps=[s])
@@ -166,8 +208,8 @@ def attend(q_tile, q_bar, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ls
                                                row_max, row_sum, rows, start, un_lo, un_hi, num_tiles, loaded,
                                                seqlen_q, seqlen_k, qk_scale, softcap_log2, window_left,
                                                window_right, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, LEFT_BOUNDED,
-                                               RIGHT_BOUNDED, HAS_SOFTCAP)
-        acc = finish_values(p_op, v_smem, v_ready, v_empty, loaded + num_tiles - 1, acc, NUM_STAGES)
+                                               RIGHT_BOUNDED, HAS_SOFTCAP, CONSUMER, TURNS)
+        acc = finish_values(p_op, v_smem, v_ready, v_empty, loaded + num_tiles - 1, acc, NUM_STAGES, CONSUMER, TURNS)
     elif DEFER_STORE:
         retire_store(pending_free, store_pending)
     return normalised(acc, row_max, row_sum, lse_ptr, rows, seqlen_q, O_LAYOUT).to(dtype)

@@ -264,6 +264,19 @@ def gluon_overlaps_tiles(head_dim_pad, seqlen_k, causal):
     return seqlen_k >= GLUON_OVERLAP_TILES_FROM_SEQLEN.get((head_dim_pad, causal), float("inf"))
 
 
+# Where the Gluon forward's consumers issue their products in rotation (flash_fwd_hopper_tile.wait_turn), as
+# (padded head_dim, consumers) of a persistent launch. Against the same kernel with its consumers at their own pace
+# on the H200 (BENCHMARKS.md, medians of three alternating rounds): at head_dim 128 +1-5% at 1k-16k causal and 1k-8k
+# unmasked; at 64 with three consumers +0-6% unmasked (4k +6%) and +4-14% causal. Elsewhere it reads level or
+# behind: the one-tile kernel at 128 (-2% to +1%), two consumers at 64 (-1.5% to +1.7%).
+GLUON_TURNS = {(128, 2), (64, 3)}
+
+
+def gluon_consumers_take_turns(head_dim_pad, consumers, persistent):
+    """Whether the Gluon forward's consumers take turns on the tensor cores (GLUON_TURNS)."""
+    return persistent and (head_dim_pad, consumers) in GLUON_TURNS
+
+
 # Where the fused Gluon backward, its dQ shares reduced in arrival order with dQ's columns split between
 # the consumers ("fused-split"), beat the two Gluon kernels on the H200, as the shortest key length per
 # (padded head_dim, causal); the policy for deterministic=False only. At head_dim 128: 1.03-1.07x from 2k

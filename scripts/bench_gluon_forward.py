@@ -8,7 +8,9 @@ candidate to cuDNN. Writes the cells as JSON to --out. --check first checks the 
 chosen head_dims on odd shapes. --variants persistent adds each candidate as the persistent kernel (one
 program per SM walking kernels/tile_schedule.py's order; named ...-persistent), its tile boundaries overlapped
 where the launcher's rule says (tuning.gluon_overlaps_tiles); in-turn and overlapped force that choice either way
-(...-in-turn, ...-overlapped); all checked and timed too. --rounds N times every candidate N times, in
+(...-in-turn, ...-overlapped); all checked and timed too. --turns on / off / both times each variant with its
+consumers issuing their products in rotation (...+turns; flash_fwd_hopper_tile.wait_turn), at their own pace
+(...+own-pace), or both, instead of as the launcher's rule has it. --rounds N times every candidate N times, in
 alternating order, and reports the median.
 
     python scripts/bench_gluon_forward.py --head-dims 64 128 256 --seqlens 1024 4096 16384
@@ -16,6 +18,7 @@ alternating order, and reports the median.
     python scripts/bench_gluon_forward.py --check --variants default persistent --head-dims 64 128 \
         --configs n128-s2-c2 n128-s2-c3 --seqlens 1024 2048 4096
     python scripts/bench_gluon_forward.py --check --variants overlapped in-turn --rounds 3 --head-dims 64 128
+    python scripts/bench_gluon_forward.py --check --variants default persistent --turns both --rounds 3
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ CANDIDATES = {64: [(128, 2, 2), (128, 3, 2), (128, 2, 3), (128, 3, 3), (64, 4, 3
 def gluon_forward(q, k, v, causal, config, window=(-1, -1), softcap=0.0, variant="default"):
     """(out, lse) of the Gluon kernel with one (BLOCK_N, NUM_STAGES, CONSUMERS) config, one tile per program
     (variant "default"), persistent by the launcher's rule, or persistent with its tile boundaries forced
-    one after the other ("in-turn") or overlapped ("overlapped")."""
+    one after the other ("in-turn") or overlapped ("overlapped"); a "+turns" suffix has the consumers take
+    turns on the tensor cores, a "+own-pace" one not (no suffix: the launcher's rule)."""
+    variant, _, pace = variant.partition("+")
     block_n, num_stages, consumers = config
     head_dim_pad = max(16, triton.next_power_of_2(q.shape[-1]))
     out = new_output(q)
@@ -55,7 +60,8 @@ def gluon_forward(q, k, v, causal, config, window=(-1, -1), softcap=0.0, variant
                                     head_dim_pad, [s for t in (q, k, v, out) for s in seq_strides(t, False)],
                                     lse.stride()[:2], block_n=block_n, num_stages=num_stages, consumers=consumers,
                                     persistent=variant != "default",
-                                    overlap_tiles={"in-turn": False, "overlapped": True}.get(variant))
+                                    overlap_tiles={"in-turn": False, "overlapped": True}.get(variant),
+                                    turns={"turns": True, "own-pace": False}.get(pace))
     return out, lse
 
 
@@ -149,6 +155,9 @@ def main(argv=None):
                         default=["default"], help="one tile per program (default), the persistent kernel as the "
                         "launcher sets it, and/or the persistent kernel with its tile boundaries forced in turn or "
                         "overlapped")
+    parser.add_argument("--turns", choices=["rule", "on", "off", "both"], default="rule",
+                        help="the consumers in rotation on the tensor cores (+turns), at their own pace (+own-pace), "
+                        "both, or as the launcher's rule has it")
     parser.add_argument("--rounds", type=int, default=1, help="time each candidate this many times, in alternating "
                         "order, and report the median")
     parser.add_argument("--configs", nargs="+", metavar="NAME",
@@ -157,6 +166,8 @@ def main(argv=None):
     known = {candidate_name(config, "default") for configs in CANDIDATES.values() for config in configs}
     if args.configs and not set(args.configs) <= known:
         parser.error(f"--configs: unknown {sorted(set(args.configs) - known)}; candidates are {sorted(known)}")
+    paces = {"rule": [""], "on": ["+turns"], "off": ["+own-pace"], "both": ["+own-pace", "+turns"]}[args.turns]
+    args.variants = [variant + pace for variant in args.variants for pace in paces]
     if args.check:
         print(f"check failures: {check_candidates(args.head_dims, args.variants, args.configs)}")
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]

@@ -124,19 +124,22 @@ def attention_constexprs(head_dim, block_m, block_n, causal=True, window=False, 
 
 
 def gluon_forward_constexprs(head_dim, causal=True, window=False, softcap=False, group=1, config=None,
-                             persistent=False, overlap_tiles=True):
+                             persistent=False, overlap_tiles=True, turns=None):
     """config: (BLOCK_N, NUM_STAGES, CONSUMERS), tuning.GLUON_FORWARD_CONFIGS' by default; persistent: one program
     per SM with the Q buffers the launcher gives it, its tile boundaries overlapped where two sets fit
-    (overlap_tiles=False: never; the launcher picks by length, tuning.gluon_overlaps_tiles)."""
+    (overlap_tiles=False: never; the launcher picks by length, tuning.gluon_overlaps_tiles); turns: the consumers
+    issue their products in rotation (None: where the launcher has them, tuning.gluon_consumers_take_turns)."""
     head_dim_pad = pad_head_dim(head_dim)
     block_n, num_stages, consumers = config or tuning.GLUON_FORWARD_CONFIGS[head_dim_pad]
     q_smem, kv_smem = flash_fwd_hopper.shared_layouts(block_n, head_dim_pad, torch.bfloat16)
     q_sets = q_buffers(2 * num_stages * block_n, consumers * flash_fwd_hopper.CONSUMER_ROWS.value, head_dim_pad, 2)
+    if turns is None:
+        turns = tuning.gluon_consumers_take_turns(head_dim_pad, consumers, persistent)
     return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, CONSUMERS=consumers,
                 BLOCK_N=block_n, NUM_STAGES=num_stages, LEFT_BOUNDED=window, RIGHT_BOUNDED=causal or window,
                 HAS_SOFTCAP=softcap, PERSISTENT=persistent, Q_SMEM=q_smem, KV_SMEM=kv_smem,
                 Q_BUFFERS=q_sets if persistent else 1,
-                OVERLAP_TILES=overlap_tiles and persistent and q_sets == 2)
+                OVERLAP_TILES=overlap_tiles and persistent and q_sets == 2, TURNS=consumers if turns else 0)
 
 
 def gluon_backward_constexprs(head_dim, causal=True, window=False, softcap=False, group=1, block_m=None,
@@ -203,6 +206,9 @@ CASES = {
         GLUON_FORWARD, gluon_forward_constexprs(128, persistent=True, overlap_tiles=False), GLUON_WARPS, 1),
     "gluon-fwd-d64-c3-persistent-full-in-turn": (
         GLUON_FORWARD, gluon_forward_constexprs(64, causal=False, persistent=True, overlap_tiles=False), GLUON_WARPS, 1),
+    # the persistent consumers at their own pace, where the launcher has them take turns (TURNS)
+    "gluon-fwd-d128-persistent-causal-own-pace": (
+        GLUON_FORWARD, gluon_forward_constexprs(128, persistent=True, turns=False), GLUON_WARPS, 1),
     "gluon-fwd-d256-persistent-causal": (GLUON_FORWARD, gluon_forward_constexprs(256, persistent=True), GLUON_WARPS, 1),
     "gluon-fwd-d256-persistent-full": (GLUON_FORWARD, gluon_forward_constexprs(256, causal=False, persistent=True),
                                        GLUON_WARPS, 1),
@@ -330,6 +336,22 @@ CASES = {
 }
 
 
+def consumer_turns(ptx):
+    """(turns, well formed) of the consumers' turns on the tensor cores (flash_fwd_hopper_tile.wait_turn): the
+    256-thread bar.sync on a named barrier in a register, and how many of them reach the next such bar.arrive
+    through at least one wgmma issue and no wgmma wait (the turn covers issuing the products, not their wait)."""
+    lines = ptx.splitlines()
+    starts = [i for i, line in enumerate(lines) if re.search(r"\bbar\.sync %r\d+, 256;", line)]
+    well_formed = 0
+    for start in starts:
+        end = next((i for i in range(start + 1, len(lines)) if re.search(r"\bbar\.arrive %r\d+, 256;", lines[i])),
+                   None)
+        body = lines[start:end] if end is not None else []
+        well_formed += any("wgmma.mma_async" in line for line in body) and not any("wgmma.wait_group" in line
+                                                                                 for line in body)
+    return len(starts), well_formed
+
+
 def cases_to_compile():
     """The names of the CASES this Triton runs. The Gluon kernels run only on the Triton versions they were tested
     on (interface.hopper_gluon_available): on another Triton the tl kernels take their place, so only those must
@@ -374,6 +396,10 @@ def main(selected):
                         "tma_store_loop_depth": min(loop_depths(ptx, TMA_STORE), default=None),
                         "stores_drained_under_products": stores_waited_under_products(ptx),
                         "stores_under_products": stores_under_products(ptx),
+                        # Triton's own thread barriers (immediate ids) and the consumers' turns (register ids)
+                        "thread_barrier_ids": sorted({int(n) for n in re.findall(r"\bbar\.(?:sync|arrive)\s+(\d+)",
+                                                                                 ptx)}),
+                        "consumer_turns": consumer_turns(ptx),
                         "shared_bytes": compiled.metadata.shared, "registers": registers, "spill_bytes": spill_bytes}
     print(json.dumps(report))
 

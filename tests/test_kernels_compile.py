@@ -116,7 +116,7 @@ GLUON_SPILL_BOUND = {"gluon-bwd_dkdv-d80-window": 16, "gluon-bwd_dkdv-d256-causa
                      "gluon-bwd_dkdv-d256-full-softcap": 32,
                      "gluon-fwd-d128-persistent-causal": 384, "gluon-fwd-d128-persistent-full": 256,
                      "gluon-fwd-d64-c3-persistent-full": 704, "gluon-fwd-d128-persistent-causal-in-turn": 64,
-                     "gluon-fwd-d64-c3-persistent-full-in-turn": 64,
+                     "gluon-fwd-d64-c3-persistent-full-in-turn": 64, "gluon-fwd-d128-persistent-causal-own-pace": 384,
                      "gluon-bwd_fused-d128-causal-gqa": 576, "gluon-bwd_fused-d128-full": 512,
                      "gluon-bwd_fused_unordered-d128-causal": 512, "gluon-bwd_fused_unordered-d128-full-gqa": 512,
                      "gluon-bwd_fused_unordered-d80-window": 512, "gluon-bwd_fused-d64-window-softcap-gqa": 64}
@@ -162,6 +162,27 @@ def test_gluon_forward_partitions_share_the_register_file(report):
             consumer, producer = REGISTERS[3 if name.startswith("gluon-fwd-d64-c3-") else 2]
             assert {consumer, producer} <= set(case["setmaxnreg"]), (name, case)
     assert any(name.startswith("gluon-fwd-d64-c3-") for name in report)
+
+
+@needs_gluon_triton
+def test_gluon_forward_consumers_take_turns_where_the_launcher_asks(report):
+    """With TURNS (tuning.GLUON_TURNS: persistent, head_dim 128 and 64 with three consumers) each consumer waits for
+    its turn before issuing its products and hands the turn on right after issuing them, before any wait (named
+    barriers in registers, 256 threads), at every product issue: the opening S, each key tile's S and P V, the last
+    P V. Without it no turn barrier is left in the PTX. Triton's own thread barriers keep ids below the turns'
+    (flash_fwd_hopper_tile.TURN_BARRIER)."""
+    from hopper_compile import CASES  # here: it imports Triton's compiler, which CI's Triton may lack
+    from flashformer.kernels.flash_fwd_hopper_tile import TURN_BARRIER
+    forward = {name: case for name, case in report.items() if name.startswith("gluon-fwd-")}
+    taking_turns = [name for name in forward if CASES[name][1]["TURNS"]]
+    assert len(taking_turns) >= 4 and len(taking_turns) < len(forward)
+    for name, case in forward.items():
+        turns, well_formed = case["consumer_turns"]
+        if name in taking_turns:
+            assert turns >= 3 * CASES[name][1]["CONSUMERS"] and well_formed == turns, (name, case["consumer_turns"])
+        else:
+            assert turns == 0, (name, case["consumer_turns"])
+        assert max(case["thread_barrier_ids"], default=0) < TURN_BARRIER.value, (name, case["thread_barrier_ids"])
 
 
 # The persistent forward beside the one-tile kernel of the same shape.
