@@ -168,22 +168,6 @@ def _concurrent_compiles():
     return AsyncCompileMode(_executor("compile", COMPILE_THREADS))
 
 
-def _load(compiled, device):
-    """Build the launcher of each compiled kernel (Triton compiles its C code) and load its binary onto
-    ``device``, concurrently: otherwise the first launch does both on the main thread."""
-    kernels = {}
-    for kernel in compiled:
-        kernel = kernel.result() if hasattr(kernel, "result") else kernel  # AsyncCompileMode's future
-        if kernel is not None:  # None: a jit_cache_hook skipped the compile
-            kernels[id(kernel)] = kernel
-
-    def load(kernel):
-        with torch.cuda.device(device):
-            kernel._init_handles()
-
-    list(_executor("compile", COMPILE_THREADS).map(load, kernels.values()))
-
-
 def _compile_backward(stream, inputs, gluon):
     """The backward's launch code in compile-only mode on the forward's inputs, with fresh outputs (nothing
     runs on them) on the forward's stream; a failure is the backward's to meet again, not this thread's."""
@@ -193,7 +177,11 @@ def _compile_backward(stream, inputs, gluon):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, max_seqlen_q, max_seqlen_k, softmax_scale,
      window_left, window_right, softcap, dropout_p, deterministic) = inputs
     try:
-        with torch.cuda.device(q.device), torch.cuda.stream(stream), compile_only() as compiled:
+        # Only compiles: the launchers stay for the backward's first launch to load. Triton names every launcher
+        # module __triton_launcher, and CPython re-imports a launcher loaded before into the one module object
+        # of that name, so two threads loading launchers at once can hand one kernel another's launch function
+        # ("function takes exactly 71 arguments (58 given)", seen on the H200 while the forward loaded its own).
+        with torch.cuda.device(q.device), torch.cuda.stream(stream), compile_only():
             try:
                 with _concurrent_compiles():
                     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # as launch.new_output's
@@ -202,8 +190,7 @@ def _compile_backward(stream, inputs, gluon):
                                        softcap, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic,
                                        alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
                                        gluon=gluon)
-            except WouldAutotune:  # the backward autotunes the rest itself; what compiled before still loads
+            except WouldAutotune:  # the backward autotunes the rest itself
                 pass
-            _load(compiled, q.device)
     except Exception as error:  # noqa: BLE001  (the backward compiles what this did not)
         logger.debug("compiling the backward ahead stopped: %r", error)

@@ -29,15 +29,14 @@ class WouldAutotune(RuntimeError):
 
 @contextlib.contextmanager
 def compile_only():
-    """Within the block, on this thread, ``launcher`` compiles each kernel for its arguments and launches
-    nothing; the block gets the list of what the launches compiled (Triton's compiled kernels, or futures of
-    them under Triton's AsyncCompileMode)."""
-    previous = getattr(_COMPILE_ONLY, "compiled", None)
-    _COMPILE_ONLY.compiled = compiled = []
+    """Within the block, on this thread, ``launcher`` compiles each kernel for its arguments (into Triton's
+    caches; under Triton's AsyncCompileMode, on its threads) and launches nothing."""
+    previous = getattr(_COMPILE_ONLY, "active", False)
+    _COMPILE_ONLY.active = True
     try:
-        yield compiled
+        yield
     finally:
-        _COMPILE_ONLY.compiled = previous
+        _COMPILE_ONLY.active = previous
 
 
 def launcher(kernel, grid):
@@ -50,9 +49,8 @@ def launcher(kernel, grid):
         kernel: a @triton.jit or @gluon.jit function; an autotuner raises WouldAutotune in compile-only mode.
         grid: the launch grid, a tuple or a function of the meta-parameters.
     """
-    compiled = getattr(_COMPILE_ONLY, "compiled", None)
     autotuner = isinstance(kernel, triton.runtime.Autotuner)
-    if compiled is None:
+    if not getattr(_COMPILE_ONLY, "active", False):
         if autotuner or INTERPRETED or not DIRECT_LAUNCH:
             return kernel[grid]
         direct = _DIRECT.get(kernel)
@@ -61,7 +59,7 @@ def launcher(kernel, grid):
         return functools.partial(direct, grid)
     if autotuner:
         raise WouldAutotune(f"{kernel.base_fn.__name__} autotunes here")
-    return lambda *args, **meta: compiled.append(kernel.warmup(*args, grid=grid, **meta))
+    return lambda *args, **meta: kernel.warmup(*args, grid=grid, **meta)
 
 
 def _torch_allocator(size, alignment, stream):
