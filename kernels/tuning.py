@@ -268,7 +268,7 @@ def gluon_overlaps_tiles(head_dim_pad, seqlen_k, causal):
 # (padded head_dim, consumers) of a persistent launch. Against the same kernel with its consumers at their own pace
 # on the H200 (BENCHMARKS.md, medians of three alternating rounds): at head_dim 128 +1-5% at 1k-16k causal and 1k-8k
 # unmasked; at 64 with three consumers +0-6% unmasked (4k +6%) and +4-14% causal. Elsewhere it reads level or
-# behind: the one-tile kernel at 128 (-2% to +1%), two consumers at 64 (-1.5% to +1.7%).
+# behind: the one-tile kernel at 128 (-2.6% to +1.3%), two consumers at 64 (-1.5% to +1.7%).
 GLUON_TURNS = {(128, 2), (64, 3)}
 
 
