@@ -178,9 +178,10 @@ def _compile_backward(stream, inputs, gluon):
      window_left, window_right, softcap, dropout_p, deterministic) = inputs
     try:
         # Only compiles: the launchers stay for the backward's first launch to load. Triton names every launcher
-        # module __triton_launcher, and CPython re-imports a launcher loaded before into the one module object
-        # of that name, so two threads loading launchers at once can hand one kernel another's launch function
-        # ("function takes exactly 71 arguments (58 given)", seen on the H200 while the forward loaded its own).
+        # module __triton_launcher, and CPython (as we read it) re-imports a launcher loaded before into the module
+        # object of that name, so two threads loading launchers at once can hand one kernel another's launch
+        # function ("function takes exactly 71 arguments (58 given)", seen on the H200 while the forward loaded its
+        # own).
         with torch.cuda.device(q.device), torch.cuda.stream(stream), compile_only():
             try:
                 with _concurrent_compiles():
