@@ -37,8 +37,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from .flash_fwd_hopper_load import heads_descriptor, load_partition
 from .flash_fwd_hopper_tile import (CONSUMER_WARPS, attend, finish_values, issue_scores, key_loop, normalised,
-                                    opening_softmax, pass_turn, retire_store, store_out, wait_turn)
-from .hopper_ops import CONSUMER_ROWS, mma_layout, rows_descriptor, unspecialised_jit
+                                    opening_softmax, retire_store, store_out)
+from .hopper_ops import CONSUMER_ROWS, mma_layout, pass_turn, rows_descriptor, unspecialised_jit, wait_turn
 from .launch import ensure_allocator, launcher, sm_count
 from .tile_schedule import (device_schedule, program_tile, q_buffers, query_block, scheduled_tiles, section_pairs,
                             tile_coords)

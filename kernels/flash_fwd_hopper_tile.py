@@ -12,46 +12,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .hopper_ops import CONSUMER_ROWS, mma_layout
+from .hopper_ops import CONSUMER_ROWS, mma_layout, pass_turn, wait_turn
 from .tile_ops import tanh, visible
 
 CONSUMER_WARPS = gl.constexpr(4)  # a warpgroup
-# Named barriers of the consumers' turns on the tensor cores, one per consumer, above those Triton gives its
-# partitions' own thread barriers (ids 0 and 2 onwards; tests/test_kernels_compile.py checks the PTX for a clash).
-TURN_BARRIER = gl.constexpr(8)
-
-
-@gluon.jit
-def _named_barrier(barrier_id, ARRIVE: gl.constexpr):
-    """bar.sync (or, ARRIVE, bar.arrive) on named barrier ``barrier_id`` for 256 threads (the warpgroup whose turn
-    it is and the one handing it over), once per thread of the calling warpgroup: an elementwise asm over one
-    element per thread."""
-    ONE_PER_THREAD: gl.constexpr = gl.BlockedLayout([1], [32], [CONSUMER_WARPS], [0])
-    ids = gl.full([32 * CONSUMER_WARPS], barrier_id, gl.int32, ONE_PER_THREAD)
-    if ARRIVE:
-        gl.inline_asm_elementwise("mov.u32 $0, $1;\n\tbar.arrive $1, 256;", "=r,r", [ids], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-    else:
-        gl.inline_asm_elementwise("mov.u32 $0, $1;\n\tbar.sync $1, 256;", "=r,r", [ids], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-
-@gluon.jit
-def wait_turn(CONSUMER: gl.constexpr, TURNS: gl.constexpr):
-    """TURNS (the number of consumers; 0: no turns): wait until the consumer before this one has issued its
-    products, so that the consumers issue theirs in rotation and one's softmax runs under the next one's
-    products, as FlashAttention-3's warp scheduler barriers make them."""
-    if TURNS > 0:
-        _named_barrier(TURN_BARRIER + CONSUMER, False)
-
-
-@gluon.jit
-def pass_turn(CONSUMER: gl.constexpr, TURNS: gl.constexpr):
-    """Hand the tensor cores to the next consumer (see wait_turn)."""
-    if TURNS > 0:
-        _named_barrier(TURN_BARRIER + (CONSUMER + 1) % TURNS, True)
-
-
 @gluon.jit
 def logits(s, n0, rows, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2, masked,
            S_LAYOUT: gl.constexpr, BLOCK_N: gl.constexpr, HAS_SOFTCAP: gl.constexpr,

@@ -1,5 +1,6 @@
 """Gluon helpers shared by the Hopper (sm_90) kernels: their jit with unspecialised integers, the wgmma
-accumulator layout, and the per-head TMA view each partition builds (tile_ops.py is the tl kernels' side)."""
+accumulator layout, the per-head TMA view each partition builds, and the consumers' turns on the tensor cores
+(tile_ops.py is the tl kernels' side)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,40 @@ def rows_descriptor(base, rows, stride_rows, BLOCK: gl.constexpr, HEAD_DIM: gl.c
     either end and stores are clipped there. Each partition builds the descriptors it uses: one written to global
     memory reaches the TMA unit only through the writing threads' tensormap fence, which no other warp executes."""
     return tma.make_tensor_descriptor(base, [rows, HEAD_DIM], [stride_rows, 1], [BLOCK, HEAD_DIM_PAD], LAYOUT)
+
+
+# Named barriers of consumer warpgroups' turns on the tensor cores, one per consumer, above those Triton gives its
+# partitions' own thread barriers (ids 0 and 2 onwards; tests/test_kernels_compile.py checks the PTX for a clash).
+TURN_BARRIER = gl.constexpr(8)
+
+
+@gluon.jit
+def _named_barrier(barrier_id, ARRIVE: gl.constexpr):
+    """bar.sync (or, ARRIVE, bar.arrive) on named barrier ``barrier_id`` for 256 threads (the warpgroup whose turn
+    it is and the one handing it over), once per thread of the calling warpgroup: an elementwise asm over one
+    element per thread."""
+    ONE_PER_THREAD: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # the calling warpgroup's 128 threads
+    ids = gl.full([128], barrier_id, gl.int32, ONE_PER_THREAD)
+    if ARRIVE:
+        gl.inline_asm_elementwise("mov.u32 $0, $1;\n\tbar.arrive $1, 256;", "=r,r", [ids], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise("mov.u32 $0, $1;\n\tbar.sync $1, 256;", "=r,r", [ids], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
+def wait_turn(CONSUMER: gl.constexpr, TURNS: gl.constexpr):
+    """TURNS (the number of consumer warpgroups; 0: no turns): wait until the consumer before this one has issued
+    its products, so that the consumers issue theirs in rotation and one's softmax runs under the next one's
+    products, as FlashAttention-3's warp scheduler barriers make them. The last consumer hands consumer 0 the first
+    turn (pass_turn) before its first wait."""
+    if TURNS > 0:
+        _named_barrier(TURN_BARRIER + CONSUMER, False)
+
+
+@gluon.jit
+def pass_turn(CONSUMER: gl.constexpr, TURNS: gl.constexpr):
+    """Hand the tensor cores to the next consumer (see wait_turn)."""
+    if TURNS > 0:
+        _named_barrier(TURN_BARRIER + (CONSUMER + 1) % TURNS, True)

@@ -1,12 +1,12 @@
 """The Hopper Gluon backward (dQ and dK/dV kernels) beside the tl backward and SDPA cuDNN (one H200 run).
 
---variants picks the Gluon forms: two-kernel (dQ kernel + dK/dV kernel, every BLOCK_M candidate),
+--variants picks the Gluon forms: two-kernel (dQ kernel + dK/dV kernel, every BLOCK_M candidate), two-kernel-turns
+(the same with each kernel's consumers issuing their first products in rotation, hopper_ops.wait_turn),
 fused (dQ formed in the dK/dV kernel, each share added by a TMA reduction, ordered by semaphores:
 deterministic), fused-nondet (the same in arrival order), fused-split and fused-split-nondet (the same
 two with the consumers' dS^T shared and dQ's columns split between them: flash_bwd_hopper's DQ_SPLIT,
-half the reduce traffic). A fused variant's first call runs in a
-child process under a timeout first (--smoke): one that hangs or fails there is reported and left out
-of the rest of the run.
+half the reduce traffic). A variant's first call (but two-kernel's) runs in a child process under a timeout
+first (--smoke): one that hangs or fails there is reported and left out of the rest of the run.
 
 --check first compares dq/dk/dv of every variant (and of the whole Gluon path through
 flash_attn_func, lse gradient included) with fp64 autograd on odd shapes, outputs
@@ -14,12 +14,14 @@ NaN-poisoned, by flash-attn's rule: at most twice the tl backward's error; the o
 bit-identical gradients on a second run. Then, for every
 head_dim / causal / seqlen cell (batch * seqlen = --tokens, heads * head_dim = 2048, 8 heads at
 head_dim 256), it times the backward alone (out, lse and dO given) with do_bench: TFLOP/s at 2.5x the
-forward's FLOPs, and the Gluon path's three launches (preprocess, dQ, dK/dV) alone in ms. The
-markdown table comes last; the cells go to --out as JSON.
+forward's FLOPs (--rounds N: N times in alternating order, the median), and the Gluon path's three launches
+(preprocess, dQ, dK/dV) alone in ms. The markdown table comes last; the cells go to --out as JSON.
 
     python scripts/bench_gluon_backward.py --check --head-dims 64 128 256 --seqlens 1024 4096 16384
     python scripts/bench_gluon_backward.py --check --variants two-kernel fused fused-nondet fused-split \
         fused-split-nondet --head-dims 128 --seqlens 4096 16384
+    python scripts/bench_gluon_backward.py --check --variants two-kernel two-kernel-turns --head-dims 64 128 256 \
+        --seqlens 1024 4096 16384
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import argparse
 import contextlib
 import functools
 import json
+import statistics
 import subprocess
 import sys
 
@@ -73,7 +76,23 @@ def window_bounds(causal, window):
     return window[0], 0 if causal else window[1]
 
 
-VARIANTS = ("two-kernel", "fused", "fused-nondet", "fused-split", "fused-split-nondet")
+VARIANTS = ("two-kernel", "two-kernel-turns", "fused", "fused-nondet", "fused-split", "fused-split-nondet")
+
+
+@contextlib.contextmanager
+def consumers_in_turns(enabled):
+    """Inside this block (where ``enabled``) the two Gluon kernels' consumers issue their first products in
+    rotation (their launchers' ``turns``)."""
+    launches = (flash_bwd_hopper, "launch_dkdv"), (flash_bwd_dq_hopper, "launch_dq")
+    originals = [getattr(module, name) for module, name in launches]
+    if enabled:
+        for (module, name), original in zip(launches, originals):
+            setattr(module, name, functools.partial(original, turns=True))
+    try:
+        yield
+    finally:
+        for (module, name), original in zip(launches, originals):
+            setattr(module, name, original)
 SMOKE_TIMEOUT_S = 180
 
 
@@ -81,11 +100,12 @@ def backward(q, k, v, out, lse, grad_out, causal, window, softcap, gluon, block_
              variant="two-kernel"):
     """(dq, dk, dv) of the backward, a Gluon ``variant`` (VARIANTS) or tl, from a given forward."""
     window_left, window_right = window_bounds(causal, window)
-    with gluon_candidate(block_m):
+    form = variant.removesuffix("-nondet")
+    with gluon_candidate(block_m), consumers_in_turns(form.endswith("-turns")):
         return flash_bwd.attention_backward(grad_out, grad_lse, q, k, v, out, lse, q.shape[-1] ** -0.5,
                                             window_left, window_right, softcap,
                                             deterministic=not variant.endswith("-nondet"), gluon=gluon,
-                                            gluon_form=variant.removesuffix("-nondet"))
+                                            gluon_form=form.removesuffix("-turns"))
 
 
 def smoke(variant):
@@ -166,7 +186,7 @@ def check_candidates(variants):
                              functools.partial(gluon_path_gradients, q, k, v, grad_out, grad_lse, opts)))
             fused = flash_bwd_hopper.fused_supports(pad_head_dim(head_dim), softcap)
             fallback = "" if fused else " (two-kernel fallback)"
-            runs += [(variant + fallback, not variant.endswith("-nondet"),
+            runs += [(variant + (fallback if variant.startswith("fused") else ""), not variant.endswith("-nondet"),
                       functools.partial(backward, q, k, v, out, lse, grad_out, causal, window, softcap, True,
                                         grad_lse=grad_lse, variant=variant))
                      for variant in variants if variant != "two-kernel"]
@@ -237,6 +257,8 @@ def main(argv=None):
     parser.add_argument("--out", default="bench_gluon_backward.json")
     parser.add_argument("--check", action="store_true", help="first check every candidate on odd shapes")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--rounds", type=int, default=1, help="time each form this many times, in alternating "
+                        "order, and report the median")
     parser.add_argument("--smoke", choices=VARIANTS[1:], help=argparse.SUPPRESS)  # the child of smoke_variants
     args = parser.parse_args(argv)
     if args.smoke:
@@ -268,7 +290,7 @@ def main(argv=None):
                 runs = [(f"m{block_m or 'default'}", block_m, "two-kernel") for block_m in CANDIDATES[head_dim_pad]
                         if "two-kernel" in variants]
                 runs += [(variant, None, variant) for variant in variants if variant != "two-kernel"
-                         and flash_bwd_hopper.fused_supports(head_dim_pad, 0.0)]
+                         and (not variant.startswith("fused") or flash_bwd_hopper.fused_supports(head_dim_pad, 0.0))]
                 for name, block_m, variant in runs:
                     run = functools.partial(backward, q, k, v, out, lse, grad_out, causal, (-1, -1), 0.0, True,
                                             block_m, variant=variant)
@@ -281,10 +303,16 @@ def main(argv=None):
                     cell["gluon"][name] = {"vs_tl_max": max(max_error(g, t.double()) for g, t in zip(grads, tl_grads)),
                                            "finite": all(bool(torch.isfinite(g).all()) for g in grads)}
                     timings[name] = run
-                for name, fn in timings.items():
-                    ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+                times = {name: [] for name in timings}
+                for round_index in range(args.rounds):  # alternating order: a GPU at its power limit drifts
+                    for name in list(timings)[::-1 if round_index % 2 else 1]:
+                        times[name].append(triton.testing.do_bench(timings[name], warmup=25, rep=100,
+                                                                   return_mode="median"))
+                for name, ms in times.items():
                     target = cell["gluon"][name] if name in cell["gluon"] else cell
-                    target[f"{name}_tflops" if target is cell else "tflops"] = flops / ms / 1e9
+                    key = f"{name}_tflops" if target is cell else "tflops"
+                    target[key] = flops / statistics.median(ms) / 1e9
+                    target[key.replace("tflops", "rounds_tflops")] = [flops / t / 1e9 for t in ms]
                 if head_dim_pad in flash_bwd_hopper.CONFIGS and "two-kernel" in variants:
                     try:
                         cell["gluon_ms"] = {name: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
