@@ -128,3 +128,21 @@ def test_a_forward_whose_backward_never_runs_leaves_the_next_calls_intact(monkey
         _, backward = _gradients(seed, head_dim=128, heads=heads, seqlen=seqlen, window=(-1, 0))
         for got, want in zip(expected, backward()):
             assert torch.equal(got, want)
+
+
+@cuda_only
+def test_launchers_load_only_on_the_launching_threads(monkeypatch):
+    """Every Triton launcher is a module named __triton_launcher, and two threads loading launchers at once can
+    swap them (compile_ahead.py): the background job compiles, and no launcher loads on its threads."""
+    loads = []
+    init_handles = triton.compiler.compiler.CompiledKernel._init_handles
+
+    def record(kernel):
+        loads.append(threading.current_thread().name)
+        return init_handles(kernel)
+
+    monkeypatch.setattr(triton.compiler.compiler.CompiledKernel, "_init_handles", record)
+    _, backward = _gradients(3, head_dim=128, heads=(6, 3), seqlen=611, window=(-1, 0))  # a specialisation of its own
+    backward()
+    torch.cuda.synchronize()
+    assert loads and not any(name.startswith("flashformer-") for name in loads), loads
