@@ -64,6 +64,7 @@ LAYERS = [
     ("kernels: forward", ["flashformer.kernels.flash_fwd"]),
     ("kernels: Hopper backward in Gluon: dQ", ["flashformer.kernels.flash_bwd_dq_hopper"]),
     ("kernels: Hopper backward in Gluon: dK/dV", ["flashformer.kernels.flash_bwd_hopper"]),
+    ("kernels: Hopper backward in Gluon: the dK/dV producer", ["flashformer.kernels.flash_bwd_hopper_load"]),
     ("kernels: Hopper backward in Gluon: the dQ share's bulk reduction", ["flashformer.kernels.dq_reduce_hopper"]),
     ("kernels: Hopper forward in Gluon", ["flashformer.kernels.flash_fwd_hopper"]),
     ("kernels: Hopper forward in Gluon: a consumer's query tile, the producer",
