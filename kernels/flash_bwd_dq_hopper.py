@@ -15,7 +15,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from . import flash_bwd_hopper, flash_fwd_hopper
 from .flash_bwd_hopper import CONSUMER_WARPS
-from .hopper_ops import mma_layout, pass_turn, rows_descriptor, unspecialised_jit, wait_turn
+from .hopper_ops import mma_layout, rows_descriptor, unspecialised_jit
 from .launch import ensure_allocator, launcher
 from .tile_ops import key_range, opaque_copy, tanh, visible
 
@@ -54,7 +54,7 @@ def _dq_consume_partition(CONSUMER: gl.constexpr, dq_base, stride_dqs, lse_row, 
                           seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2, window_left, window_right,
                           HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
                           NUM_STAGES: gl.constexpr, LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr,
-                          HAS_SOFTCAP: gl.constexpr, Q_SMEM: gl.constexpr, TURNS: gl.constexpr):
+                          HAS_SOFTCAP: gl.constexpr, Q_SMEM: gl.constexpr):
     S_LAYOUT: gl.constexpr = mma_layout(BLOCK_N, CONSUMER_WARPS)
     DQ_LAYOUT: gl.constexpr = mma_layout(HEAD_DIM_PAD, CONSUMER_WARPS)
     A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=DQ_LAYOUT, k_width=2)
@@ -73,8 +73,6 @@ def _dq_consume_partition(CONSUMER: gl.constexpr, dq_base, stride_dqs, lse_row, 
     minus_delta = s_zero - gl.expand_dims(delta, 1)
     dq = gl.zeros([DQ_ROWS, HEAD_DIM_PAD], gl.float32, DQ_LAYOUT)
 
-    if CONSUMER == 1:  # TURNS: the consumers issue each key tile's S and dP in rotation (hopper_ops.wait_turn)
-        pass_turn(CONSUMER, TURNS)
     mbarrier.wait(q_bars.index(CONSUMER), 0)
     for j in range(num_tiles):
         stage = j % NUM_STAGES
@@ -83,11 +81,9 @@ def _dq_consume_partition(CONSUMER: gl.constexpr, dq_base, stride_dqs, lse_row, 
         k_tile = k_smem.index(stage)
         dp = opaque_copy(minus_delta)
         mbarrier.wait(k_ready.index(stage), phase)
-        wait_turn(CONSUMER, TURNS)
         s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(stage), phase)
         dp = warpgroup_mma(do_tile, v_smem.index(stage).permute((1, 0)), dp, is_async=True)
-        pass_turn(CONSUMER, TURNS)
         s = warpgroup_mma_wait(1, deps=[s])
         s = s * qk_scale
         if HAS_SOFTCAP:
@@ -130,7 +126,7 @@ def _attn_bwd_dq_hopper_kernel(
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-    Q_SMEM: gl.constexpr, KV_SMEM: gl.constexpr, TURNS: gl.constexpr,
+    Q_SMEM: gl.constexpr, KV_SMEM: gl.constexpr,
 ):
     gl.static_assert(BLOCK_M == 2 * DQ_ROWS)
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -172,12 +168,12 @@ def _attn_bwd_dq_hopper_kernel(
                                  q_bars, k_ready, v_ready, slot_empty, m0, start, un_lo, un_hi, num_tiles,
                                  seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2, window_left,
                                  window_right, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, LEFT_BOUNDED,
-                                 RIGHT_BOUNDED, HAS_SOFTCAP, Q_SMEM, TURNS)),
+                                 RIGHT_BOUNDED, HAS_SOFTCAP, Q_SMEM)),
         (_dq_consume_partition, (1, dq_base, stride_dqs, lse_row, delta_row, q_smem, do_smem, k_smem, v_smem,
                                  q_bars, k_ready, v_ready, slot_empty, m0, start, un_lo, un_hi, num_tiles,
                                  seqlen_q, seqlen_k, softmax_scale, qk_scale, softcap_log2, window_left,
                                  window_right, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, LEFT_BOUNDED,
-                                 RIGHT_BOUNDED, HAS_SOFTCAP, Q_SMEM, TURNS)),
+                                 RIGHT_BOUNDED, HAS_SOFTCAP, Q_SMEM)),
         (_dq_load_partition, (q_base, do_base, k_base, v_base, stride_qs, stride_dos, stride_ks, stride_vs, seqlen_q,
                               seqlen_k, q_smem, do_smem, k_smem, v_smem, q_bars, k_ready, v_ready, slot_empty,
                               m0, start, num_tiles, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, Q_SMEM, KV_SMEM)),
@@ -193,10 +189,9 @@ DQ_BLOCK_M = 2 * DQ_ROWS.value
 
 
 def launch_dq(q, k, v, grad_out, dq, lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left,
-              window_right, softcap, head_dim_pad, strides, strides_lse, block_n=None, turns=False):
+              window_right, softcap, head_dim_pad, strides, strides_lse, block_n=None):
     """Launch the dQ kernel on dense inputs the caller has validated; ``strides`` are (batch, seq, head)
-    strides of q, k, v, grad_out, dq; lse_log2 and delta as flash_bwd's preprocess wrote them. ``turns``: the
-    consumers issue each key tile's first two products in rotation (TURNS)."""
+    strides of q, k, v, grad_out, dq; lse_log2 and delta as flash_bwd's preprocess wrote them."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     block_n = block_n or DQ_BLOCK_N[head_dim_pad]
@@ -210,5 +205,5 @@ def launch_dq(q, k, v, grad_out, dq, lse_log2, delta, softmax_scale, qk_scale, s
         GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_M=DQ_BLOCK_M, BLOCK_N=block_n, NUM_STAGES=DQ_NUM_STAGES,
         LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
-        Q_SMEM=q_smem, KV_SMEM=kv_smem, TURNS=2 if turns else 0, num_warps=CONSUMER_WARPS.value,
+        Q_SMEM=q_smem, KV_SMEM=kv_smem, num_warps=CONSUMER_WARPS.value,
     )

@@ -27,7 +27,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .hopper_ops import mma_layout, pass_turn, rows_descriptor, unspecialised_jit, wait_turn
+from .hopper_ops import mma_layout, rows_descriptor, unspecialised_jit
 from .launch import ensure_allocator, launcher
 from .dq_reduce_hopper import add_dq_share, heads_descriptor, release_dq_share
 from .flash_bwd_hopper_load import dkdv_load_partition
@@ -57,7 +57,7 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                             LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                             SPLIT_HEAD_DIM: gl.constexpr, KV_SMEM: gl.constexpr, DQ_MODE: gl.constexpr,
-                            DQ_TMA: gl.constexpr, DQ_SPLIT: gl.constexpr, TURNS: gl.constexpr):
+                            DQ_TMA: gl.constexpr, DQ_SPLIT: gl.constexpr):
     # The consumer's keys and its columns of dK and dV.
     TILE: gl.constexpr = 0 if SPLIT_HEAD_DIM else CONSUMER
     OUT_DIM: gl.constexpr = HEAD_DIM_PAD // 2 if SPLIT_HEAD_DIM else HEAD_DIM_PAD
@@ -90,10 +90,6 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
         if DQ_SPLIT:  # both dS^T tiles stored; both consumers' dQ products that read them done
             ds_ready, ds_free = pair_bars.index(1), pair_bars.index(2)
 
-    # TURNS: the two consumers issue each query tile's S^T and dP^T in rotation (hopper_ops.wait_turn)
-    gl.static_assert((TURNS == 0) | (DQ_MODE == DQ_SEPARATE))
-    if CONSUMER == 1:
-        pass_turn(CONSUMER, TURNS)
     for t in gl.static_range(DQ_PARTS):  # with DQ_SPLIT the dQ products read both K tiles
         mbarrier.wait(kv_bars.index((TILE + t) % 2), 0)
     previous_share = semaphore_group  # DQ_ORDERED: the share added last, released a query tile later
@@ -112,11 +108,9 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
         # the products and no layout conversion's barriers.
         mbarrier.wait(q_ready.index(stage), phase)
         dp_t = opaque_copy(st_zero - gl.expand_dims(delta_smem.index(stage).load(QUERIES), 0))
-        wait_turn(CONSUMER, TURNS)
         s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         mbarrier.wait(do_ready.index(stage), phase)
         dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), dp_t, is_async=True)
-        pass_turn(CONSUMER, TURNS)
         lse_log2 = lse_smem.index(stage).load(QUERIES)
         s_t = warpgroup_mma_wait(1, deps=[s_t])
         s_t = s_t * qk_scale
@@ -215,7 +209,7 @@ def _attn_bwd_dkdv_hopper_kernel(
     LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     SPLIT_HEAD_DIM: gl.constexpr, QO_SMEM: gl.constexpr, QO_TMA: gl.constexpr, KV_SMEM: gl.constexpr,
     DQ_MODE: gl.constexpr, DS_SMEM: gl.constexpr, DQ_SMEM: gl.constexpr, DQ_TMA: gl.constexpr,
-    DQ_SPLIT: gl.constexpr, TURNS: gl.constexpr,
+    DQ_SPLIT: gl.constexpr,
 ):
     KV_TILES: gl.constexpr = 1 if SPLIT_HEAD_DIM else 2
     gl.static_assert((BLOCK_N == KV_TILES * CONSUMER_KEYS) & ((DQ_MODE != DQ_SEPARATE) | (not DQ_SPLIT)))
@@ -284,8 +278,7 @@ def _attn_bwd_dkdv_hopper_kernel(
                                     seqlen_k, softmax_scale, qk_scale, softcap_log2, window_left, window_right,
                                     ds_smem, dq_smem, dq_group, stride_dqs, stride_dqh, semaphore_group, q_tiles,
                                     GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, NUM_STAGES, LEFT_BOUNDED,
-                                    RIGHT_BOUNDED, HAS_SOFTCAP, SPLIT_HEAD_DIM, KV_SMEM, DQ_MODE, DQ_TMA, DQ_SPLIT,
-                                   TURNS))
+                                    RIGHT_BOUNDED, HAS_SOFTCAP, SPLIT_HEAD_DIM, KV_SMEM, DQ_MODE, DQ_TMA, DQ_SPLIT))
          for c in (0, 1, 2)],
         [CONSUMER_WARPS, 1], [240, 24])
 
@@ -350,14 +343,13 @@ def fused_layouts(block_m, head_dim_pad, dtype, split_dq=False):
 
 def launch_dkdv(q, k, v, grad_out, dk, dv, lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left,
                 window_right, softcap, head_dim_pad, strides, strides_lse, block_m=None, num_stages=None,
-                dq_acc=None, dq_semaphores=None, split_dq=False, turns=False):
+                dq_acc=None, dq_semaphores=None, split_dq=False):
     """Launch the dK/dV kernel on dense (batch, seqlen, heads, head_dim) inputs the caller has validated;
     ``strides`` are (batch, seq, head) strides of q, k, v, grad_out, dk, dv; lse_log2 and delta as
     flash_bwd's preprocess wrote them. With ``dq_acc`` (fp32 zeros, (batch, seqlen_q, heads,
     head_dim_pad), contiguous) the kernel also adds dQ / softmax_scale into it: in key-block order behind
     ``dq_semaphores`` (int32 zeros, one per (batch, query head, FUSED_BLOCK_M query tile)), or in arrival
-    order where they are None; with ``split_dq`` each consumer adds half of dQ's columns (DQ_SPLIT). ``turns``
-    (dQ not formed here): the consumers issue each query tile's first two products in rotation (TURNS)."""
+    order where they are None; with ``split_dq`` each consumer adds half of dQ's columns (DQ_SPLIT)."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     default_m, default_stages = config(head_dim_pad, softcap)
@@ -382,7 +374,7 @@ def launch_dkdv(q, k, v, grad_out, dk, dv, lse_log2, delta, softmax_scale, qk_sc
         BLOCK_M=block_m, BLOCK_N=keys, NUM_STAGES=num_stages,
         LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
         SPLIT_HEAD_DIM=split_head_dim(head_dim_pad), QO_SMEM=qo_smem, QO_TMA=qo_tma, KV_SMEM=kv_smem,
-        DQ_MODE=mode, DS_SMEM=ds_smem, DQ_SMEM=dq_smem, DQ_TMA=dq_tma, DQ_SPLIT=split_dq, TURNS=2 if turns else 0,
+        DQ_MODE=mode, DS_SMEM=ds_smem, DQ_SMEM=dq_smem, DQ_TMA=dq_tma, DQ_SPLIT=split_dq,
         num_warps=CONSUMER_WARPS.value,
     )
 

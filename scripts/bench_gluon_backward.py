@@ -1,8 +1,6 @@
 """The Hopper Gluon backward (dQ and dK/dV kernels) beside the tl backward and SDPA cuDNN (one H200 run).
 
---variants picks the Gluon forms: two-kernel (dQ kernel + dK/dV kernel, every BLOCK_M candidate), two-kernel-turns
-(the same with each kernel's consumers issuing their first products in rotation, hopper_ops.wait_turn),
-fused (dQ formed in the dK/dV kernel, each share added by a TMA reduction, ordered by semaphores:
+--variants picks the Gluon forms: two-kernel (dQ kernel + dK/dV kernel, every BLOCK_M candidate), fused (dQ formed in the dK/dV kernel, each share added by a TMA reduction, ordered by semaphores:
 deterministic), fused-nondet (the same in arrival order), fused-split and fused-split-nondet (the same
 two with the consumers' dS^T shared and dQ's columns split between them: flash_bwd_hopper's DQ_SPLIT,
 half the reduce traffic). A variant's first call (but two-kernel's) runs in a child process under a timeout
@@ -15,13 +13,12 @@ bit-identical gradients on a second run. Then, for every
 head_dim / causal / seqlen cell (batch * seqlen = --tokens, heads * head_dim = 2048, 8 heads at
 head_dim 256), it times the backward alone (out, lse and dO given) with do_bench: TFLOP/s at 2.5x the
 forward's FLOPs (--rounds N: N times in alternating order, the median), and the Gluon path's three launches
-(preprocess, dQ, dK/dV) alone in ms. The markdown table comes last; the cells go to --out as JSON.
+(preprocess, dQ, dK/dV) alone in ms. The markdown table comes last; the cells go to --out as JSON, rewritten after each cell (a run cut short
+keeps what it measured).
 
     python scripts/bench_gluon_backward.py --check --head-dims 64 128 256 --seqlens 1024 4096 16384
     python scripts/bench_gluon_backward.py --check --variants two-kernel fused fused-nondet fused-split \
         fused-split-nondet --head-dims 128 --seqlens 4096 16384
-    python scripts/bench_gluon_backward.py --check --variants two-kernel two-kernel-turns --head-dims 64 128 256 \
-        --seqlens 1024 4096 16384
 """
 
 from __future__ import annotations
@@ -76,23 +73,9 @@ def window_bounds(causal, window):
     return window[0], 0 if causal else window[1]
 
 
-VARIANTS = ("two-kernel", "two-kernel-turns", "fused", "fused-nondet", "fused-split", "fused-split-nondet")
+VARIANTS = ("two-kernel", "fused", "fused-nondet", "fused-split", "fused-split-nondet")
 
 
-@contextlib.contextmanager
-def consumers_in_turns(enabled):
-    """Inside this block (where ``enabled``) the two Gluon kernels' consumers issue their first products in
-    rotation (their launchers' ``turns``)."""
-    launches = (flash_bwd_hopper, "launch_dkdv"), (flash_bwd_dq_hopper, "launch_dq")
-    originals = [getattr(module, name) for module, name in launches]
-    if enabled:
-        for (module, name), original in zip(launches, originals):
-            setattr(module, name, functools.partial(original, turns=True))
-    try:
-        yield
-    finally:
-        for (module, name), original in zip(launches, originals):
-            setattr(module, name, original)
 SMOKE_TIMEOUT_S = 180
 
 
@@ -101,11 +84,11 @@ def backward(q, k, v, out, lse, grad_out, causal, window, softcap, gluon, block_
     """(dq, dk, dv) of the backward, a Gluon ``variant`` (VARIANTS) or tl, from a given forward."""
     window_left, window_right = window_bounds(causal, window)
     form = variant.removesuffix("-nondet")
-    with gluon_candidate(block_m), consumers_in_turns(form.endswith("-turns")):
+    with gluon_candidate(block_m):
         return flash_bwd.attention_backward(grad_out, grad_lse, q, k, v, out, lse, q.shape[-1] ** -0.5,
                                             window_left, window_right, softcap,
                                             deterministic=not variant.endswith("-nondet"), gluon=gluon,
-                                            gluon_form=form.removesuffix("-turns"))
+                                            gluon_form=form)
 
 
 def smoke(variant):
@@ -321,10 +304,10 @@ def main(argv=None):
                         cell["gluon_ms"] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
                 cells.append(cell)
                 print(json.dumps(cell), flush=True)
+                with open(args.out, "w") as f:
+                    json.dump(cells, f, indent=1)
                 del q, k, v, grad_out, out, lse, tl_grads
                 torch.cuda.empty_cache()
-    with open(args.out, "w") as f:
-        json.dump(cells, f, indent=1)
     print("| head_dim | causal | seqlen | cuDNN | tl | gluon variants (TFLOP/s, max diff vs tl) | best/cuDNN "
           "| best/tl | two-kernel ms: preprocess / dQ / dK,dV |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -3,8 +3,8 @@
 # Each stage has its own time limit so that one slow stage cannot eat the lease; results come back
 # as $OUT/results.tgz (and $OUT/tuned_configs.json after the tune stage).
 # Usage on the device machine: bash scripts/h200_check.sh [stage ...]   (default: all stages)
-# Stages: readme quick compile slow tune descriptors decode generate attention varlen first-call host fused-bwd turns-bwd
-# counters determinism trees train train-chunked memory pi longctx-2m longctx-wait
+# Stages: readme quick compile slow tune descriptors decode generate attention varlen first-call host fused-bwd counters
+# determinism trees train train-chunked memory pi longctx-2m longctx-wait
 # Each stage's limit fits one 10-minute device call with its neighbours: pi beside (half of) slow, quick + tune +
 # attention + varlen + decode when narrowed. Two instances may run at once on a machine of two GPUs
 # (CUDA_VISIBLE_DEVICES=0 / 1, the second started a few seconds later), each with its own RES (results
@@ -59,10 +59,6 @@ for stage in "${stages[@]}"; do
     fused-bwd) timeout 480 python3 scripts/bench_gluon_backward.py --check --variants two-kernel fused fused-nondet \
               fused-split fused-split-nondet --head-dims 128 --seqlens 4096 16384 --out "$RES/gluon_fused_backward.json" 2>&1 \
               | tee "$RES/fused_bwd.log" | grep "^|\|smoke" ;;
-    turns-bwd) # the backward's two kernels with their consumers in rotation beside them, alternating rounds
-            timeout 480 python3 scripts/bench_gluon_backward.py --check --variants two-kernel two-kernel-turns \
-              --head-dims 64 128 256 --seqlens 1024 4096 16384 --rounds 3 --out "$RES/gluon_turns_backward.json" 2>&1 \
-              | tee "$RES/turns_bwd.log" | grep "^|\|smoke\|fail" ;;
     counters) # Nsight Compute's counters per kernel of one backward (ours, deterministic=False, cuDNN): COUNTERS_ARGS
             timeout 540 python3 scripts/kernel_counters.py ${COUNTERS_ARGS:-} --out "$RES/kernel_counters.json" 2>&1 \
               | tee "$RES/kernel_counters.log" | grep "^|\|error" ;;

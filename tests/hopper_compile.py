@@ -143,9 +143,9 @@ def gluon_forward_constexprs(head_dim, causal=True, window=False, softcap=False,
 
 
 def gluon_backward_constexprs(head_dim, causal=True, window=False, softcap=False, group=1, block_m=None,
-                              dq_mode=flash_bwd_hopper.DQ_SEPARATE.value, split_dq=False, turns=False):
+                              dq_mode=flash_bwd_hopper.DQ_SEPARATE.value, split_dq=False):
     """dq_mode: flash_bwd_hopper's DQ_MODE; a fused one (dQ formed in the kernel) takes FUSED_BLOCK_M;
-    split_dq: its DQ_SPLIT; turns: the consumers issue their first products in rotation (TURNS)."""
+    split_dq: its DQ_SPLIT."""
     head_dim_pad = pad_head_dim(head_dim)
     default_m, num_stages = flash_bwd_hopper.config(head_dim_pad, 1.0 if softcap else 0.0)
     if dq_mode != flash_bwd_hopper.DQ_SEPARATE.value:
@@ -158,18 +158,17 @@ def gluon_backward_constexprs(head_dim, causal=True, window=False, softcap=False
                 RIGHT_BOUNDED=causal or window, HAS_SOFTCAP=softcap,
                 SPLIT_HEAD_DIM=flash_bwd_hopper.split_head_dim(head_dim_pad), QO_SMEM=qo_smem, QO_TMA=qo_tma,
                 KV_SMEM=kv_smem, DQ_MODE=dq_mode, DS_SMEM=ds_smem, DQ_SMEM=dq_smem, DQ_TMA=dq_tma,
-                DQ_SPLIT=split_dq, TURNS=2 if turns else 0)
+                DQ_SPLIT=split_dq)
 
 
-def gluon_dq_constexprs(head_dim, causal=True, window=False, softcap=False, group=1, turns=False):
+def gluon_dq_constexprs(head_dim, causal=True, window=False, softcap=False, group=1):
     head_dim_pad = pad_head_dim(head_dim)
     block_n = flash_bwd_dq_hopper.DQ_BLOCK_N[head_dim_pad]
     q_smem, _, _ = flash_bwd_hopper.shared_layouts(64, head_dim_pad, torch.bfloat16)
     _, kv_smem = flash_fwd_hopper.shared_layouts(block_n, head_dim_pad, torch.bfloat16)
     return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=flash_bwd_dq_hopper.DQ_BLOCK_M,
                 BLOCK_N=block_n, NUM_STAGES=flash_bwd_dq_hopper.DQ_NUM_STAGES, LEFT_BOUNDED=window,
-                RIGHT_BOUNDED=causal or window, HAS_SOFTCAP=softcap, Q_SMEM=q_smem, KV_SMEM=kv_smem,
-                TURNS=2 if turns else 0)
+                RIGHT_BOUNDED=causal or window, HAS_SOFTCAP=softcap, Q_SMEM=q_smem, KV_SMEM=kv_smem)
 
 
 GLUON_FORWARD = flash_fwd_hopper._attn_fwd_hopper_kernel
@@ -270,12 +269,6 @@ CASES = {
     "gluon-bwd_fused_unordered_split-d80-window": (
         GLUON_DKDV, gluon_backward_constexprs(80, window=True, dq_mode=UNORDERED, split_dq=True), GLUON_WARPS, 1),
     "gluon-bwd_dq-d128-causal-gqa": (GLUON_DQ, gluon_dq_constexprs(128, group=4), GLUON_WARPS, 1),
-    # the backward's two kernels with their consumers in rotation (TURNS; bench_gluon_backward's two-kernel-turns)
-    "gluon-bwd_dq-d128-causal-gqa-turns": (GLUON_DQ, gluon_dq_constexprs(128, group=4, turns=True), GLUON_WARPS, 1),
-    "gluon-bwd_dkdv-d128-causal-gqa-turns": (GLUON_DKDV, gluon_backward_constexprs(128, group=4, turns=True),
-                                             GLUON_WARPS, 1),
-    "gluon-bwd_dkdv-d256-full-softcap-turns": (GLUON_DKDV, gluon_backward_constexprs(256, causal=False, softcap=True,
-                                                                                     turns=True), GLUON_WARPS, 1),
     "gluon-bwd_dq-d128-window-softcap": (GLUON_DQ, gluon_dq_constexprs(128, window=True, softcap=True), GLUON_WARPS, 1),
     "gluon-bwd_dq-d64-full": (GLUON_DQ, gluon_dq_constexprs(64, causal=False), GLUON_WARPS, 1),
     "gluon-bwd_dq-d64-softcap-gqa": (GLUON_DQ, gluon_dq_constexprs(64, softcap=True, group=2), GLUON_WARPS, 1),
@@ -344,7 +337,7 @@ CASES = {
 
 
 def consumer_turns(ptx):
-    """(turns, well formed) of the consumers' turns on the tensor cores (flash_fwd_hopper_tile.wait_turn): the
+    """(turns, well formed) of the consumers' turns on the tensor cores (hopper_ops.wait_turn): the
     256-thread bar.sync on a named barrier in a register, and how many of them reach the next such bar.arrive
     through at least one wgmma issue and no wgmma wait (the turn covers issuing the products, not their wait)."""
     lines = ptx.splitlines()

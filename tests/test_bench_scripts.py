@@ -133,21 +133,6 @@ def test_gluon_forward_bench_runs_every_candidate_in_each_variant(capsys):
     assert "--configs: unknown ['n96-s2-c3']" in capsys.readouterr().err
 
 
-def test_gluon_backward_bench_turns_the_two_kernels_only_inside_its_variant():
-    """bench_gluon_backward's two-kernel-turns has both Gluon launchers take turns=True while it runs, and hands
-    them back untouched after."""
-    gluon = _load_script("bench_gluon_backward")
-    from flashformer.kernels import flash_bwd_dq_hopper, flash_bwd_hopper
-    originals = flash_bwd_hopper.launch_dkdv, flash_bwd_dq_hopper.launch_dq
-    assert "two-kernel-turns" in gluon.VARIANTS
-    with gluon.consumers_in_turns(True):
-        for launch in (flash_bwd_hopper.launch_dkdv, flash_bwd_dq_hopper.launch_dq):
-            assert launch.func in originals and launch.keywords == {"turns": True}
-    with gluon.consumers_in_turns(False):
-        assert (flash_bwd_hopper.launch_dkdv, flash_bwd_dq_hopper.launch_dq) == originals
-    assert (flash_bwd_hopper.launch_dkdv, flash_bwd_dq_hopper.launch_dq) == originals
-
-
 def test_plots_draw_the_measured_cells(bench, tmp_path):
     """bench_attention's and bench_decode's --plot write a PNG from their JSON records (a missing
     implementation or a skipped cell left out)."""
