@@ -131,10 +131,25 @@ def _default_gpu_config(kind, head_dim_pad):
 # Configs measured offline by scripts/tune_attention.py (long timing runs per shape; the autotuner's
 # short runs picked differently from run to run for sub-millisecond shapes). Per GPU name, kernel and
 # "d<HEAD_DIM_PAD>-<causal|full>", a map from seqlen bucket to [BLOCK_M, BLOCK_N, num_warps, num_stages] (and
-# maxnreg where the pick caps registers).
+# maxnreg where the pick caps registers); beside the kernels, the GPU's "capability" ("9.0").
 TUNED_CONFIGS_PATH = os.path.join(os.path.dirname(__file__), "tuned_configs.json")
 # A config per kernel kind that overrides every other choice (scripts/tune_attention.py sets it).
 FORCED_CONFIGS: dict[str, dict] = {}
+
+
+def table_for(tables, device_name, capability):
+    """The offline table a GPU launches with: its own, else the first one measured on a GPU of the same
+    compute capability ("9.0"): the candidates' fit (shared memory, registers) and their ranking come from
+    the SM, which an H100 and an H200 share, so an H100 takes the H200's tiles rather than autotuning every
+    new shape from scratch."""
+    if device_name in tables:
+        return tables[device_name]
+    return next((table for table in tables.values() if table.get("capability") == capability), {})
+
+
+def device_capability(device_index=None):
+    """A CUDA device's compute capability as the offline table records it ("9.0")."""
+    return "{}.{}".format(*torch.cuda.get_device_capability(device_index))
 
 
 @functools.lru_cache(maxsize=None)
@@ -142,7 +157,9 @@ def _measured_table(device_index):
     if not os.path.exists(TUNED_CONFIGS_PATH):
         return {}
     with open(TUNED_CONFIGS_PATH) as f:
-        return json.load(f).get(torch.cuda.get_device_name(device_index), {})
+        tables = json.load(f)
+    name = torch.cuda.get_device_name(device_index)
+    return table_for(tables, name, None if name in tables else device_capability(device_index))
 
 
 # From this length on the measured picks stop changing with it (8k and 16k agree in the table), so the
@@ -154,8 +171,12 @@ def measured_config(device, kind, head_dim_pad, causal, seqlen_bucket):
     """The offline-measured config for this shape, or None. The nearest seqlen bucket (log scale) serves
     within a factor of 2; a table cut short (say at 1k) must not pick the tiles of a 16k launch."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    entries = _measured_table(index).get(kind, {}).get(
-        f"d{head_dim_pad}-{'causal' if causal else 'full'}")
+    return config_in_table(_measured_table(index), kind, head_dim_pad, causal, seqlen_bucket)
+
+
+def config_in_table(table, kind, head_dim_pad, causal, seqlen_bucket):
+    """measured_config's lookup in one GPU's ``table``."""
+    entries = table.get(kind, {}).get(f"d{head_dim_pad}-{'causal' if causal else 'full'}")
     if not entries:
         return None
     nearest = min(entries, key=lambda bucket: abs(math.log2(int(bucket)) - math.log2(seqlen_bucket)))

@@ -107,8 +107,10 @@ def _close(got, want):
                for g, w in zip(got, want))
 
 
-def tune_cell(head_dim, seqlen, heads, causal, tokens, rep_ms):
-    """{kind: (best config, its ms, the default's ms)} for one grid point, plus rejected candidates.
+def tune_cell(head_dim, seqlen, heads, causal, tokens, rep_ms, fallback_table=None):
+    """{kind: (best config, its ms, the default's ms, the fallback's ms)} for one grid point, plus rejected
+    candidates. The fallback is ``fallback_table``'s config for the cell (another GPU's offline table, the one
+    this GPU would launch with otherwise: tuning.table_for), timed among the candidates; NaN where there is none.
     A backward kernel's time includes the preprocess and the other backward kernel (held fixed)."""
     inputs = make_inputs(max(1, tokens // seqlen), seqlen, heads, head_dim)
     defaults = default_configs(head_dim)
@@ -134,21 +136,30 @@ def tune_cell(head_dim, seqlen, heads, causal, tokens, rep_ms):
                 continue
             timings[tuple(sorted(config.items()))] = ms
         default_ms = timings.get(tuple(sorted(defaults[kind].items())), float("nan"))
+        fallback = tuning.config_in_table(fallback_table or {}, kind, max(16, triton.next_power_of_2(head_dim)),
+                                          causal, seqlen)
+        fallback_ms = timings.get(tuple(sorted(fallback.items())), float("nan")) if fallback else float("nan")
         best = min(timings, key=timings.get)
-        picks[kind] = (dict(best), timings[best], default_ms)
+        picks[kind] = (dict(best), timings[best], default_ms, fallback_ms)
     tuning.FORCED_CONFIGS.clear()
     return picks, rejected
 
 
-def write_table(path, device_name, results):
+def read_tables(path):
+    """Every GPU's offline table in the JSON file at ``path`` (none if it does not exist)."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_table(path, device_name, capability, results):
     """Merge this run's picks into the JSON table (other GPUs' entries kept), atomically."""
-    table = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            table = json.load(f)
+    table = read_tables(path)
     entries = table.setdefault(device_name, {})
+    entries["capability"] = capability
     for r in results:
-        for kind, (config, _, _) in r["picks"].items():
+        for kind, (config, *_) in r["picks"].items():
             key = f"d{max(16, triton.next_power_of_2(r['head_dim']))}-{'causal' if r['causal'] else 'full'}"
             entries.setdefault(kind, {}).setdefault(key, {})[str(r["seqlen"])] = list(tuning.shape_of_config(config))
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".json")
@@ -158,18 +169,23 @@ def write_table(path, device_name, results):
     os.replace(tmp, path)
 
 
-def markdown_table(results):
+def markdown_table(results, fallback_name=None):
     """Per grid point: each kernel's pick and its speed-up over the default config (the pick's
-    time includes what the kernel needs first: the forward under the backward kernels)."""
-    lines = ["| head_dim | causal | seqlen | fwd pick | x default | dK/dV pick | x default | dQ pick | x default "
-             "| fused (deterministic=False) pick | x default |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    time includes what the kernel needs first: the forward under the backward kernels); with
+    ``fallback_name``, also the speed of that GPU's pick here as a share of the best's ("-": none for the cell)."""
+    fallback = f" | {fallback_name}'s pick" if fallback_name else ""
+    names = ("fwd", "dK/dV", "dQ", "fused (deterministic=False)")
+    lines = ["| head_dim | causal | seqlen | " + " | ".join(f"{name} pick | x default{fallback}" for name in names) + " |",
+             "|---|---|---|" + "---|" * (len(names) * (3 if fallback_name else 2))]
     for r in results:
         cells = []
         for kind in KINDS:
-            config, ms, default_ms = r["picks"][kind]
+            config, ms, default_ms, fallback_ms = r["picks"][kind]
             cap = f" r{config['maxnreg']}" if "maxnreg" in config else ""
             cells += [f"{config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}{cap}",
                       f"{default_ms / ms:.2f}"]
+            if fallback_name:
+                cells.append("-" if fallback_ms != fallback_ms else f"{ms / fallback_ms:.2f}")
         lines.append(f"| {r['head_dim']} | {'yes' if r['causal'] else 'no'} | {r['seqlen']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -194,22 +210,26 @@ def main(argv=None):
     cells = [(d, s, args.heads_256 if d == 256 else args.width // d, c)
              for d in args.head_dims for c in causal_values for s in args.seqlens]
     precompile(cells, args.workers)
-    device_name = torch.cuda.get_device_name()
+    device_name, capability = torch.cuda.get_device_name(), tuning.device_capability()
+    # The table this GPU would launch with if it had none of its own, timed beside the sweep's picks.
+    others = {name: table for name, table in read_tables(args.out).items() if name != device_name}
+    fallback_table = tuning.table_for(others, device_name, capability)
+    fallback_name = next((name for name, table in others.items() if table is fallback_table), None)
     results = []
     for head_dim, seqlen, heads, causal in tqdm(cells, desc="tune"):
-        picks, rejected = tune_cell(head_dim, seqlen, heads, causal, args.tokens, args.rep_ms)
+        picks, rejected = tune_cell(head_dim, seqlen, heads, causal, args.tokens, args.rep_ms, fallback_table)
         for kind, config, why in rejected:
             print(f"rejected d{head_dim} causal={causal} s{seqlen} {kind} {config}: {why}")
         results.append({"head_dim": head_dim, "seqlen": seqlen, "heads": heads, "causal": causal, "picks": picks})
         if not args.dry_run:  # after every cell: a run cut short by a time limit keeps what it measured
-            write_table(args.out, device_name, results[-1:])
+            write_table(args.out, device_name, capability, results[-1:])
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"device": device_name, "torch": torch.__version__, "triton": triton.__version__,
-                           "results": results}, f, indent=1)
+                           "fallback": fallback_name, "results": results}, f, indent=1)
     if not args.dry_run:
         print(f"wrote {args.out} [{device_name}]")
-    print(markdown_table(results))
+    print(markdown_table(results, fallback_name))
 
 
 if __name__ == "__main__":

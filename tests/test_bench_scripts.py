@@ -3,6 +3,7 @@
 import argparse
 import cProfile
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -671,3 +672,25 @@ def test_provenance_names_the_checkout_flashformer_runs_from_whatever_the_workin
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
     commit = done.stdout.strip().splitlines()[-1]
     assert commit.split("+")[0] == head.stdout.strip(), commit
+
+
+def test_tune_attention_records_the_capability_and_times_the_fallback_tables_pick(tmp_path):
+    tune = _load_script("tune_attention")
+    path = tmp_path / "tuned.json"
+    h200 = {"capability": "9.0", "fwd": {"d64-full": {"4096": [128, 64, 8, 2]}}}
+    path.write_text(json.dumps({"NVIDIA H200": h200}))
+    best, other = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}, tune.tuning.config_from_shape(
+        [128, 64, 8, 2])
+    picks = {kind: (best, 1.0, 1.5, 1.25 if kind == "fwd" else float("nan")) for kind in tune.KINDS}
+    row = {"head_dim": 64, "seqlen": 4096, "heads": 32, "causal": False, "picks": picks}
+    tune.write_table(str(path), "NVIDIA H100 80GB HBM3", "9.0", [row])
+    tables = tune.read_tables(str(path))
+    assert tables["NVIDIA H200"] == h200  # another GPU's entries kept
+    assert tables["NVIDIA H100 80GB HBM3"]["capability"] == "9.0"
+    assert tables["NVIDIA H100 80GB HBM3"]["fwd"]["d64-full"]["4096"] == [64, 64, 4, 3]
+    assert tune.tuning.config_in_table(h200, "fwd", 64, False, 4096) == other
+    header, rule, line = tune.markdown_table([row], "NVIDIA H200").splitlines()
+    assert header.count("NVIDIA H200's pick") == 4 and rule.count("---") == 3 + 12
+    assert "| 64x64 w4 s3 | 1.50 | 0.80 | 64x64 w4 s3 | 1.50 | - |" in line  # 1.0 ms against the fallback's 1.25
+    header, rule, line = tune.markdown_table([row]).splitlines()  # no table to fall back to: no such column
+    assert "'s pick" not in header and rule.count("---") == 3 + 8 and line.endswith("| 64x64 w4 s3 | 1.50 |")

@@ -3,6 +3,7 @@ mechanics (launch.py: grids, direct launches)."""
 
 import functools
 import json
+import re
 
 import pytest
 import torch
@@ -107,6 +108,25 @@ def test_measured_config_takes_the_nearest_bucket_within_an_octave(tmp_path, mon
         assert tuning.measured_config(gpu, "fwd", 64, True, 1024) is None
     finally:
         tuning._measured_table.cache_clear()
+
+
+def test_a_gpu_without_its_own_table_takes_one_of_its_compute_capability():
+    h200 = {"capability": "9.0", "fwd": {"d64-full": {"4096": [128, 64, 8, 2]}}}
+    a100 = {"capability": "8.0", "fwd": {"d64-full": {"4096": [64, 32, 4, 2]}}}
+    h100 = {"capability": "9.0", "fwd": {"d64-full": {"4096": [64, 64, 4, 3]}}}
+    tables = {"NVIDIA A100": a100, "NVIDIA H200": h200}
+    assert tuning.table_for(tables, "NVIDIA H100 80GB HBM3", "9.0") is h200
+    assert tuning.table_for({**tables, "NVIDIA H100 80GB HBM3": h100}, "NVIDIA H100 80GB HBM3", "9.0") is h100
+    assert tuning.table_for(tables, "NVIDIA A100", "9.0") is a100  # its own first, whatever else matches
+    assert tuning.table_for(tables, "NVIDIA L4", "8.9") == {}  # no table of its kind: the autotuner
+    assert tuning.config_in_table(tuning.table_for(tables, "NVIDIA H100 PCIe", "9.0"), "fwd", 64, False, 4096) == {
+        "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+
+
+def test_the_shipped_table_records_each_gpus_compute_capability():
+    with open(tuning.TUNED_CONFIGS_PATH) as f:
+        tables = json.load(f)
+    assert tables and all(re.fullmatch(r"\d+\.\d+", table.get("capability", "")) for table in tables.values())
 
 
 @pytest.mark.parametrize("config", [
