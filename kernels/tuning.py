@@ -138,13 +138,26 @@ FORCED_CONFIGS: dict[str, dict] = {}
 
 
 def table_for(tables, device_name, capability):
-    """The offline table a GPU launches with: its own, else the first one measured on a GPU of the same
-    compute capability ("9.0"): the candidates' fit (shared memory, registers) and their ranking come from
-    the SM, which an H100 and an H200 share, so an H100 takes the H200's tiles rather than autotuning every
-    new shape from scratch."""
-    if device_name in tables:
-        return tables[device_name]
-    return next((table for table in tables.values() if table.get("capability") == capability), {})
+    """The offline table a GPU launches with: its own entries, and for each (kernel, head_dim and mask,
+    length) it has not measured, the entry of the first table measured on another GPU of the same compute
+    capability ("9.0"). The candidates' fit (shared memory, registers) and their ranking come from the SM,
+    which an H100 and an H200 share, so an H100 takes the H200's tiles rather than autotuning every new
+    shape from scratch, and a sweep cut short (one head_dim, a few lengths) adds to them, not replaces them."""
+    own = tables.get(device_name, {})
+    sibling = sibling_table(tables, device_name, capability)[1]
+    merged = {**sibling, **own}
+    for kind in set(sibling) & set(own):
+        if isinstance(own[kind], dict):
+            families = set(sibling[kind]) | set(own[kind])
+            merged[kind] = {family: {**sibling[kind].get(family, {}), **own[kind].get(family, {})}
+                            for family in families}
+    return merged
+
+
+def sibling_table(tables, device_name, capability):
+    """(name, table) of the first table measured on another GPU of ``capability``, or (None, {})."""
+    return next(((name, table) for name, table in tables.items()
+                 if name != device_name and table.get("capability") == capability), (None, {}))
 
 
 def device_capability(device_index=None):
@@ -159,7 +172,7 @@ def _measured_table(device_index):
     with open(TUNED_CONFIGS_PATH) as f:
         tables = json.load(f)
     name = torch.cuda.get_device_name(device_index)
-    return table_for(tables, name, None if name in tables else device_capability(device_index))
+    return table_for(tables, name, device_capability(device_index))
 
 
 # From this length on the measured picks stop changing with it (8k and 16k agree in the table), so the

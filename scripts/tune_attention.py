@@ -212,9 +212,7 @@ def main(argv=None):
     precompile(cells, args.workers)
     device_name, capability = torch.cuda.get_device_name(), tuning.device_capability()
     # The table this GPU would launch with if it had none of its own, timed beside the sweep's picks.
-    others = {name: table for name, table in read_tables(args.out).items() if name != device_name}
-    fallback_table = tuning.table_for(others, device_name, capability)
-    fallback_name = next((name for name, table in others.items() if table is fallback_table), None)
+    fallback_name, fallback_table = tuning.sibling_table(read_tables(args.out), device_name, capability)
     results = []
     for head_dim, seqlen, heads, causal in tqdm(cells, desc="tune"):
         picks, rejected = tune_cell(head_dim, seqlen, heads, causal, args.tokens, args.rep_ms, fallback_table)

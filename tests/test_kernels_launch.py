@@ -91,6 +91,7 @@ def test_measured_config_takes_the_nearest_bucket_within_an_octave(tmp_path, mon
     path.write_text(json.dumps(table))
     monkeypatch.setattr(tuning, "TUNED_CONFIGS_PATH", str(path))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Some GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
     tuning._measured_table.cache_clear()
     try:
         gpu = torch.device("cuda", 0)
@@ -113,14 +114,30 @@ def test_measured_config_takes_the_nearest_bucket_within_an_octave(tmp_path, mon
 def test_a_gpu_without_its_own_table_takes_one_of_its_compute_capability():
     h200 = {"capability": "9.0", "fwd": {"d64-full": {"4096": [128, 64, 8, 2]}}}
     a100 = {"capability": "8.0", "fwd": {"d64-full": {"4096": [64, 32, 4, 2]}}}
-    h100 = {"capability": "9.0", "fwd": {"d64-full": {"4096": [64, 64, 4, 3]}}}
     tables = {"NVIDIA A100": a100, "NVIDIA H200": h200}
-    assert tuning.table_for(tables, "NVIDIA H100 80GB HBM3", "9.0") is h200
-    assert tuning.table_for({**tables, "NVIDIA H100 80GB HBM3": h100}, "NVIDIA H100 80GB HBM3", "9.0") is h100
-    assert tuning.table_for(tables, "NVIDIA A100", "9.0") is a100  # its own first, whatever else matches
+    assert tuning.table_for(tables, "NVIDIA H100 80GB HBM3", "9.0") == h200
+    assert tuning.table_for(tables, "NVIDIA A100", "8.0") == a100
     assert tuning.table_for(tables, "NVIDIA L4", "8.9") == {}  # no table of its kind: the autotuner
+    assert tuning.sibling_table(tables, "NVIDIA H100 PCIe", "9.0") == ("NVIDIA H200", h200)
+    assert tuning.sibling_table(tables, "NVIDIA H200", "9.0") == (None, {})  # never its own
     assert tuning.config_in_table(tuning.table_for(tables, "NVIDIA H100 PCIe", "9.0"), "fwd", 64, False, 4096) == {
         "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+
+
+def test_a_gpus_own_entries_add_to_its_capabilitys_table_entry_by_entry():
+    # A sweep cut short (one head_dim, a few lengths) must not take the rest of the fallback away.
+    h200 = {"capability": "9.0",
+            "fwd": {"d64-full": {"1024": [128, 64, 8, 2], "4096": [128, 64, 8, 2]},
+                    "d256-full": {"4096": [64, 64, 8, 2]}},
+            "bwd_dq": {"d64-full": {"4096": [64, 64, 4, 3]}}}
+    h100 = {"capability": "9.0", "fwd": {"d64-full": {"4096": [64, 64, 4, 3]}, "d128-causal": {"1024": [64, 32, 4, 2]}}}
+    table = tuning.table_for({"NVIDIA H200": h200, "NVIDIA H100 80GB HBM3": h100}, "NVIDIA H100 80GB HBM3", "9.0")
+    assert table["fwd"] == {"d64-full": {"1024": [128, 64, 8, 2], "4096": [64, 64, 4, 3]},
+                            "d256-full": {"4096": [64, 64, 8, 2]}, "d128-causal": {"1024": [64, 32, 4, 2]}}
+    assert table["bwd_dq"] == h200["bwd_dq"] and table["capability"] == "9.0"
+    assert tuning.config_in_table(table, "fwd", 64, False, 4096)["BLOCK_M"] == 64  # its own measurement
+    assert tuning.config_in_table(table, "fwd", 256, False, 4096)["BLOCK_M"] == 64  # the H200's, kept
+    assert h200["fwd"]["d64-full"]["4096"] == [128, 64, 8, 2]  # the tables read are left as they were
 
 
 def test_the_shipped_table_records_each_gpus_compute_capability():
