@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from .checks import autocast_inputs, check_attention_args, check_cu_seqlens, kernel_inputs, max_seqlen_arg
-from .interface import varlen_tiled
-from .kvcache import PAGE_MULTIPLE, count_bad_pages, describe, raise_for_bad_pages
+from .checks import (autocast_inputs, check_attention_args, check_cu_seqlens, describe, kernel_inputs,
+                     max_seqlen_arg)
+from .interface import kernel_impl, varlen_tiled
+from .kvcache import PAGE_MULTIPLE, count_bad_pages, raise_for_bad_pages
 from .masking import normalize_window
 from .sizes import cdiv
 
@@ -145,3 +146,47 @@ def paged_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     return decode_attention(q, k, v, lengths, block_table, max_seqlen_k, softmax_scale, window_left, window_right,
                             float(softcap), cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
+
+
+def kvcache_packed_queries(q, k_cache, v_cache, cache_seqlens, block_table, cu_seqlens_q, max_seqlen_q, softmax_scale,
+                           causal, window_size, softcap, check_lengths, unsupported):
+    """flash_attn_with_kvcache with flash-attn 3's packed queries (cu_seqlens_q): the paged forward above,
+    a contiguous cache read in place as one page per sequence; returns (out, lse (heads_q, total_q)).
+
+    Args:
+        unsupported: {argument name: value} of flash_attn_with_kvcache's options this form does not take;
+            any that is set (not None) raises, naming it.
+    """
+    for name, value in unsupported.items():
+        if value is not None:
+            raise ValueError(f"{name}: flash_attn_with_kvcache with cu_seqlens_q (packed queries) attends to the "
+                             f"cache as it is; pass {name}=None (append new keys or rotate in a call without "
+                             "cu_seqlens_q)")
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"q must be packed (total_q, heads_q, head_dim) with cu_seqlens_q, got {describe(q)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor, got {describe(t)}")
+    if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1 or cu_seqlens_q.numel() < 2:
+        raise ValueError(f"cu_seqlens_q must be a 1-d int32 tensor of batch + 1 offsets, got {describe(cu_seqlens_q)}")
+    batch, device = cu_seqlens_q.numel() - 1, q.device
+    if block_table is None:  # each cache row is its sequence's one page
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences, cu_seqlens_q describes {batch}")
+        if k_cache.shape[1] % PAGE_MULTIPLE:
+            raise ValueError(f"k_cache: max_cache={k_cache.shape[1]} must be a multiple of {PAGE_MULTIPLE} with "
+                             "cu_seqlens_q (the packed-query kernel reads a contiguous cache as one page per sequence)")
+        block_table = torch.arange(batch, dtype=torch.int32, device=device)[:, None]
+    capacity = block_table.shape[1] * k_cache.shape[1] if isinstance(block_table, torch.Tensor) else 0
+    seqused_k = None
+    if isinstance(cache_seqlens, torch.Tensor):
+        seqused_k, keys = cache_seqlens, capacity
+    elif cache_seqlens is None or (isinstance(cache_seqlens, int) and 0 <= cache_seqlens <= capacity):
+        keys = capacity if cache_seqlens is None else cache_seqlens
+    else:
+        raise ValueError(f"cache_seqlens={cache_seqlens!r} must be an int in [0, {capacity}], an int32 tensor "
+                         "(batch,) or None")
+    cu_seqlens_k = torch.arange(batch + 1, dtype=torch.int32, device=device) * keys  # keys per sequence: the bound
+    return paged_varlen_attention(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, keys, 0.0,
+                                  softmax_scale, causal, window_size, softcap, None, False, block_table, seqused_k,
+                                  check_lengths, kernel_impl(device) != "torch")

@@ -109,7 +109,7 @@ def _entry_point_calls(device):
     the host): dense and varlen forward + backward in both deterministic modes, their packed forms, a
     head_dim the kernels pad, varlen over paged keys (max_seqlen_k left None) and with seqused_k, decoding
     against contiguous and paged caches with tensor and int lengths, appending new tokens (several per
-    sequence too), with rotary embeddings, chosen cache rows and left padding."""
+    sequence too), with packed queries, rotary embeddings, chosen cache rows and left padding."""
     from flashformer.kernels import (cu_seqlens_from_lengths, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                                      flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
                                      flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
@@ -163,6 +163,9 @@ def _entry_point_calls(device):
                                            cache_seqlens=lengths_given, block_table=block_table))
         calls.append(functools.partial(flash_attn_with_kvcache, chunk_q, *caches, k=chunk_k, v=chunk_v,
                                        cache_seqlens=cache_seqlens, block_table=block_table))
+    for caches, block_table in (((cache_k, cache_v), None), ((pool_k, pool_v), table)):  # continuous batching
+        calls.append(functools.partial(flash_attn_with_kvcache, packed_q[:12], *caches, cache_seqlens=cache_seqlens,
+                                       block_table=block_table, cu_seqlens_q=chunk_cu, max_seqlen_q=9))
     angles = torch.rand(128, 16, device=device)
     rows = torch.tensor([1, 0], dtype=torch.int32, device=device)
     leftpad = torch.tensor([2, 30], dtype=torch.int32, device=device)

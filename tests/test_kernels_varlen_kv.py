@@ -8,7 +8,8 @@ import pytest
 import torch
 from attention_checks import assert_within_2x
 
-from flashformer.kernels import attention_materialized, cu_seqlens_from_lengths, flash_attn_varlen_func, launch
+from flashformer.kernels import (attention_materialized, cu_seqlens_from_lengths, flash_attn_varlen_func,
+                                 flash_attn_with_kvcache, launch)
 
 UNUSED_PAGE = 1 << 20  # block_table entries past a sequence's pages: must never be read
 
@@ -245,3 +246,60 @@ def test_device_values_are_unread_by_default(device, triton_path):
     for check in (None, False):
         out = flash_attn_varlen_func(**args, causal=True, check_lengths=check)
         assert_within_2x("out", out, ref_out, batch.reference(False, causal=True)[0])
+
+
+def _as_cache(batch, max_cache):
+    """Batch's per-sequence keys as contiguous caches (batch, max_cache, heads_kv, head_dim), NaN past them."""
+    k_cache, v_cache = (torch.full((len(rows), max_cache, *rows[0].shape[1:]), float("nan"), dtype=rows[0].dtype,
+                                   device=rows[0].device) for rows in (batch.keys, batch.values))
+    for b, (keys, values) in enumerate(zip(batch.keys, batch.values)):
+        k_cache[b, :len(keys)], v_cache[b, :len(values)] = keys, values
+    return k_cache, v_cache
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("lengths", ["tensor", "int"])
+@pytest.mark.parametrize("torch_path", [False, True], ids=["kernels", "torch"])
+def test_kvcache_with_packed_queries(paged, lengths, torch_path, device, triton_path, monkeypatch):
+    """flash_attn_with_kvcache(cu_seqlens_q=...), flash-attn 3's continuous batching: each sequence's packed
+    queries over its own cache (causal, bottom-right), every entry past its length NaN."""
+    if torch_path:
+        monkeypatch.setenv("FLASHFORMER_KERNEL", "torch")
+    lengths_k = [20, 32, 9] if lengths == "tensor" else [17, 17, 17]
+    batch = Batch([3, 1, 5], lengths_k, (4, 2), 32, torch.float16, 16 if paged else None, None, device)
+    k_cache, v_cache = (batch.k, batch.v) if paged else _as_cache(batch, 32)
+    cache_seqlens = _i32(lengths_k, device) if lengths == "tensor" else 17
+    out, lse = flash_attn_with_kvcache(batch.q, k_cache, v_cache, cache_seqlens=cache_seqlens,
+                                       block_table=batch.block_table, causal=True, return_softmax_lse=True,
+                                       cu_seqlens_q=batch.cu_q, max_seqlen_q=5)
+    ref_out, ref_lse = batch.reference(True, causal=True)
+    assert out.shape == batch.q.shape and lse.shape == ref_lse.shape
+    assert_within_2x("out", out, ref_out, batch.reference(False, causal=True)[0])
+    torch.testing.assert_close(lse, ref_lse.float(), atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(k="new"), "k: flash_attn_with_kvcache with cu_seqlens_q"),
+    (dict(rotary_cos="cos"), "rotary_cos: flash_attn_with_kvcache with cu_seqlens_q"),
+    (dict(num_splits=4), "num_splits: flash_attn_with_kvcache with cu_seqlens_q"),
+    (dict(q="4-d"), "q must be packed"),
+    (dict(cu_seqlens_q=None), "cu_seqlens_q must be a 1-d int32"),
+    (dict(k_cache="20 entries"), "max_cache=20 must be a multiple of 16"),
+    (dict(k_cache="2 rows"), "k_cache holds 2 sequences, cu_seqlens_q describes 3"),
+    (dict(cache_seqlens=33), "cache_seqlens=33 must be an int in"),
+])
+def test_kvcache_packed_queries_bad_arguments_name_themselves(change, match, device, triton_path):
+    batch = Batch([3, 1, 5], [20, 32, 9], (4, 2), 32, torch.float16, None, None, device)
+    k_cache, v_cache = _as_cache(batch, 32)
+    args = dict(q=batch.q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=_i32([20, 32, 9], device),
+                cu_seqlens_q=batch.cu_q, max_seqlen_q=5)
+    values = {"new": torch.zeros_like(k_cache[:, :1]), "cos": torch.ones(32, 16, device=device),
+              "4-d": batch.q[None], "20 entries": k_cache[:, :20], "2 rows": k_cache[:2]}
+    for name, value in change.items():
+        args[name] = values.get(value, value) if isinstance(value, str) else value
+    if "k" in change:
+        args["v"] = args["k"]
+    if "k_cache" in change:
+        args["v_cache"] = args["k_cache"]
+    with pytest.raises(ValueError, match=match):
+        flash_attn_with_kvcache(**args)
