@@ -257,17 +257,21 @@ def _as_cache(batch, max_cache):
     return k_cache, v_cache
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("layout", ["contiguous", "sliced", "paged"])
 @pytest.mark.parametrize("lengths", ["tensor", "int"])
 @pytest.mark.parametrize("torch_path", [False, True], ids=["kernels", "torch"])
-def test_kvcache_with_packed_queries(paged, lengths, torch_path, device, triton_path, monkeypatch):
+def test_kvcache_with_packed_queries(layout, lengths, torch_path, device, triton_path, monkeypatch):
     """flash_attn_with_kvcache(cu_seqlens_q=...), flash-attn 3's continuous batching: each sequence's packed
-    queries over its own cache (causal, bottom-right), every entry past its length NaN."""
+    queries over its own cache (causal, bottom-right), every entry past its length NaN; "sliced": the first
+    32 entries of longer caches, read through their strides."""
     if torch_path:
         monkeypatch.setenv("FLASHFORMER_KERNEL", "torch")
     lengths_k = [20, 32, 9] if lengths == "tensor" else [17, 17, 17]
-    batch = Batch([3, 1, 5], lengths_k, (4, 2), 32, torch.float16, 16 if paged else None, None, device)
-    k_cache, v_cache = (batch.k, batch.v) if paged else _as_cache(batch, 32)
+    batch = Batch([3, 1, 5], lengths_k, (4, 2), 32, torch.float16, 16 if layout == "paged" else None, None, device)
+    if layout == "paged":
+        k_cache, v_cache = batch.k, batch.v
+    else:
+        k_cache, v_cache = (cache[:, :32] for cache in _as_cache(batch, 32 if layout == "contiguous" else 48))
     cache_seqlens = _i32(lengths_k, device) if lengths == "tensor" else 17
     out, lse = flash_attn_with_kvcache(batch.q, k_cache, v_cache, cache_seqlens=cache_seqlens,
                                        block_table=batch.block_table, causal=True, return_softmax_lse=True,
