@@ -302,7 +302,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=True, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
                             num_splits=0, return_softmax_lse=False, return_lse=False, check_lengths=None,
-                            cu_seqlens_q=None, max_seqlen_q=None):
+                            cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None):
     """Attention of new query tokens over a KV cache, appending new keys/values first (flash-attn's API,
     its arguments in its order; causal defaults to True here, False there).
 
@@ -351,20 +351,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             values.
         alibi_slopes: flash-attn's argument, accepted as None only: the decoding kernel has no ALiBi
             (flash_attn_func and flash_attn_varlen_func do).
-        cu_seqlens_q, max_seqlen_q: flash-attn 3's packed queries (continuous batching): q (total_q, heads_q,
-            head_dim), sequence b's rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] (int32, batch + 1); without k/v,
-            rotary, cache_batch_idx, cache_leftpad or num_splits. out is then like q, lse (heads_q, total_q).
+        cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q: flash-attn 3's packed form (continuous batching): q
+            (total_q, heads_q, head_dim), sequence b's rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] (int32, batch + 1),
+            k / v (total_new, ...) by cu_seqlens_k_new; no rotary, cache_batch_idx, cache_leftpad or num_splits.
+            out is then like q, lse (heads_q, total_q).
     Returns:
         out (batch, seqlen_q, heads_q, head_dim), or (out, lse) with lse (batch, heads_q, seqlen_q)
         fp32, -inf for a row that sees no cache entry (its output is 0).
     """
-    if cu_seqlens_q is not None or max_seqlen_q is not None:
+    if cu_seqlens_q is not None or cu_seqlens_k_new is not None or max_seqlen_q is not None:
         from .varlen_kv import kvcache_packed_queries
 
-        unsupported = dict(k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
+        unsupported = dict(rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
                            cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes, num_splits=num_splits or None)
-        out, lse = kvcache_packed_queries(q, k_cache, v_cache, cache_seqlens, block_table, cu_seqlens_q, max_seqlen_q,
-                                          softmax_scale, causal, window_size, softcap, check_lengths, unsupported)
+        out, lse = kvcache_packed_queries(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cu_seqlens_q,
+                                          cu_seqlens_k_new, max_seqlen_q, softmax_scale, causal, window_size, softcap,
+                                          check_lengths, unsupported)
         return (out, lse) if return_lse or return_softmax_lse else out
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v}
     if alibi_slopes is not None:

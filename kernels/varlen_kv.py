@@ -148,10 +148,12 @@ def paged_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                             float(softcap), cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
 
 
-def kvcache_packed_queries(q, k_cache, v_cache, cache_seqlens, block_table, cu_seqlens_q, max_seqlen_q, softmax_scale,
-                           causal, window_size, softcap, check_lengths, unsupported):
-    """flash_attn_with_kvcache with flash-attn 3's packed queries (cu_seqlens_q): the paged forward above,
-    a contiguous cache read in place as one page per sequence; returns (out, lse (heads_q, total_q)).
+def kvcache_packed_queries(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cu_seqlens_q, cu_seqlens_k_new,
+                           max_seqlen_q, softmax_scale, causal, window_size, softcap, check_lengths, unsupported):
+    """flash_attn_with_kvcache with flash-attn 3's packed queries (cu_seqlens_q): k, v (total_new, heads_kv,
+    head_dim) appended first, sequence b's rows cu_seqlens_k_new[b]:cu_seqlens_k_new[b + 1] at its cache
+    positions cache_seqlens[b] + i; then the paged forward above, a contiguous cache read in place as one page
+    per sequence. Returns (out, lse (heads_q, total_q)).
 
     Args:
         unsupported: {argument name: value} of flash_attn_with_kvcache's options this form does not take;
@@ -159,34 +161,67 @@ def kvcache_packed_queries(q, k_cache, v_cache, cache_seqlens, block_table, cu_s
     """
     for name, value in unsupported.items():
         if value is not None:
-            raise ValueError(f"{name}: flash_attn_with_kvcache with cu_seqlens_q (packed queries) attends to the "
-                             f"cache as it is; pass {name}=None (append new keys or rotate in a call without "
-                             "cu_seqlens_q)")
-    if not isinstance(q, torch.Tensor) or q.dim() != 3:
-        raise ValueError(f"q must be packed (total_q, heads_q, head_dim) with cu_seqlens_q, got {describe(q)}")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D tensor, got {describe(t)}")
+            raise ValueError(f"{name}: flash_attn_with_kvcache with cu_seqlens_q (packed queries) does not take "
+                             f"{name}; pass {name}=None")
+    for name, t, rank in (("q", q, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4), ("k", k, 3), ("v", v, 3)):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != rank):
+            packed = " (packed along dim 0 with cu_seqlens_q / cu_seqlens_k_new)" if rank == 3 else ""
+            raise ValueError(f"{name} must be a {rank}-D tensor{packed}, got {describe(t)}")
+    if (k is None) != (v is None) or (k is None) != (cu_seqlens_k_new is None):
+        raise ValueError("k, v and cu_seqlens_k_new go together (new tokens to append, packed) or are all None")
     if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1 or cu_seqlens_q.numel() < 2:
         raise ValueError(f"cu_seqlens_q must be a 1-d int32 tensor of batch + 1 offsets, got {describe(cu_seqlens_q)}")
+    if check_lengths is not None and not isinstance(check_lengths, bool):
+        raise ValueError(f"check_lengths must be a bool or None, got {check_lengths!r}")
     batch, device = cu_seqlens_q.numel() - 1, q.device
-    if block_table is None:  # each cache row is its sequence's one page
+    read = check_lengths or (check_lengths is None and kernel_impl(device) == "torch")
+    if block_table is not None:
+        _check_block_table(block_table, batch, device)
+    else:  # each cache row is its sequence's one page
         if k_cache.shape[0] != batch:
             raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences, cu_seqlens_q describes {batch}")
         if k_cache.shape[1] % PAGE_MULTIPLE:
             raise ValueError(f"k_cache: max_cache={k_cache.shape[1]} must be a multiple of {PAGE_MULTIPLE} with "
                              "cu_seqlens_q (the packed-query kernel reads a contiguous cache as one page per sequence)")
         block_table = torch.arange(batch, dtype=torch.int32, device=device)[:, None]
-    capacity = block_table.shape[1] * k_cache.shape[1] if isinstance(block_table, torch.Tensor) else 0
-    seqused_k = None
+    capacity = block_table.shape[1] * k_cache.shape[1]
     if isinstance(cache_seqlens, torch.Tensor):
-        seqused_k, keys = cache_seqlens, capacity
-    elif cache_seqlens is None or (isinstance(cache_seqlens, int) and 0 <= cache_seqlens <= capacity):
-        keys = capacity if cache_seqlens is None else cache_seqlens
-    else:
-        raise ValueError(f"cache_seqlens={cache_seqlens!r} must be an int in [0, {capacity}], an int32 tensor "
-                         "(batch,) or None")
-    cu_seqlens_k = torch.arange(batch + 1, dtype=torch.int32, device=device) * keys  # keys per sequence: the bound
-    return paged_varlen_attention(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, keys, 0.0,
+        _check_seqused_k(cache_seqlens, batch, device)
+    elif not (cache_seqlens is None and k is None or isinstance(cache_seqlens, int) and 0 <= cache_seqlens <= capacity):
+        raise ValueError(f"cache_seqlens={cache_seqlens!r} must be an int in [0, {capacity}] or an int32 tensor "
+                         "(batch,) (None: the whole cache, without k/v)")
+    keys = capacity if cache_seqlens is None else cache_seqlens  # per sequence after the append
+    if k is not None:
+        if k.shape != v.shape or k.shape[1:] != k_cache.shape[2:] or k.dtype != k_cache.dtype or k.device != device:
+            raise ValueError(f"k and v must both be (total_new, {', '.join(map(str, k_cache.shape[2:]))}) "
+                             f"{k_cache.dtype} on {device}, got {describe(k)} and {describe(v)}")
+        check_cu_seqlens("cu_seqlens_k_new", cu_seqlens_k_new, k.shape[0], device, read)
+        if cu_seqlens_k_new.numel() != batch + 1:
+            raise ValueError(f"cu_seqlens_k_new describes {cu_seqlens_k_new.numel() - 1} sequences, cu_seqlens_q "
+                             f"{batch}")
+        keys = _append_packed(k_cache, v_cache, k, v, cache_seqlens, block_table, cu_seqlens_k_new, capacity, read)
+    seqused_k = keys if isinstance(keys, torch.Tensor) else None
+    bound = capacity if seqused_k is not None else keys
+    cu_seqlens_k = torch.arange(batch + 1, dtype=torch.int32, device=device) * bound  # keys per sequence: the bound
+    return paged_varlen_attention(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, bound, 0.0,
                                   softmax_scale, causal, window_size, softcap, None, False, block_table, seqused_k,
                                   check_lengths, kernel_impl(device) != "torch")
+
+
+def _append_packed(k_cache, v_cache, k, v, cache_seqlens, block_table, cu_seqlens_k_new, capacity, read):
+    """Write the packed new tokens into the caches (no host read unless ``read``: then lengths past the
+    cache raise before anything is written); return each sequence's length after the append, int32 (batch,)."""
+    batch = cu_seqlens_k_new.numel() - 1
+    starts = (cache_seqlens if isinstance(cache_seqlens, torch.Tensor)
+              else torch.full((batch,), cache_seqlens, dtype=torch.int32, device=k.device))
+    lengths = starts + cu_seqlens_k_new.diff()
+    if read and bool((lengths > capacity).any()):
+        raise ValueError(f"cache_seqlens + the new tokens of cu_seqlens_k_new pass the cache's {capacity} entries")
+    token = torch.arange(k.shape[0], device=k.device)
+    seq = torch.searchsorted(cu_seqlens_k_new[1:], token.to(torch.int32), right=True)
+    positions = starts[seq].long() + token - cu_seqlens_k_new[seq].long()
+    page_size = k_cache.shape[1]
+    index = (block_table.long()[seq, positions // page_size], positions % page_size)
+    k_cache.index_put_(index, k)
+    v_cache.index_put_(index, v)
+    return lengths

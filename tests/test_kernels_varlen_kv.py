@@ -283,10 +283,12 @@ def test_kvcache_with_packed_queries(layout, lengths, torch_path, device, triton
 
 
 @pytest.mark.parametrize("change,match", [
-    (dict(k="new"), "k: flash_attn_with_kvcache with cu_seqlens_q"),
+    (dict(k="new"), "k, v and cu_seqlens_k_new go together"),
+    (dict(k="new 4-d", cu_seqlens_k_new="offsets"), "k must be a 3-D tensor"),
+    (dict(k="new", cu_seqlens_k_new="offsets", cache_seqlens=None), "cache_seqlens=None must be an int"),
     (dict(rotary_cos="cos"), "rotary_cos: flash_attn_with_kvcache with cu_seqlens_q"),
     (dict(num_splits=4), "num_splits: flash_attn_with_kvcache with cu_seqlens_q"),
-    (dict(q="4-d"), "q must be packed"),
+    (dict(q="4-d"), "q must be a 3-D tensor"),
     (dict(cu_seqlens_q=None), "cu_seqlens_q must be a 1-d int32"),
     (dict(k_cache="20 entries"), "max_cache=20 must be a multiple of 16"),
     (dict(k_cache="2 rows"), "k_cache holds 2 sequences, cu_seqlens_q describes 3"),
@@ -297,7 +299,8 @@ def test_kvcache_packed_queries_bad_arguments_name_themselves(change, match, dev
     k_cache, v_cache = _as_cache(batch, 32)
     args = dict(q=batch.q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=_i32([20, 32, 9], device),
                 cu_seqlens_q=batch.cu_q, max_seqlen_q=5)
-    values = {"new": torch.zeros_like(k_cache[:, :1]), "cos": torch.ones(32, 16, device=device),
+    values = {"new": torch.randn_like(k_cache[:, 0]), "new 4-d": torch.randn_like(k_cache[:, :1]),
+              "offsets": _i32([0, 1, 2, 3], device), "cos": torch.ones(32, 16, device=device),
               "4-d": batch.q[None], "20 entries": k_cache[:, :20], "2 rows": k_cache[:2]}
     for name, value in change.items():
         args[name] = values.get(value, value) if isinstance(value, str) else value
@@ -307,3 +310,53 @@ def test_kvcache_packed_queries_bad_arguments_name_themselves(change, match, dev
         args["v_cache"] = args["k_cache"]
     with pytest.raises(ValueError, match=match):
         flash_attn_with_kvcache(**args)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("lengths", ["tensor", "int"])
+@pytest.mark.parametrize("check_lengths", [None, True])
+def test_kvcache_packed_queries_append_packed_tokens(paged, lengths, check_lengths, device, triton_path):
+    """k / v packed by cu_seqlens_k_new (flash-attn 3's continuous batching step): each sequence's new tokens
+    land at its cache_seqlens[b] + i, then its queries attend to the cache with them (causal: the last
+    query sees every key); entries past the new lengths stay NaN and unread."""
+    new = [2, 0, 5] if lengths == "tensor" else [5, 3, 0]
+    lengths_k = [20, 32, 9] if lengths == "tensor" else [17, 15, 12]  # an int: one start (12) for all
+    batch = Batch([3, 1, 5], lengths_k, (4, 2), 32, torch.float16, 16 if paged else None, None, device)
+    old = [n - m for n, m in zip(lengths_k, new)]
+    k_new, v_new = (torch.cat([rows[b][old[b]:] for b in range(3)]) for rows in (batch.keys, batch.values))
+    if paged:
+        k_cache, v_cache = batch.k.clone(), batch.v.clone()
+        for b, n in enumerate(old):  # the new tokens' slots start out NaN: the call writes them
+            for j in range(n, lengths_k[b]):
+                page = batch.block_table[b, j // 16]
+                k_cache[page, j % 16] = v_cache[page, j % 16] = float("nan")
+    else:
+        k_cache, v_cache = _as_cache(batch, 32)
+        for b, n in enumerate(old):
+            k_cache[b, n:] = v_cache[b, n:] = float("nan")
+    cache_seqlens = _i32(old, device) if lengths == "tensor" else old[0]
+    cu_new = cu_seqlens_from_lengths(new).to(device)
+    out, lse = flash_attn_with_kvcache(batch.q, k_cache, v_cache, k_new, v_new, cache_seqlens=cache_seqlens,
+                                       block_table=batch.block_table, causal=True, return_lse=True,
+                                       cu_seqlens_q=batch.cu_q, cu_seqlens_k_new=cu_new, max_seqlen_q=5,
+                                       check_lengths=check_lengths)
+    ref_out, ref_lse = batch.reference(True, causal=True)
+    assert_within_2x("out", out, ref_out, batch.reference(False, causal=True)[0])
+    torch.testing.assert_close(lse, ref_lse.float(), atol=2e-3, rtol=0)
+    for b in range(3):
+        rows = range(lengths_k[b])
+        got = (torch.stack([k_cache[batch.block_table[b, j // 16], j % 16] for j in rows]) if paged
+               else k_cache[b, :lengths_k[b]])
+        assert torch.equal(got, batch.keys[b]), "the cache must hold the old keys and the appended ones"
+
+
+def test_kvcache_packed_append_past_the_cache_raises_before_writing(device, triton_path):
+    batch = Batch([1, 1], [30, 10], (2, 1), 16, torch.float16, None, None, device)
+    k_cache, v_cache = _as_cache(batch, 32)
+    before = k_cache.clone()
+    with pytest.raises(ValueError, match="pass the cache's 32 entries"):
+        flash_attn_with_kvcache(batch.q, k_cache, v_cache, torch.randn(4, 1, 16, device=device, dtype=torch.float16),
+                                torch.randn(4, 1, 16, device=device, dtype=torch.float16),
+                                cache_seqlens=_i32([30, 10], device), cu_seqlens_q=batch.cu_q,
+                                cu_seqlens_k_new=_i32([0, 3, 4], device), check_lengths=True)
+    assert torch.equal(k_cache.isnan(), before.isnan()) and torch.equal(k_cache.nan_to_num(), before.nan_to_num())
