@@ -110,7 +110,7 @@ def _rows_as_pages(k_cache, v_cache, cache_batch_idx, cache_leftpad, batch):
     return pool(k_cache), pool(v_cache), (first[:, None] + pages).int()
 
 
-def _rotate(x, cos, sin, positions, interleaved):
+def rotate(x, cos, sin, positions, interleaved):
     """x (batch, seqlen, heads, head_dim) with its first 2 * cos.shape[1] dims rotated by the rows
     ``positions`` (broadcastable to (batch, seqlen)) of cos / sin, computed in fp32."""
     rotary_dim = 2 * cos.shape[1]
@@ -125,7 +125,7 @@ def _rotate(x, cos, sin, positions, interleaved):
     return torch.cat((rotated.to(x.dtype), x[..., rotary_dim:]), dim=-1)
 
 
-def _check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k, capacity):
+def check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k, capacity):
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("rotary_cos and rotary_sin must be given together or both left None")
     if not isinstance(rotary_interleaved, bool):
@@ -353,7 +353,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             (flash_attn_func and flash_attn_varlen_func do).
         cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q: flash-attn 3's packed form (continuous batching): q
             (total_q, heads_q, head_dim), sequence b's rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] (int32, batch + 1),
-            k / v (total_new, ...) by cu_seqlens_k_new; no rotary, cache_batch_idx, cache_leftpad or num_splits.
+            k / v (total_new, ...) by cu_seqlens_k_new; no cache_batch_idx, cache_leftpad or num_splits.
             out is then like q, lse (heads_q, total_q).
     Returns:
         out (batch, seqlen_q, heads_q, head_dim), or (out, lse) with lse (batch, heads_q, seqlen_q)
@@ -362,11 +362,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if cu_seqlens_q is not None or cu_seqlens_k_new is not None or max_seqlen_q is not None:
         from .varlen_kv import kvcache_packed_queries
 
-        unsupported = dict(rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
-                           cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes, num_splits=num_splits or None)
+        unsupported = dict(cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes,
+                           num_splits=num_splits or None)
         out, lse = kvcache_packed_queries(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cu_seqlens_q,
                                           cu_seqlens_k_new, max_seqlen_q, softmax_scale, causal, window_size, softcap,
-                                          check_lengths, unsupported)
+                                          check_lengths, rotary_cos, rotary_sin, rotary_interleaved, unsupported)
         return (out, lse) if return_lse or return_softmax_lse else out
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v}
     if alibi_slopes is not None:
@@ -399,7 +399,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                          "pads other sizes; see the docstring for caches of another head_dim)")
     cache_seqlens, shared_length = _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                                                        cache_leftpad, block_table, num_splits)
-    _check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k, _capacity(k_cache, block_table))
+    check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k, _capacity(k_cache, block_table))
     seqlen_new = 0 if k is None else k.shape[1]
     if check_lengths is not None and not isinstance(check_lengths, bool):
         raise ValueError(f"check_lengths must be a bool or None, got {check_lengths!r}")
@@ -416,10 +416,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         first = (torch.full((1, 1), cache_seqlens, device=q.device) if isinstance(cache_seqlens, int)
                  else cache_seqlens[:, None].long())  # (batch or 1, 1)
         positions = first + torch.arange(seqlen_new, device=q.device)
-        k = _rotate(k, rotary_cos, rotary_sin, positions, rotary_interleaved)
+        k = rotate(k, rotary_cos, rotary_sin, positions, rotary_interleaved)
         windowed = causal or window_size != (-1, -1)
         q_positions = first + torch.arange(q.shape[1], device=q.device) if windowed else first
-        q = _rotate(q, rotary_cos, rotary_sin, q_positions, rotary_interleaved)
+        q = rotate(q, rotary_cos, rotary_sin, q_positions, rotary_interleaved)
     if seqlen_new:
         _append(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx)
     window_left, window_right = normalize_window(causal, window_size)

@@ -15,7 +15,7 @@ import torch
 from .checks import (autocast_inputs, check_attention_args, check_cu_seqlens, describe, kernel_inputs,
                      max_seqlen_arg)
 from .interface import kernel_impl, varlen_tiled
-from .kvcache import PAGE_MULTIPLE, count_bad_pages, raise_for_bad_pages
+from .kvcache import PAGE_MULTIPLE, check_rotary, count_bad_pages, raise_for_bad_pages, rotate
 from .masking import normalize_window
 from .sizes import cdiv
 
@@ -149,11 +149,13 @@ def paged_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 
 def kvcache_packed_queries(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cu_seqlens_q, cu_seqlens_k_new,
-                           max_seqlen_q, softmax_scale, causal, window_size, softcap, check_lengths, unsupported):
+                           max_seqlen_q, softmax_scale, causal, window_size, softcap, check_lengths, rotary_cos,
+                           rotary_sin, rotary_interleaved, unsupported):
     """flash_attn_with_kvcache with flash-attn 3's packed queries (cu_seqlens_q): k, v (total_new, heads_kv,
     head_dim) appended first, sequence b's rows cu_seqlens_k_new[b]:cu_seqlens_k_new[b + 1] at its cache
-    positions cache_seqlens[b] + i; then the paged forward above, a contiguous cache read in place as one page
-    per sequence. Returns (out, lse (heads_q, total_q)).
+    positions cache_seqlens[b] + i (rotated there first, as are the queries by flash_attn_with_kvcache's
+    rule); then the paged forward above, a contiguous cache read in place as one page per sequence. Returns
+    (out, lse (heads_q, total_q)).
 
     Args:
         unsupported: {argument name: value} of flash_attn_with_kvcache's options this form does not take;
@@ -199,7 +201,23 @@ def kvcache_packed_queries(q, k_cache, v_cache, k, v, cache_seqlens, block_table
         if cu_seqlens_k_new.numel() != batch + 1:
             raise ValueError(f"cu_seqlens_k_new describes {cu_seqlens_k_new.numel() - 1} sequences, cu_seqlens_q "
                              f"{batch}")
-        keys = _append_packed(k_cache, v_cache, k, v, cache_seqlens, block_table, cu_seqlens_k_new, capacity, read)
+        starts = (cache_seqlens if isinstance(cache_seqlens, torch.Tensor)
+                  else torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device))
+        keys = starts + cu_seqlens_k_new.diff()
+        if read and bool((keys > capacity).any()):  # before anything is written
+            raise ValueError(f"cache_seqlens + the new tokens of cu_seqlens_k_new pass the cache's {capacity} entries")
+        check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k, capacity)
+        seq, positions = _cache_positions(starts, cu_seqlens_k_new, k.shape[0])
+        if rotary_cos is not None:
+            k = rotate(k[None], rotary_cos, rotary_sin, positions[None], rotary_interleaved)[0]
+            windowed = causal or tuple(window_size) != (-1, -1)
+            q_positions = _cache_positions(starts, cu_seqlens_q, q.shape[0], within=windowed)[1]
+            q = rotate(q[None], rotary_cos, rotary_sin, q_positions[None], rotary_interleaved)[0]
+        index = (block_table.long()[seq, positions // k_cache.shape[1]], positions % k_cache.shape[1])
+        k_cache.index_put_(index, k)
+        v_cache.index_put_(index, v)
+    else:
+        check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k, capacity)
     seqused_k = keys if isinstance(keys, torch.Tensor) else None
     bound = capacity if seqused_k is not None else keys
     cu_seqlens_k = torch.arange(batch + 1, dtype=torch.int32, device=device) * bound  # keys per sequence: the bound
@@ -208,20 +226,9 @@ def kvcache_packed_queries(q, k_cache, v_cache, k, v, cache_seqlens, block_table
                                   check_lengths, kernel_impl(device) != "torch")
 
 
-def _append_packed(k_cache, v_cache, k, v, cache_seqlens, block_table, cu_seqlens_k_new, capacity, read):
-    """Write the packed new tokens into the caches (no host read unless ``read``: then lengths past the
-    cache raise before anything is written); return each sequence's length after the append, int32 (batch,)."""
-    batch = cu_seqlens_k_new.numel() - 1
-    starts = (cache_seqlens if isinstance(cache_seqlens, torch.Tensor)
-              else torch.full((batch,), cache_seqlens, dtype=torch.int32, device=k.device))
-    lengths = starts + cu_seqlens_k_new.diff()
-    if read and bool((lengths > capacity).any()):
-        raise ValueError(f"cache_seqlens + the new tokens of cu_seqlens_k_new pass the cache's {capacity} entries")
-    token = torch.arange(k.shape[0], device=k.device)
-    seq = torch.searchsorted(cu_seqlens_k_new[1:], token.to(torch.int32), right=True)
-    positions = starts[seq].long() + token - cu_seqlens_k_new[seq].long()
-    page_size = k_cache.shape[1]
-    index = (block_table.long()[seq, positions // page_size], positions % page_size)
-    k_cache.index_put_(index, k)
-    v_cache.index_put_(index, v)
-    return lengths
+def _cache_positions(starts, cu_seqlens, total, within=True):
+    """(sequence, cache position) of each of ``total`` packed tokens, int64: sequence b's token i at
+    starts[b] + i, or at starts[b] itself where not ``within``."""
+    token = torch.arange(total, device=starts.device)
+    seq = torch.searchsorted(cu_seqlens[1:], token.to(torch.int32), right=True)
+    return seq, starts[seq].long() + (token - cu_seqlens[seq].long() if within else 0)

@@ -163,13 +163,14 @@ def _entry_point_calls(device):
                                            cache_seqlens=lengths_given, block_table=block_table))
         calls.append(functools.partial(flash_attn_with_kvcache, chunk_q, *caches, k=chunk_k, v=chunk_v,
                                        cache_seqlens=cache_seqlens, block_table=block_table))
+    angles = torch.rand(128, 16, device=device)
     for caches, block_table in (((cache_k, cache_v), None), ((pool_k, pool_v), table)):  # continuous batching
         calls.append(functools.partial(flash_attn_with_kvcache, packed_q[:12], *caches, cache_seqlens=cache_seqlens,
                                        block_table=block_table, cu_seqlens_q=chunk_cu, max_seqlen_q=9))
         calls.append(functools.partial(flash_attn_with_kvcache, packed_q[:12], *caches, packed_k[:12], packed_v[:12],
-                                       cache_seqlens=cache_seqlens, block_table=block_table, cu_seqlens_q=chunk_cu,
-                                       cu_seqlens_k_new=chunk_cu, max_seqlen_q=9))
-    angles = torch.rand(128, 16, device=device)
+                                       angles.cos(), angles.sin(), cache_seqlens=cache_seqlens,
+                                       block_table=block_table, cu_seqlens_q=chunk_cu, cu_seqlens_k_new=chunk_cu,
+                                       max_seqlen_q=9))
     rows = torch.tensor([1, 0], dtype=torch.int32, device=device)
     leftpad = torch.tensor([2, 30], dtype=torch.int32, device=device)
     for lengths_given in (cache_seqlens, 40):

@@ -286,7 +286,8 @@ def test_kvcache_with_packed_queries(layout, lengths, torch_path, device, triton
     (dict(k="new"), "k, v and cu_seqlens_k_new go together"),
     (dict(k="new 4-d", cu_seqlens_k_new="offsets"), "k must be a 3-D tensor"),
     (dict(k="new", cu_seqlens_k_new="offsets", cache_seqlens=None), "cache_seqlens=None must be an int"),
-    (dict(rotary_cos="cos"), "rotary_cos: flash_attn_with_kvcache with cu_seqlens_q"),
+    (dict(rotary_cos="cos"), "rotary_cos and rotary_sin must be given together"),
+    (dict(rotary_cos="cos", rotary_sin="cos"), "rotary_cos / rotary_sin rotate the new keys before the append"),
     (dict(num_splits=4), "num_splits: flash_attn_with_kvcache with cu_seqlens_q"),
     (dict(q="4-d"), "q must be a 3-D tensor"),
     (dict(cu_seqlens_q=None), "cu_seqlens_q must be a 1-d int32"),
@@ -360,3 +361,27 @@ def test_kvcache_packed_append_past_the_cache_raises_before_writing(device, trit
                                 cache_seqlens=_i32([30, 10], device), cu_seqlens_q=batch.cu_q,
                                 cu_seqlens_k_new=_i32([0, 3, 4], device), check_lengths=True)
     assert torch.equal(k_cache.isnan(), before.isnan()) and torch.equal(k_cache.nan_to_num(), before.nan_to_num())
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_kvcache_packed_rotary_equals_per_sequence_calls(causal, interleaved, device, triton_path):
+    """Rotary with packed tokens rotates each sequence's new keys (and queries) at its own cache positions:
+    the packed call equals one dense flash_attn_with_kvcache call per sequence, cache contents included."""
+    new, old, head_dim = [2, 3, 1], [7, 0, 20], 32
+    q, k, v = (torch.randn(sum(new), h, head_dim, device=device, dtype=torch.float16) for h in (4, 2, 2))
+    caches = [torch.randn(3, 32, 2, head_dim, device=device, dtype=torch.float16) for _ in range(2)]
+    angles = torch.rand(32, 8, device=device) * 3
+    cos, sin, cu = angles.cos(), angles.sin(), cu_seqlens_from_lengths(new).to(device)
+    packed_caches = [c.clone() for c in caches]
+    out = flash_attn_with_kvcache(q, *packed_caches, k, v, cos, sin, cache_seqlens=_i32(old, device),
+                                  causal=causal, rotary_interleaved=interleaved, cu_seqlens_q=cu,
+                                  cu_seqlens_k_new=cu, max_seqlen_q=3)
+    for b, (first, n) in enumerate(zip(cu.tolist(), new)):
+        rows = slice(first, first + n)
+        dense_caches = [c[b:b + 1].clone() for c in caches]
+        expected = flash_attn_with_kvcache(q[None, rows], *dense_caches, k[None, rows], v[None, rows], cos, sin,
+                                           cache_seqlens=old[b], causal=causal, rotary_interleaved=interleaved)
+        torch.testing.assert_close(out[rows], expected[0], atol=2e-3, rtol=0)
+        for packed_cache, dense_cache in zip(packed_caches, dense_caches):
+            torch.testing.assert_close(packed_cache[b], dense_cache[0], atol=0, rtol=0)
