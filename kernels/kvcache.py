@@ -11,14 +11,13 @@ from typing import Optional
 
 import torch
 
+from .cache_pages import PAGE_MULTIPLE, check_rotary, count_bad_pages, raise_for_bad_pages, rotate
 from .checks import autocast_inputs, check_attention_args, describe, kernel_head_dim
 from .interface import kernel_impl
+from .kvcache_packed import kvcache_packed_queries
 from .masking import normalize_window
 from .reference import attention_tiled
 from .sizes import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, MIN_HEAD_DIM
-
-PAGE_MULTIPLE = 16  # a page must hold whole 16-key tiles (tl.dot's smallest K dimension)
-
 
 def _kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens_k: torch.Tensor,
                   block_table: Optional[torch.Tensor], max_seqlen_k: int, softmax_scale: float, window_left: int,
@@ -108,46 +107,6 @@ def _rows_as_pages(k_cache, v_cache, cache_batch_idx, cache_leftpad, batch):
     first = rows * sequence_entries + (cache_leftpad.long() if cache_leftpad is not None else 0)
     pages = torch.arange(0, capacity, page_size, device=k_cache.device)
     return pool(k_cache), pool(v_cache), (first[:, None] + pages).int()
-
-
-def rotate(x, cos, sin, positions, interleaved):
-    """x (batch, seqlen, heads, head_dim) with its first 2 * cos.shape[1] dims rotated by the rows
-    ``positions`` (broadcastable to (batch, seqlen)) of cos / sin, computed in fp32."""
-    rotary_dim = 2 * cos.shape[1]
-    cos, sin = cos[positions][:, :, None].float(), sin[positions][:, :, None].float()
-    x_rotary = x[..., :rotary_dim].float()
-    if interleaved:  # pairs (0, 1), (2, 3), ...
-        x1, x2 = x_rotary[..., 0::2], x_rotary[..., 1::2]
-        rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-    else:  # pairs (i, i + rotary_dim / 2), GPT-NeoX style
-        x1, x2 = x_rotary.chunk(2, dim=-1)
-        rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return torch.cat((rotated.to(x.dtype), x[..., rotary_dim:]), dim=-1)
-
-
-def check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k, capacity):
-    if (rotary_cos is None) != (rotary_sin is None):
-        raise ValueError("rotary_cos and rotary_sin must be given together or both left None")
-    if not isinstance(rotary_interleaved, bool):
-        raise ValueError(f"rotary_interleaved must be a bool, got {rotary_interleaved!r}")
-    if rotary_cos is None:
-        return
-    if k is None:
-        raise ValueError("rotary_cos / rotary_sin rotate the new keys before the append: they need k and v")
-    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
-        if (not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.dtype.is_floating_point
-                or t.device != q.device):
-            raise ValueError(f"{name} must be a 2-D float tensor (seqlen_ro, rotary_dim / 2) on {q.device}, got "
-                             f"{describe(t)}")
-    if rotary_cos.shape != rotary_sin.shape:
-        raise ValueError(f"rotary_cos and rotary_sin must have the same shape, got {tuple(rotary_cos.shape)} and "
-                         f"{tuple(rotary_sin.shape)}")
-    rotary_dim = 2 * rotary_cos.shape[1]
-    if not 0 < rotary_dim <= q.shape[-1]:
-        raise ValueError(f"rotary_cos: rotary_dim = 2 * {rotary_cos.shape[1]} must be in [2, head_dim={q.shape[-1]}]")
-    if rotary_cos.shape[0] < capacity:
-        raise ValueError(f"rotary_cos has {rotary_cos.shape[0]} positions but the cache holds {capacity} entries per "
-                         "sequence (flash-attn's rule: seqlen_ro >= the cache's length)")
 
 
 def _append(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx):
@@ -269,20 +228,6 @@ def _check_lengths(k_cache, cache_seqlens, shared_length, seqlen_new, block_tabl
     return ends, list(zip(rows, starts, ends))
 
 
-def count_bad_pages(k_cache, block_table, lengths_t):
-    """How many block_table entries among the pages in use lie outside the pool (a 0-d device tensor).
-    Only the pages in use must be valid: the rest of a row may hold anything (as in flash-attn)."""
-    pages_used = (lengths_t.clamp(min=0)[:, None] + k_cache.shape[1] - 1) // k_cache.shape[1]
-    in_use = torch.arange(block_table.shape[1], device=block_table.device) < pages_used
-    return (((block_table < 0) | (block_table >= k_cache.shape[0])) & in_use).sum()
-
-
-def raise_for_bad_pages(bad, k_cache):
-    if bad:
-        raise ValueError(f"block_table has {bad} entries outside [0, num_blocks={k_cache.shape[0]}) among the pages "
-                         "in use")
-
-
 def _check_length_values(k_cache, lengths, seqlen_new, block_table):
     capacity = _capacity(k_cache, block_table)
     for b, length in enumerate(lengths):
@@ -360,8 +305,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         fp32, -inf for a row that sees no cache entry (its output is 0).
     """
     if cu_seqlens_q is not None or cu_seqlens_k_new is not None or max_seqlen_q is not None:
-        from .varlen_kv import kvcache_packed_queries
-
         unsupported = dict(cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes,
                            num_splits=num_splits or None)
         out, lse = kvcache_packed_queries(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cu_seqlens_q,

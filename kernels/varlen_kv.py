@@ -14,8 +14,8 @@ import torch
 
 from .checks import (autocast_inputs, check_attention_args, check_cu_seqlens, describe, kernel_inputs,
                      max_seqlen_arg)
-from .interface import kernel_impl, varlen_tiled
-from .kvcache import PAGE_MULTIPLE, check_rotary, count_bad_pages, raise_for_bad_pages, rotate
+from .interface import varlen_tiled
+from .cache_pages import PAGE_MULTIPLE, count_bad_pages, raise_for_bad_pages
 from .masking import normalize_window
 from .sizes import cdiv
 
@@ -35,14 +35,14 @@ def _check_pools(k, v):
     return k[0], v[0]
 
 
-def _check_block_table(block_table, batch, device):
+def check_block_table(block_table, batch, device):
     if (not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2
             or block_table.shape[0] != batch or block_table.device != device):
         raise ValueError(f"block_table must be an int32 tensor (batch={batch}, max_blocks_per_seq) on {device}, "
                          f"got {describe(block_table)}")
 
 
-def _check_seqused_k(seqused_k, batch, device):
+def check_seqused_k(seqused_k, batch, device):
     if (not isinstance(seqused_k, torch.Tensor) or seqused_k.dtype != torch.int32
             or seqused_k.shape != (batch,) or seqused_k.device != device):
         raise ValueError(f"seqused_k must be an int32 tensor of shape (batch={batch},) on {device}, got "
@@ -80,7 +80,7 @@ def without_unused_keys(k, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, 
     """
     if return_attn_probs:
         raise ValueError("seqused_k: return_attn_probs is not supported with it; pass False")
-    _check_seqused_k(seqused_k, cu_seqlens_q.numel() - 1, cu_seqlens_q.device)
+    check_seqused_k(seqused_k, cu_seqlens_q.numel() - 1, cu_seqlens_q.device)
     if read_values:
         _check_key_counts(k, cu_seqlens_k, None, seqused_k, seqused_k)
     starts_k = cu_seqlens_k[:-1]
@@ -126,9 +126,9 @@ def paged_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     batch = cu_seqlens_q.numel() - 1
     if cu_seqlens_k.numel() != cu_seqlens_q.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k describe {batch} and {cu_seqlens_k.numel() - 1} sequences")
-    _check_block_table(block_table, batch, q.device)
+    check_block_table(block_table, batch, q.device)
     if seqused_k is not None:
-        _check_seqused_k(seqused_k, batch, q.device)
+        check_seqused_k(seqused_k, batch, q.device)
     lengths = seqused_k if seqused_k is not None else cu_seqlens_k.diff()
     if read:
         _check_key_counts(k, cu_seqlens_k, block_table, seqused_k, lengths)
@@ -146,89 +146,3 @@ def paged_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     return decode_attention(q, k, v, lengths, block_table, max_seqlen_k, softmax_scale, window_left, window_right,
                             float(softcap), cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
-
-
-def kvcache_packed_queries(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cu_seqlens_q, cu_seqlens_k_new,
-                           max_seqlen_q, softmax_scale, causal, window_size, softcap, check_lengths, rotary_cos,
-                           rotary_sin, rotary_interleaved, unsupported):
-    """flash_attn_with_kvcache with flash-attn 3's packed queries (cu_seqlens_q): k, v (total_new, heads_kv,
-    head_dim) appended first, sequence b's rows cu_seqlens_k_new[b]:cu_seqlens_k_new[b + 1] at its cache
-    positions cache_seqlens[b] + i (rotated there first, as are the queries by flash_attn_with_kvcache's
-    rule); then the paged forward above, a contiguous cache read in place as one page per sequence. Returns
-    (out, lse (heads_q, total_q)).
-
-    Args:
-        unsupported: {argument name: value} of flash_attn_with_kvcache's options this form does not take;
-            any that is set (not None) raises, naming it.
-    """
-    for name, value in unsupported.items():
-        if value is not None:
-            raise ValueError(f"{name}: flash_attn_with_kvcache with cu_seqlens_q (packed queries) does not take "
-                             f"{name}; pass {name}=None")
-    for name, t, rank in (("q", q, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4), ("k", k, 3), ("v", v, 3)):
-        if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != rank):
-            packed = " (packed along dim 0 with cu_seqlens_q / cu_seqlens_k_new)" if rank == 3 else ""
-            raise ValueError(f"{name} must be a {rank}-D tensor{packed}, got {describe(t)}")
-    if (k is None) != (v is None) or (k is None) != (cu_seqlens_k_new is None):
-        raise ValueError("k, v and cu_seqlens_k_new go together (new tokens to append, packed) or are all None")
-    if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1 or cu_seqlens_q.numel() < 2:
-        raise ValueError(f"cu_seqlens_q must be a 1-d int32 tensor of batch + 1 offsets, got {describe(cu_seqlens_q)}")
-    if check_lengths is not None and not isinstance(check_lengths, bool):
-        raise ValueError(f"check_lengths must be a bool or None, got {check_lengths!r}")
-    batch, device = cu_seqlens_q.numel() - 1, q.device
-    read = check_lengths or (check_lengths is None and kernel_impl(device) == "torch")
-    if block_table is not None:
-        _check_block_table(block_table, batch, device)
-    else:  # each cache row is its sequence's one page
-        if k_cache.shape[0] != batch:
-            raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences, cu_seqlens_q describes {batch}")
-        if k_cache.shape[1] % PAGE_MULTIPLE:
-            raise ValueError(f"k_cache: max_cache={k_cache.shape[1]} must be a multiple of {PAGE_MULTIPLE} with "
-                             "cu_seqlens_q (the packed-query kernel reads a contiguous cache as one page per sequence)")
-        block_table = torch.arange(batch, dtype=torch.int32, device=device)[:, None]
-    capacity = block_table.shape[1] * k_cache.shape[1]
-    if isinstance(cache_seqlens, torch.Tensor):
-        _check_seqused_k(cache_seqlens, batch, device)
-    elif not (cache_seqlens is None and k is None or isinstance(cache_seqlens, int) and 0 <= cache_seqlens <= capacity):
-        raise ValueError(f"cache_seqlens={cache_seqlens!r} must be an int in [0, {capacity}] or an int32 tensor "
-                         "(batch,) (None: the whole cache, without k/v)")
-    keys = capacity if cache_seqlens is None else cache_seqlens  # per sequence after the append
-    if k is not None:
-        if k.shape != v.shape or k.shape[1:] != k_cache.shape[2:] or k.dtype != k_cache.dtype or k.device != device:
-            raise ValueError(f"k and v must both be (total_new, {', '.join(map(str, k_cache.shape[2:]))}) "
-                             f"{k_cache.dtype} on {device}, got {describe(k)} and {describe(v)}")
-        check_cu_seqlens("cu_seqlens_k_new", cu_seqlens_k_new, k.shape[0], device, read)
-        if cu_seqlens_k_new.numel() != batch + 1:
-            raise ValueError(f"cu_seqlens_k_new describes {cu_seqlens_k_new.numel() - 1} sequences, cu_seqlens_q "
-                             f"{batch}")
-        starts = (cache_seqlens if isinstance(cache_seqlens, torch.Tensor)
-                  else torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device))
-        keys = starts + cu_seqlens_k_new.diff()
-        if read and bool((keys > capacity).any()):  # before anything is written
-            raise ValueError(f"cache_seqlens + the new tokens of cu_seqlens_k_new pass the cache's {capacity} entries")
-        check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k, capacity)
-        seq, positions = _cache_positions(starts, cu_seqlens_k_new, k.shape[0])
-        if rotary_cos is not None:
-            k = rotate(k[None], rotary_cos, rotary_sin, positions[None], rotary_interleaved)[0]
-            windowed = causal or tuple(window_size) != (-1, -1)
-            q_positions = _cache_positions(starts, cu_seqlens_q, q.shape[0], within=windowed)[1]
-            q = rotate(q[None], rotary_cos, rotary_sin, q_positions[None], rotary_interleaved)[0]
-        index = (block_table.long()[seq, positions // k_cache.shape[1]], positions % k_cache.shape[1])
-        k_cache.index_put_(index, k)
-        v_cache.index_put_(index, v)
-    else:
-        check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k, capacity)
-    seqused_k = keys if isinstance(keys, torch.Tensor) else None
-    bound = capacity if seqused_k is not None else keys
-    cu_seqlens_k = torch.arange(batch + 1, dtype=torch.int32, device=device) * bound  # keys per sequence: the bound
-    return paged_varlen_attention(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, bound, 0.0,
-                                  softmax_scale, causal, window_size, softcap, None, False, block_table, seqused_k,
-                                  check_lengths, kernel_impl(device) != "torch")
-
-
-def _cache_positions(starts, cu_seqlens, total, within=True):
-    """(sequence, cache position) of each of ``total`` packed tokens, int64: sequence b's token i at
-    starts[b] + i, or at starts[b] itself where not ``within``."""
-    token = torch.arange(total, device=starts.device)
-    seq = torch.searchsorted(cu_seqlens[1:], token.to(torch.int32), right=True)
-    return seq, starts[seq].long() + (token - cu_seqlens[seq].long() if within else 0)
