@@ -13,11 +13,17 @@ import torch
 
 from .cache_pages import PAGE_MULTIPLE, check_rotary, count_bad_pages, raise_for_bad_pages, rotate
 from .checks import autocast_inputs, check_attention_args, describe, kernel_head_dim
-from .interface import kernel_impl
+from .interface import kernel_impl, triton_attention
 from .kvcache_packed import kvcache_packed_queries
 from .masking import normalize_window
 from .reference import attention_tiled
 from .sizes import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, MIN_HEAD_DIM
+
+# New query tokens per sequence from which a contiguous cache of one shared length is attended by the dense
+# forward (128-query tiles, the Hopper kernels' overlap) instead of the decode kernel, whose programs hold at most 64
+# query rows (decode.MAX_ROWS) and so read every key tile once per 64 rows: a prompt's prefill, a long chunk.
+DENSE_FROM_QUERIES = 128
+
 
 def _kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens_k: torch.Tensor,
                   block_table: Optional[torch.Tensor], max_seqlen_k: int, softmax_scale: float, window_left: int,
@@ -370,6 +376,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if not triton_path:
         out, lse = _kvcache_torch(q, k_cache, v_cache, spans, block_table, softmax_scale, window_left,
                                   window_right, float(softcap))
+        return (out, lse) if return_lse else out
+    # An int here is one length shared by a contiguous cache's rows (_check_kvcache_args): a prompt, or a long
+    # chunk of one, runs on the dense forward over the rows in use.
+    end = cache_seqlens + seqlen_new if isinstance(cache_seqlens, int) else 0
+    if end and q.shape[1] >= DENSE_FROM_QUERIES and num_splits == 0:
+        out, lse = triton_attention(q, k_cache[:, :end], v_cache[:, :end], None, None, None, None, 0, 0,
+                                    softmax_scale, window_left, window_right, float(softcap), 0.0, True)
         return (out, lse) if return_lse else out
     compiling = torch.compiler.is_compiling()
     if isinstance(cache_seqlens, int):  # eagerly the launcher takes the shared length as an int

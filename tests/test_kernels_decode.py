@@ -13,9 +13,9 @@ import torch
 import triton
 from attention_checks import assert_within_2x
 
-from flashformer.kernels import attention_materialized, launch
+from flashformer.kernels import attention_materialized, flash_attn_func, launch
 from flashformer.kernels.decode import DEFAULT_SMS, RESIDENT_PER_SM, TARGET_KEYS_PER_SPLIT, choose_num_splits
-from flashformer.kernels.kvcache import flash_attn_with_kvcache
+from flashformer.kernels.kvcache import DENSE_FROM_QUERIES, flash_attn_with_kvcache
 
 MASKS = [  # (causal, window_size, softcap)
     (True, (-1, -1), 0.0), (False, (-1, -1), 0.0), (True, (17, -1), 0.0), (False, (32, 8), 0.0),
@@ -191,6 +191,26 @@ def test_query_chunks_match_reference(cache_lens, seqlen_q, new, heads, mask, dt
     out, lse = case.run(causal=causal, window_size=window_size, softcap=softcap, num_splits=num_splits)
     _check_against_reference(case, out, lse, causal, window_size, softcap)
     case.assert_cache_appended()
+
+
+@pytest.mark.parametrize("cached,new,mask,dtype", [(0, DENSE_FROM_QUERIES, 0, 1), (37, DENSE_FROM_QUERIES, 2, 0),
+                                                   (21, DENSE_FROM_QUERIES + 5, 5, 1), (50, 0, 1, 0)])
+def test_prompts_take_the_dense_forward(cached, new, mask, dtype, device, triton_path, monkeypatch):
+    """DENSE_FROM_QUERIES query tokens or more over a contiguous cache of one shared length (a prompt, a
+    long chunk) run the dense forward over the cache's rows in use, bit for bit flash_attn_func on them,
+    after the same append, and within the 2x rule of the reference."""
+    monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
+    causal, window_size, softcap = MASKS[mask]
+    case = Case((cached, cached), max(new, DENSE_FROM_QUERIES), new, (6, 2), 32, DTYPES[dtype], None, device)
+    new_kv = dict(k=case.k, v=case.v) if new else {}
+    opts = dict(causal=causal, window_size=window_size, softcap=softcap)
+    out, lse = flash_attn_with_kvcache(case.q, case.k_cache, case.v_cache, cache_seqlens=cached, return_lse=True,
+                                       **new_kv, **opts)
+    case.assert_cache_appended()
+    end = cached + new
+    dense, dense_lse = flash_attn_func(case.q, case.k_cache[:, :end], case.v_cache[:, :end], return_lse=True, **opts)
+    assert torch.equal(out, dense) and torch.equal(lse, dense_lse)
+    _check_against_reference(case, out, lse, causal, window_size, softcap)
 
 
 @pytest.mark.parametrize("case_index", [0, 1, 3, 5])

@@ -1,0 +1,139 @@
+"""Prefill through a KV cache: many new query tokens per sequence appended to a cache and attending to it, as
+``generate`` runs a prompt (an empty cache) and a server runs chunked prefill (a cache already holding tokens).
+
+``python scripts/bench_prefill.py --out runs/bench_prefill.json`` (CUDA only). bf16; per cell (batch, heads
+q:kv, head_dim, tokens cached, tokens new):
+
+* ours API: flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cached): the append and the
+  attention, as the model's KVCache calls it;
+* ours decode kernel: the split-KV decode kernel on the same cache (decode.decode_attention, no append), which
+  flash_attn_with_kvcache runs below kvcache.DENSE_FROM_QUERIES new tokens and on paged caches;
+* ours dense: flash_attn_func(q, k_cache[:, :end], v_cache[:, :end], causal=True) on the same cache, the
+  dense forward alone (no append);
+* SDPA cuDNN / flash: the same attention (bottom-right causal) on (batch, heads, seqlen, head_dim) copies.
+
+TFLOP/s counts each query's visible keys (cached + its position + 1): 4 * pairs * head_dim * heads_q.
+Each cell records ours API's and the decode kernel's largest difference from ours dense. Prints a markdown
+table last; writes JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
+from tqdm import tqdm
+
+from flashformer.kernels import flash_attn_func, flash_attn_with_kvcache
+from flashformer.kernels.decode import decode_attention
+from flashformer.profiling import benchmark_provenance
+
+DTYPE = torch.bfloat16
+METHODS = ("ours API", "ours decode kernel", "ours dense", "SDPA cuDNN", "SDPA flash")
+# (batch, heads_q, heads_kv, head_dim, cached, new): prompts of a Llama-style model (32:8 at 128) and a
+# GPT-2-style one (12:12 at 64), then chunks of a prompt arriving at a cache that already holds tokens.
+DEFAULT_CELLS = [
+    (1, 32, 8, 128, 0, 512), (1, 32, 8, 128, 0, 2048), (1, 32, 8, 128, 0, 8192), (1, 32, 8, 128, 0, 32768),
+    (4, 32, 8, 128, 0, 2048), (1, 12, 12, 64, 0, 1024), (8, 12, 12, 64, 0, 1024),
+    (1, 32, 8, 128, 8192, 512), (8, 32, 8, 128, 4096, 64), (8, 32, 8, 128, 4096, 128), (8, 32, 8, 128, 4096, 256),
+    (1, 32, 8, 128, 16384, 64), (1, 32, 8, 128, 16384, 128),
+]
+
+
+def parse_cell(spec):
+    """'BxHQ:HKVxDxCACHEDxNEW', e.g. 1x32:8x128x0x8192."""
+    try:
+        batch, heads, head_dim, cached, new = spec.split("x")
+        heads_q, heads_kv = heads.split(":")
+        return tuple(int(n) for n in (batch, heads_q, heads_kv, head_dim, cached, new))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a cell is BxHQ:HKVxDxCACHEDxNEW (e.g. 1x32:8x128x0x8192), got {spec!r}")
+
+
+def causal_pairs(cached, new):
+    """(query, key) pairs a bottom-right causal mask keeps: query i sees cached + i + 1 keys."""
+    return new * cached + new * (new + 1) // 2
+
+
+def _time(fn):
+    """Median ms of fn() (L2 flushed between runs), or None where it raises (a backend refusing the shape)."""
+    try:
+        fn()
+        return triton.testing.do_bench(fn, return_mode="median")
+    except RuntimeError:
+        return None
+
+
+def run_cell(batch, heads_q, heads_kv, head_dim, cached, new):
+    device = torch.device("cuda")
+    end = cached + new
+    k_cache, v_cache = (torch.randn(batch, end, heads_kv, head_dim, device=device, dtype=DTYPE) for _ in range(2))
+    q = torch.randn(batch, new, heads_q, head_dim, device=device, dtype=DTYPE)
+    k_new, v_new = k_cache[:, cached:].clone(), v_cache[:, cached:].clone()  # what the append rewrites
+    k_seen, v_seen = k_cache[:, :end], v_cache[:, :end]
+    q_t, k_t, v_t = (x.transpose(1, 2).contiguous() for x in (q, k_seen, v_seen))
+    mask = causal_lower_right(new, end)
+
+    def sdpa():
+        return torch.nn.functional.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask,
+                                                                enable_gqa=heads_q != heads_kv)
+
+    calls = {
+        "ours API": lambda: flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cached),
+        "ours decode kernel": lambda: decode_attention(q, k_cache, v_cache, end, None, end, head_dim ** -0.5, -1, 0,
+                                                       0.0, return_lse=False)[0],
+        "ours dense": lambda: flash_attn_func(q, k_seen, v_seen, causal=True),
+    }
+    ms = {name: _time(fn) for name, fn in calls.items()}
+    for name, backend in (("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION), ("SDPA flash", SDPBackend.FLASH_ATTENTION)):
+        with sdpa_kernel(backend):
+            ms[name] = _time(sdpa)
+    dense = calls["ours dense"]().float()
+    diffs = {name: (calls[name]().float() - dense).abs().max().item() for name in ("ours API", "ours decode kernel")}
+    flops = 4 * batch * heads_q * head_dim * causal_pairs(cached, new)
+    return {"batch": batch, "heads_q": heads_q, "heads_kv": heads_kv, "head_dim": head_dim, "cached": cached,
+            "new": new, "ms": ms, "tflops": {name: None if t is None else flops / t / 1e9 for name, t in ms.items()},
+            "max_diff_from_dense": diffs}
+
+
+def markdown(cells):
+    def fmt(value):
+        return "-" if value is None else f"{value:.0f}"
+
+    lines = ["| batch | heads | head_dim | cached | new | " + " | ".join(METHODS) + " | API / decode kernel | API / cuDNN |",
+             "|" + "---|" * (len(METHODS) + 7)]
+    for c in cells:
+        t = c["tflops"]
+        ratios = [t["ours API"] / t[other] if t["ours API"] and t[other] else None
+                  for other in ("ours decode kernel", "SDPA cuDNN")]
+        lines.append(f"| {c['batch']} | {c['heads_q']}:{c['heads_kv']} | {c['head_dim']} | {c['cached']} | {c['new']} | "
+                     + " | ".join(fmt(t[m]) for m in METHODS) + " | "
+                     + " | ".join("-" if r is None else f"{r:.2f}" for r in ratios) + " |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cells", type=parse_cell, nargs="+", default=DEFAULT_CELLS,
+                        metavar="BxHQ:HKVxDxCACHEDxNEW")
+    parser.add_argument("--out", default="runs/bench_prefill.json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_prefill.py needs a CUDA device")
+    cells = []
+    for cell in tqdm(args.cells, desc="prefill cells"):
+        cells.append(run_cell(*cell))
+        torch.cuda.empty_cache()
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({**benchmark_provenance(), "dtype": str(DTYPE), "cells": cells}, f, indent=2)
+    print(markdown(cells))
+
+
+if __name__ == "__main__":
+    main()
