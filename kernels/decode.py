@@ -35,6 +35,8 @@ MAX_SPLITS = 64
 # Query rows (tokens x padded GQA group) per program: at least tl.dot's minimum M, at most a size that
 # keeps the score tile in registers when a long chunk of queries attends to the cache.
 MIN_ROWS, MAX_ROWS = 16, 64
+# Query rows of one head per program of the dense forward (flash_fwd.py, the Hopper forward).
+DENSE_QUERY_TILE = 128
 
 
 def _page_pool(cache):
@@ -77,8 +79,7 @@ def choose_num_splits(programs, keys, device):
     Args:
         programs: programs without splitting; keys: the most keys one of them reads.
     """
-    sms = sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else DEFAULT_SMS
+    sms = device_sms(device)
     most = max(1, min(keys // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
     fewest = max(1, min(most, sms // programs))
     candidates = range(fewest, max(fewest, min(keys // TARGET_KEYS_PER_SPLIT, most)) + 1)
@@ -89,6 +90,22 @@ def choose_num_splits(programs, keys, device):
 
     filled = [splits for splits in candidates if fill(splits) >= 0.95]
     return max(filled) if filled else max(candidates, key=fill)
+
+
+def device_sms(device):
+    """SMs of ``device`` (a torch.device); the interpreter takes DEFAULT_SMS."""
+    return (sm_count(device.index if device.index is not None else torch.cuda.current_device())
+            if device.type == "cuda" else DEFAULT_SMS)
+
+
+def dense_forward_pays(batch, heads_q, seqlen_q, device):
+    """Whether ``seqlen_q`` new queries per sequence over a contiguous cache of one shared length run better on
+    the dense forward than here: this kernel reads every key tile once per MAX_ROWS query rows (a GQA group's
+    heads times a few tokens), the dense forward once per DENSE_QUERY_TILE rows of one head with its Hopper
+    overlap, but it splits no cache: its programs (batch x heads_q x query tiles) must fill the SMs, where this
+    kernel's splits would."""
+    return (seqlen_q >= DENSE_QUERY_TILE
+            and batch * heads_q * cdiv(seqlen_q, DENSE_QUERY_TILE) >= device_sms(device))
 
 
 def _wave_fill(programs, slots):

@@ -19,12 +19,6 @@ from .masking import normalize_window
 from .reference import attention_tiled
 from .sizes import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, MIN_HEAD_DIM
 
-# New query tokens per sequence from which a contiguous cache of one shared length is attended by the dense
-# forward (128-query tiles, the Hopper kernels' overlap) instead of the decode kernel, whose programs hold at most 64
-# query rows (decode.MAX_ROWS) and so read every key tile once per 64 rows: a prompt's prefill, a long chunk.
-DENSE_FROM_QUERIES = 128
-
-
 def _kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens_k: torch.Tensor,
                   block_table: Optional[torch.Tensor], max_seqlen_k: int, softmax_scale: float, window_left: int,
                   window_right: int, softcap: float, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -377,10 +371,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out, lse = _kvcache_torch(q, k_cache, v_cache, spans, block_table, softmax_scale, window_left,
                                   window_right, float(softcap))
         return (out, lse) if return_lse else out
+    from .decode import decode_attention, dense_forward_pays
+
     # An int here is one length shared by a contiguous cache's rows (_check_kvcache_args): a prompt, or a long
-    # chunk of one, runs on the dense forward over the rows in use.
+    # chunk of one, runs on the dense forward over the rows in use where that pays.
     end = cache_seqlens + seqlen_new if isinstance(cache_seqlens, int) else 0
-    if end and q.shape[1] >= DENSE_FROM_QUERIES and num_splits == 0:
+    if end and num_splits == 0 and dense_forward_pays(q.shape[0], q.shape[2], q.shape[1], q.device):
         out, lse = triton_attention(q, k_cache[:, :end], v_cache[:, :end], None, None, None, None, 0, 0,
                                     softmax_scale, window_left, window_right, float(softcap), 0.0, True)
         return (out, lse) if return_lse else out
@@ -400,7 +396,5 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if compiling:
         out, lse = _kvcache_fwd(*args)
     else:  # eagerly straight to the launcher, which then needs no lse buffer unless one is asked for
-        from .decode import decode_attention
-
         out, lse = decode_attention(*args, return_lse=return_lse)
     return (out, lse) if return_lse else out

@@ -7,7 +7,7 @@ q:kv, head_dim, tokens cached, tokens new):
 * ours API: flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cached): the append and the
   attention, as the model's KVCache calls it;
 * ours decode kernel: the split-KV decode kernel on the same cache (decode.decode_attention, no append), which
-  flash_attn_with_kvcache runs below kvcache.DENSE_FROM_QUERIES new tokens and on paged caches;
+  flash_attn_with_kvcache runs where decode.dense_forward_pays says no, and on paged caches;
 * ours dense: flash_attn_func(q, k_cache[:, :end], v_cache[:, :end], causal=True) on the same cache, the
   dense forward alone (no append);
 * SDPA cuDNN / flash: the same attention (bottom-right causal) on (batch, heads, seqlen, head_dim) copies.

@@ -14,8 +14,10 @@ import triton
 from attention_checks import assert_within_2x
 
 from flashformer.kernels import attention_materialized, flash_attn_func, launch
-from flashformer.kernels.decode import DEFAULT_SMS, RESIDENT_PER_SM, TARGET_KEYS_PER_SPLIT, choose_num_splits
-from flashformer.kernels.kvcache import DENSE_FROM_QUERIES, flash_attn_with_kvcache
+from flashformer.kernels import decode
+from flashformer.kernels.decode import (DEFAULT_SMS, DENSE_QUERY_TILE, RESIDENT_PER_SM, TARGET_KEYS_PER_SPLIT,
+                                        choose_num_splits)
+from flashformer.kernels.kvcache import flash_attn_with_kvcache
 
 MASKS = [  # (causal, window_size, softcap)
     (True, (-1, -1), 0.0), (False, (-1, -1), 0.0), (True, (17, -1), 0.0), (False, (32, 8), 0.0),
@@ -193,15 +195,21 @@ def test_query_chunks_match_reference(cache_lens, seqlen_q, new, heads, mask, dt
     case.assert_cache_appended()
 
 
-@pytest.mark.parametrize("cached,new,mask,dtype", [(0, DENSE_FROM_QUERIES, 0, 1), (37, DENSE_FROM_QUERIES, 2, 0),
-                                                   (21, DENSE_FROM_QUERIES + 5, 5, 1), (50, 0, 1, 0)])
-def test_prompts_take_the_dense_forward(cached, new, mask, dtype, device, triton_path, monkeypatch):
-    """DENSE_FROM_QUERIES query tokens or more over a contiguous cache of one shared length (a prompt, a
-    long chunk) run the dense forward over the cache's rows in use, bit for bit flash_attn_func on them,
-    after the same append, and within the 2x rule of the reference."""
+@pytest.mark.parametrize("cached,extra,append,mask,dtype", [(0, 0, True, 0, 1), (37, 0, True, 2, 0),
+                                                            (21, 5, True, 5, 1), (50, 0, False, 1, 0)])
+def test_prompts_take_the_dense_forward(cached, extra, append, mask, dtype, device, triton_path, monkeypatch):
+    """Where dense_forward_pays (a prompt, a long chunk), queries over a contiguous cache of one shared length run
+    the dense forward over the cache's rows in use: bit for bit flash_attn_func on them, after the same append, and
+    within the 2x rule of the reference. The interpreter takes a GPU of 4 SMs, which one query tile fills."""
     monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(decode, "DEFAULT_SMS", 4)
+    heads, batch = (6, 2), 2
+    tiles = triton.cdiv(decode.device_sms(torch.device(device)), batch * heads[0])  # enough to fill the SMs
+    seqlen_q = tiles * DENSE_QUERY_TILE + extra
+    assert decode.dense_forward_pays(batch, heads[0], seqlen_q, torch.device(device))
     causal, window_size, softcap = MASKS[mask]
-    case = Case((cached, cached), max(new, DENSE_FROM_QUERIES), new, (6, 2), 32, DTYPES[dtype], None, device)
+    new = seqlen_q if append else 0
+    case = Case((cached,) * batch, seqlen_q, new, heads, 32, DTYPES[dtype], None, device)
     new_kv = dict(k=case.k, v=case.v) if new else {}
     opts = dict(causal=causal, window_size=window_size, softcap=softcap)
     out, lse = flash_attn_with_kvcache(case.q, case.k_cache, case.v_cache, cache_seqlens=cached, return_lse=True,
@@ -211,6 +219,15 @@ def test_prompts_take_the_dense_forward(cached, new, mask, dtype, device, triton
     dense, dense_lse = flash_attn_func(case.q, case.k_cache[:, :end], case.v_cache[:, :end], return_lse=True, **opts)
     assert torch.equal(out, dense) and torch.equal(lse, dense_lse)
     _check_against_reference(case, out, lse, causal, window_size, softcap)
+
+
+def test_dense_forward_pays_where_its_tiles_fill_the_gpu():
+    cpu = torch.device("cpu")  # DEFAULT_SMS: the H200's 132
+    assert decode.dense_forward_pays(1, 32, 8192, cpu)  # a long prompt
+    assert decode.dense_forward_pays(8, 32, 128, cpu)  # a batch of chunks: 256 query tiles
+    assert not decode.dense_forward_pays(1, 32, 128, cpu)  # one chunk: 32 tiles, where splits fill the GPU
+    assert not decode.dense_forward_pays(64, 32, 100, cpu)  # less than a query tile per sequence and head
+    assert not decode.dense_forward_pays(1, 12, 1024, cpu)  # 96 tiles
 
 
 @pytest.mark.parametrize("case_index", [0, 1, 3, 5])
