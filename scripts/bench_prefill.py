@@ -61,12 +61,18 @@ def causal_pairs(cached, new):
 
 
 def _time(fn):
-    """Median ms of fn() (L2 flushed between runs), or None where it raises (a backend refusing the shape)."""
-    try:
-        fn()
-        return triton.testing.do_bench(fn, return_mode="median")
-    except RuntimeError:
-        return None
+    """Median ms of fn(), L2 flushed between runs."""
+    fn()
+    return triton.testing.do_bench(fn, return_mode="median")
+
+
+def _time_sdpa(fn, backend):
+    """_time of an SDPA call under one backend, or None where the backend refuses the shape or the mask."""
+    with sdpa_kernel(backend):
+        try:
+            return _time(fn)
+        except (RuntimeError, NotImplementedError, ValueError):
+            return None
 
 
 def run_cell(batch, heads_q, heads_kv, head_dim, cached, new):
@@ -91,8 +97,7 @@ def run_cell(batch, heads_q, heads_kv, head_dim, cached, new):
     }
     ms = {name: _time(fn) for name, fn in calls.items()}
     for name, backend in (("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION), ("SDPA flash", SDPBackend.FLASH_ATTENTION)):
-        with sdpa_kernel(backend):
-            ms[name] = _time(sdpa)
+        ms[name] = _time_sdpa(sdpa, backend)
     dense = calls["ours dense"]().float()
     diffs = {name: (calls[name]().float() - dense).abs().max().item() for name in ("ours API", "ours decode kernel")}
     flops = 4 * batch * heads_q * head_dim * causal_pairs(cached, new)
