@@ -14,7 +14,7 @@ q:kv, head_dim, tokens cached, tokens new):
 
 TFLOP/s counts each query's visible keys (cached + its position + 1): 4 * pairs * head_dim * heads_q.
 Each cell records ours API's and the decode kernel's largest difference from ours dense. Prints a markdown
-table last; writes JSON to --out.
+table last; writes JSON to --out after every cell.
 """
 
 from __future__ import annotations
@@ -131,12 +131,12 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("bench_prefill.py needs a CUDA device")
     cells = []
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     for cell in tqdm(args.cells, desc="prefill cells"):
         cells.append(run_cell(*cell))
         torch.cuda.empty_cache()
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({**benchmark_provenance(), "dtype": str(DTYPE), "cells": cells}, f, indent=2)
+        with open(args.out, "w") as f:  # after every cell: a run cut short keeps what it measured
+            json.dump({**benchmark_provenance(), "dtype": str(DTYPE), "cells": cells}, f, indent=2)
     print(markdown(cells))
 
 
