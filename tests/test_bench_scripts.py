@@ -694,3 +694,13 @@ def test_tune_attention_records_the_capability_and_times_the_fallback_tables_pic
     assert "| 64x64 w4 s3 | 1.50 | 0.80 | 64x64 w4 s3 | 1.50 | - |" in line  # 1.0 ms against the fallback's 1.25
     header, rule, line = tune.markdown_table([row]).splitlines()  # no table to fall back to: no such column
     assert "'s pick" not in header and rule.count("---") == 3 + 8 and line.endswith("| 64x64 w4 s3 | 1.50 |")
+
+
+def test_prefill_counts_the_pairs_a_bottom_right_mask_keeps():
+    prefill = _load_script("bench_prefill")
+    for cached, new in ((0, 7), (5, 3), (16, 16), (9, 1)):
+        kept = torch.ones(new, cached + new).tril(diagonal=cached).sum().item()  # query i sees keys <= cached + i
+        assert prefill.causal_pairs(cached, new) == kept
+    assert prefill.parse_cell("8x32:8x128x4096x256") == (8, 32, 8, 128, 4096, 256)
+    with pytest.raises(argparse.ArgumentTypeError, match="BxHQ:HKVxDxCACHEDxNEW"):
+        prefill.parse_cell("8x32x128x0x256")
