@@ -3,14 +3,14 @@
 # Each stage has its own time limit so that one slow stage cannot eat the lease; results come back
 # as $OUT/results.tgz (and $OUT/tuned_configs.json after the tune stage).
 # Usage on the device machine: bash scripts/h200_check.sh [stage ...]   (default: all stages)
-# Stages: readme quick compile slow tune descriptors decode generate attention varlen first-call host fused-bwd counters
+# Stages: readme quick compile slow tune descriptors decode prefill generate attention varlen first-call host fused-bwd counters
 # determinism trees train train-chunked memory pi longctx-2m longctx-wait
 # Each stage's limit fits one 10-minute device call with its neighbours: pi beside (half of) slow, quick + tune +
 # attention + varlen + decode when narrowed. Two instances may run at once on a machine of two GPUs
 # (CUDA_VISIBLE_DEVICES=0 / 1, the second started a few seconds later), each with its own RES (results
 # directory) and RESULTS (archive name). Narrowing knobs: TUNE_ARGS (default: --head-dims 64 128 256), ATTN_ARGS (default:
 # all impls, head dims 64 128 256), SLOW_FILTER (a pytest -k expression splitting the slow sweep across calls), SLOW_TIMEOUT,
-# DECODE_ARGS (default: --host-profile 200), TRAIN_ARGS (default: --seqlens 1024 4096 16384 --steps 50 --profile 5),
+# DECODE_ARGS (default: --host-profile 200), PREFILL_ARGS (bench_prefill's --cells), TRAIN_ARGS (default: --seqlens 1024 4096 16384 --steps 50 --profile 5),
 # FIRST_CALL_ARGS (bench_first_call's --shapes and --timeout), HOST_ARGS (bench_host's --shapes), COUNTERS_ARGS
 # (kernel_counters.py's --impls / --passes / --seqlens), TREE_SCRIPT / TREE_ARGS / TREE_TIMEOUT (the trees stage). The interpreter test in `readme` needs numpy<2.4
 # under Triton 3.6, as the README pins: carry that wheel in .whl/ where the machine's numpy is newer.
@@ -93,6 +93,9 @@ for stage in "${stages[@]}"; do
     decode) timeout 150 python3 scripts/bench_decode.py ${DECODE_ARGS:---host-profile 200} --out "$RES/decode.json" \
               --plot "$RES/decode.png" 2>&1 \
               | tee "$RES/decode.log" | grep -A30 "^host profile\|^|" ;;
+    prefill) # a prompt through the KV cache: the public call (dense forward where it pays), the decode kernel, SDPA
+            timeout 240 python3 scripts/bench_prefill.py ${PREFILL_ARGS:-} --out "$RES/prefill.json" 2>&1 \
+              | tee "$RES/prefill.log" | grep "^|" ;;
     attention) timeout 420 python3 scripts/bench_attention.py ${ATTN_ARGS:---impls ours ours-nondet sdpa-flash sdpa-cudnn --head-dims 64 128 256} \
               --out "$RES/attention.json" --plot "$RES/attention.png" 2>&1 | tee "$RES/attention.log" | grep "^|" ;;
     varlen) timeout 300 python3 scripts/bench_attention.py --varlen --impls ours --out "$RES/varlen.json" 2>&1 \
