@@ -195,9 +195,12 @@ def test_query_chunks_match_reference(cache_lens, seqlen_q, new, heads, mask, dt
     case.assert_cache_appended()
 
 
-@pytest.mark.parametrize("cached,extra,append,mask,dtype", [(0, 0, True, 0, 1), (37, 0, True, 2, 0),
-                                                            (21, 5, True, 5, 1), (50, 0, False, 1, 0)])
-def test_prompts_take_the_dense_forward(cached, extra, append, mask, dtype, device, triton_path, monkeypatch):
+# head_dims 64 and 128: on an H200 the Gluon forward (at 64 from 1k queries, which the GPU's query count reaches),
+# reading the cache's rows in use through strided views.
+@pytest.mark.parametrize("cached,extra,append,mask,dtype,head_dim", [
+    (0, 0, True, 0, 1, 64), (37, 0, True, 2, 0, 128), (21, 5, True, 5, 1, 64), (50, 0, False, 1, 0, 64)])
+def test_prompts_take_the_dense_forward(cached, extra, append, mask, dtype, head_dim, device, triton_path,
+                                        monkeypatch):
     """Where dense_forward_pays (a prompt, a long chunk), queries over a contiguous cache of one shared length run
     the dense forward over the cache's rows in use: bit for bit flash_attn_func on them, after the same append, and
     within the 2x rule of the reference. The interpreter takes a GPU of 4 SMs, which one query tile fills."""
@@ -209,7 +212,7 @@ def test_prompts_take_the_dense_forward(cached, extra, append, mask, dtype, devi
     assert decode.dense_forward_pays(batch, heads[0], seqlen_q, torch.device(device))
     causal, window_size, softcap = MASKS[mask]
     new = seqlen_q if append else 0
-    case = Case((cached,) * batch, seqlen_q, new, heads, 32, DTYPES[dtype], None, device)
+    case = Case((cached,) * batch, seqlen_q, new, heads, head_dim, DTYPES[dtype], None, device)
     new_kv = dict(k=case.k, v=case.v) if new else {}
     opts = dict(causal=causal, window_size=window_size, softcap=softcap)
     out, lse = flash_attn_with_kvcache(case.q, case.k_cache, case.v_cache, cache_seqlens=cached, return_lse=True,
