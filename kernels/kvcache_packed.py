@@ -1,7 +1,12 @@
-"""flash_attn_with_kvcache's packed form (flash-attn 3's cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q), as
-continuous-batching servers call it: each sequence's new tokens appended at its own cache positions, then
-its packed queries attend through the paged forward of varlen_kv.py (a contiguous cache read in place as
-one page per sequence). No kernel of its own."""
+"""flash_attn_with_kvcache's routes through the varlen forwards, no kernel of their own:
+
+* the packed form (flash-attn 3's cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q), as continuous-batching
+  servers call it: each sequence's new tokens appended at its own cache positions, then its packed queries
+  attend through the paged forward of varlen_kv.py (a contiguous cache read in place as one page per
+  sequence);
+* a prompt or long chunk over a contiguous cache of per-sequence (tensor) lengths: the dense varlen forward
+  over the cache's rows flattened in place, each sequence's unused entries left out on the device.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +14,8 @@ import torch
 
 from .cache_pages import PAGE_MULTIPLE, check_rotary, rotate
 from .checks import check_cu_seqlens, describe
-from .interface import kernel_impl
-from .varlen_kv import check_block_table, check_seqused_k, paged_varlen_attention
+from .interface import kernel_impl, triton_attention
+from .varlen_kv import check_block_table, check_seqused_k, paged_varlen_attention, without_unused_keys
 
 
 def kvcache_packed_queries(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cu_seqlens_q, cu_seqlens_k_new,
@@ -97,3 +102,30 @@ def _cache_positions(starts, cu_seqlens, total, within=True):
     token = torch.arange(total, device=starts.device)
     seq = torch.searchsorted(cu_seqlens[1:], token.to(torch.int32), right=True)
     return seq, starts[seq].long() + (token - cu_seqlens[seq].long() if within else 0)
+
+
+def rows_flatten(cache):
+    """Whether a contiguous cache's (batch, max_cache) dims merge into one without a copy."""
+    return cache.shape[0] < 2 or cache.stride(0) == cache.shape[1] * cache.stride(1)
+
+
+def prefill_over_rows(q, k_cache, v_cache, seqlens_k, softmax_scale, window_left, window_right, softcap):
+    """Sequence b's queries over the first seqlens_k[b] entries of cache row b on the dense varlen forward, the
+    rows flattened in place (rows_flatten) and each row's other entries left out by offsets computed on the
+    device: no host read of the lengths.
+
+    Args:
+        q: (batch, seqlen_q, heads_q, head_dim); k_cache, v_cache: (batch, max_cache, heads_kv, head_dim).
+        seqlens_k: int32 (batch,), each sequence's entries in use (after the append).
+    Returns:
+        out like q, lse (batch, heads_q, seqlen_q) (a transposed view).
+    """
+    batch, seqlen_q, heads_q, _ = q.shape
+    capacity = k_cache.shape[1]
+    rows = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+    cu_seqlens_q, cu_seqlens_k, _ = without_unused_keys(k_cache, rows * seqlen_q, rows * capacity, seqlens_k, None,
+                                                        False, False)
+    out, lse = triton_attention(q.flatten(0, 1), k_cache.flatten(0, 1), v_cache.flatten(0, 1), cu_seqlens_q,
+                                cu_seqlens_k, None, None, seqlen_q, capacity, softmax_scale, window_left,
+                                window_right, softcap, 0.0, True)
+    return out.view(q.shape), lse.view(heads_q, batch, seqlen_q).transpose(0, 1)

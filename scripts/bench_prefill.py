@@ -5,7 +5,9 @@
 q:kv, head_dim, tokens cached, tokens new):
 
 * ours API: flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cached): the append and the
-  attention, as the model's KVCache calls it;
+  attention, as the model's KVCache calls it (an int: one length for every row);
+* ours API, tensor lengths: the same with cache_seqlens an int32 (batch,) tensor, as flash-attn users and
+  servers pass it (a length per row, never read on the host);
 * ours decode kernel: the split-KV decode kernel on the same cache (decode.decode_attention, no append), which
   flash_attn_with_kvcache runs where decode.dense_forward_pays says no, and on paged caches;
 * ours dense: flash_attn_func(q, k_cache[:, :end], v_cache[:, :end], causal=True) on the same cache, the
@@ -13,7 +15,7 @@ q:kv, head_dim, tokens cached, tokens new):
 * SDPA cuDNN / flash: the same attention (bottom-right causal) on (batch, heads, seqlen, head_dim) copies.
 
 TFLOP/s counts each query's visible keys (cached + its position + 1): 4 * pairs * head_dim * heads_q.
-Each cell records ours API's and the decode kernel's largest difference from ours dense. Prints a markdown
+Each cell records both API calls' and the decode kernel's largest difference from ours dense. Prints a markdown
 table last; writes JSON to --out after every cell.
 """
 
@@ -34,7 +36,7 @@ from flashformer.kernels.decode import decode_attention
 from flashformer.profiling import benchmark_provenance
 
 DTYPE = torch.bfloat16
-METHODS = ("ours API", "ours decode kernel", "ours dense", "SDPA cuDNN", "SDPA flash")
+METHODS = ("ours API", "ours API, tensor lengths", "ours decode kernel", "ours dense", "SDPA cuDNN", "SDPA flash")
 # (batch, heads_q, heads_kv, head_dim, cached, new): prompts of a Llama-style model (32:8 at 128) and a
 # GPT-2-style one (12:12 at 64), then chunks of a prompt arriving at a cache that already holds tokens.
 DEFAULT_CELLS = [
@@ -84,6 +86,7 @@ def run_cell(batch, heads_q, heads_kv, head_dim, cached, new):
     k_seen, v_seen = k_cache[:, :end], v_cache[:, :end]
     q_t, k_t, v_t = (x.transpose(1, 2).contiguous() for x in (q, k_seen, v_seen))
     mask = causal_lower_right(new, end)
+    cached_per_row = torch.full((batch,), cached, dtype=torch.int32, device=device)
 
     def sdpa():
         return torch.nn.functional.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask,
@@ -91,6 +94,8 @@ def run_cell(batch, heads_q, heads_kv, head_dim, cached, new):
 
     calls = {
         "ours API": lambda: flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cached),
+        "ours API, tensor lengths": lambda: flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                                                    cache_seqlens=cached_per_row),
         "ours decode kernel": lambda: decode_attention(q, k_cache, v_cache, end, None, end, head_dim ** -0.5, -1, 0,
                                                        0.0, return_lse=False)[0],
         "ours dense": lambda: flash_attn_func(q, k_seen, v_seen, causal=True),
@@ -99,7 +104,7 @@ def run_cell(batch, heads_q, heads_kv, head_dim, cached, new):
     for name, backend in (("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION), ("SDPA flash", SDPBackend.FLASH_ATTENTION)):
         ms[name] = _time_sdpa(sdpa, backend)
     dense = calls["ours dense"]().float()
-    diffs = {name: (calls[name]().float() - dense).abs().max().item() for name in ("ours API", "ours decode kernel")}
+    diffs = {name: (calls[name]().float() - dense).abs().max().item() for name in METHODS[:3]}
     flops = 4 * batch * heads_q * head_dim * causal_pairs(cached, new)
     return {"batch": batch, "heads_q": heads_q, "heads_kv": heads_kv, "head_dim": head_dim, "cached": cached,
             "new": new, "ms": ms, "tflops": {name: None if t is None else flops / t / 1e9 for name, t in ms.items()},
@@ -110,12 +115,13 @@ def markdown(cells):
     def fmt(value):
         return "-" if value is None else f"{value:.0f}"
 
-    lines = ["| batch | heads | head_dim | cached | new | " + " | ".join(METHODS) + " | API / decode kernel | API / cuDNN |",
-             "|" + "---|" * (len(METHODS) + 7)]
+    pairs = (("ours API", "ours decode kernel"), ("ours API, tensor lengths", "ours decode kernel"),
+             ("ours API", "SDPA cuDNN"))
+    lines = ["| batch | heads | head_dim | cached | new | " + " | ".join(METHODS) + " | API / decode kernel | "
+             "API, tensor lengths / decode kernel | API / cuDNN |", "|" + "---|" * (len(METHODS) + 8)]
     for c in cells:
         t = c["tflops"]
-        ratios = [t["ours API"] / t[other] if t["ours API"] and t[other] else None
-                  for other in ("ours decode kernel", "SDPA cuDNN")]
+        ratios = [t[a] / t[b] if t[a] and t[b] else None for a, b in pairs]
         lines.append(f"| {c['batch']} | {c['heads_q']}:{c['heads_kv']} | {c['head_dim']} | {c['cached']} | {c['new']} | "
                      + " | ".join(fmt(t[m]) for m in METHODS) + " | "
                      + " | ".join("-" if r is None else f"{r:.2f}" for r in ratios) + " |")
