@@ -109,10 +109,12 @@ def _entry_point_calls(device):
     the host): dense and varlen forward + backward in both deterministic modes, their packed forms, a
     head_dim the kernels pad, varlen over paged keys (max_seqlen_k left None) and with seqused_k, decoding
     against contiguous and paged caches with tensor and int lengths, appending new tokens (several per
-    sequence too), with packed queries, rotary embeddings, chosen cache rows and left padding."""
+    sequence too, and a prompt long enough for the dense forward), with packed queries, rotary embeddings,
+    chosen cache rows and left padding."""
     from flashformer.kernels import (cu_seqlens_from_lengths, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                                      flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
                                      flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
+    from flashformer.kernels.decode import DENSE_QUERY_TILE, device_sms
 
     dtype = torch.bfloat16
     q, k, v = (torch.randn(2, 80, heads, 64, device=device, dtype=dtype) for heads in (4, 2, 2))
@@ -163,6 +165,13 @@ def _entry_point_calls(device):
                                            cache_seqlens=lengths_given, block_table=block_table))
         calls.append(functools.partial(flash_attn_with_kvcache, chunk_q, *caches, k=chunk_k, v=chunk_v,
                                        cache_seqlens=cache_seqlens, block_table=block_table))
+    # a prompt over the cache, long enough that dense_forward_pays: the dense forward over the rows in use
+    prompt = DENSE_QUERY_TILE * -(-device_sms(torch.device(device)) // 8)
+    prompt_q, prompt_k, prompt_v = (torch.randn(2, prompt, heads, 64, device=device, dtype=dtype) for heads in (4, 2, 2))
+    prompt_caches = [torch.randn(2, prompt + 64, 2, 64, device=device, dtype=dtype) for _ in range(2)]
+    for lengths_given in (cache_seqlens, 40):
+        calls.append(functools.partial(flash_attn_with_kvcache, prompt_q, *prompt_caches, k=prompt_k, v=prompt_v,
+                                       cache_seqlens=lengths_given))
     angles = torch.rand(128, 16, device=device)
     for caches, block_table in (((cache_k, cache_v), None), ((pool_k, pool_v), table)):  # continuous batching
         calls.append(functools.partial(flash_attn_with_kvcache, packed_q[:12], *caches, cache_seqlens=cache_seqlens,
