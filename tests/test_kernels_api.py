@@ -167,7 +167,8 @@ def _entry_point_calls(device):
                                        cache_seqlens=cache_seqlens, block_table=block_table))
     # a prompt over the cache, long enough that dense_forward_pays: the dense forward over the rows in use
     prompt = DENSE_QUERY_TILE * -(-device_sms(torch.device(device)) // 8)
-    prompt_q, prompt_k, prompt_v = (torch.randn(2, prompt, heads, 64, device=device, dtype=dtype) for heads in (4, 2, 2))
+    prompt_q, prompt_k, prompt_v = (torch.randn(2, prompt, heads, 64, device=device, dtype=dtype)
+                                    for heads in (4, 2, 2))
     prompt_caches = [torch.randn(2, prompt + 64, 2, 64, device=device, dtype=dtype) for _ in range(2)]
     for lengths_given in (cache_seqlens, 40):
         calls.append(functools.partial(flash_attn_with_kvcache, prompt_q, *prompt_caches, k=prompt_k, v=prompt_v,
