@@ -34,6 +34,7 @@ from flashformer.train import (
     read_metrics,
     train,
 )
+from flashformer.train.stops import Interrupted, interrupts_raise
 from test_cli import run as run_here  # the command in this process, where its process is not what is tested
 from test_train import (SUBPROCESS_ENV, cli_command, data_cache, losses, one_thread, tiny_recipe,  # noqa: F401
                         write_recipe)
@@ -67,6 +68,23 @@ def test_a_sigterm_while_tokenizing_exits_143_and_leaves_no_cache_or_run_directo
     assert "flashformer train: stopped by SIGTERM before the first step: nothing to save" in stderr
     assert "Traceback" not in stderr
     assert not list(cache.glob(".*")) and not run.exists()  # no temporary left, no empty run
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_that_library_code_swallows_still_stops_the_setup(signum):
+    """datasets catches every exception while it hashes a transform for its cache fingerprint: a signal that
+    lands there raises Interrupted into that catch. The setup block then ends by raising it again."""
+    finished, handlers = False, (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT))
+    with pytest.raises(Interrupted) as stopped:
+        with interrupts_raise():
+            try:
+                os.kill(os.getpid(), signum)
+                time.sleep(1)  # the handler runs here, between bytecodes
+            except BaseException:  # what such library code does
+                pass
+            finished = True
+    assert finished and stopped.value.exit_code == 128 + signum
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers  # put back
 
 
 def test_a_kill_while_resuming_loses_no_metrics_record(tmp_path, data_cache):

@@ -39,13 +39,20 @@ class Interrupted(BaseException):
 @contextlib.contextmanager
 def interrupts_raise():
     """Inside the block SIGINT and SIGTERM raise Interrupted (SIGTERM would otherwise end the process
-    at once, leaving a half-written token cache and an empty run directory behind)."""
+    at once, leaving a half-written token cache and an empty run directory behind). Code that swallows it
+    does not keep the run going: datasets catches everything while it hashes a transform for its cache
+    fingerprint, so a signal that lands there is raised again when the block ends."""
+    received = []
+
     def interrupt(signum, frame):
+        received.append(signum)
         raise Interrupted(signum)
 
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
+        if received:
+            raise Interrupted(received[0])
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
