@@ -24,22 +24,31 @@ from .launch import (as_descriptor_compatible, dot_precision, ensure_allocator, 
 from .reference import dropout_threshold
 from .sizes import next_power_of_2, pad_head_dim
 from .tile_ops import (alibi_bias, attention_logits, dropout_keep, key_range, load_alibi_slope_log2, load_dropout_key,
-                       logit_scale, narrow, online_softmax_step, program_tile, rows_descriptor, sequence_bounds)
+                       logit_scale, narrow, online_softmax_step, paged_rows, program_tile, rows_descriptor,
+                       sequence_bounds)
 from .tuning import pick_kernel, table_mask, tuned
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _fwd_tiles(acc, row_max, row_sum, q, k_desc, v_desc, rows, start, end,
+def _fwd_tiles(acc, row_max, row_sum, q, k_src, v_src, pages, rows, start, end,
                qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
-               alibi_slope_log2, dropout_seed, head, batch, drop_threshold,
+               alibi_slope_log2, dropout_seed, head, batch, drop_threshold, page_size,
+               stride_kpage, stride_ks, stride_vpage, stride_vs,
                BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
                LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               UPCAST_DOT: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+               UPCAST_DOT: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+               IS_PAGED: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
     for n0 in tl.range(start, end, BLOCK_N):
-        k = k_desc.load([n0, 0])
-        v = v_desc.load([n0, 0])
+        if IS_PAGED:
+            k = paged_rows(k_src, pages, n0, seqlen_k, page_size, stride_kpage, stride_ks, BLOCK_N, HEAD_DIM,
+                           HEAD_DIM_PAD)
+            v = paged_rows(v_src, pages, n0, seqlen_k, page_size, stride_vpage, stride_vs, BLOCK_N, HEAD_DIM,
+                           HEAD_DIM_PAD)
+        else:
+            k = k_src.load([n0, 0])
+            v = v_src.load([n0, 0])
         cols = n0 + tl.arange(0, BLOCK_N)
         s = attention_logits(q, k, rows, cols, qk_scale, softcap_log2, seqlen_q, seqlen_k,
                              window_left, window_right, HAS_SOFTCAP, MASKED, LEFT_BOUNDED, RIGHT_BOUNDED,
@@ -58,12 +67,12 @@ def _fwd_tiles(acc, row_max, row_sum, q, k_desc, v_desc, rows, start, end,
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES, DROPOUT_SEED,
+    Q, K, V, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES, DROPOUT_SEED, BLOCK_TABLE,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
-    stride_lse_b, stride_lse_h, stride_alibi_b,
+    stride_lse_b, stride_lse_h, stride_alibi_b, stride_bt, page_size,
     seqlen_q, seqlen_k, num_seqs,
     qk_scale, softcap_log2, window_left, window_right, drop_threshold, dropout_rescale,
     seqlen_q_bucket, seqlen_k_bucket,  # autotune keys only
@@ -71,7 +80,7 @@ def _attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     IS_VARLEN: tl.constexpr, SEQS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_PAGED: tl.constexpr,
 ):
     batch, pid_m, head = program_tile(num_seqs, CU_SEQLENS_Q, BLOCK_M, SEQS_PAD, True, IS_VARLEN)
     if batch >= num_seqs:
@@ -84,10 +93,16 @@ def _attn_fwd_kernel(
         return
     q_desc = rows_descriptor(Q + batch * stride_qb + q_start * stride_qs + head * stride_qh, seqlen_q, stride_qs,
                              BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
-    k_desc = rows_descriptor(K + batch * stride_kb + k_start * stride_ks + kv_head * stride_kh, seqlen_k, stride_ks,
-                             BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
-    v_desc = rows_descriptor(V + batch * stride_vb + k_start * stride_vs + kv_head * stride_vh, seqlen_k, stride_vs,
-                             BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
+    if IS_PAGED:  # K and V are page pools; stride_kb / stride_vb step pages, the block table's row finds them
+        k_src = K + kv_head * stride_kh
+        v_src = V + kv_head * stride_vh
+        pages = BLOCK_TABLE + batch * stride_bt
+    else:
+        k_src = rows_descriptor(K + batch * stride_kb + k_start * stride_ks + kv_head * stride_kh, seqlen_k,
+                                stride_ks, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
+        v_src = rows_descriptor(V + batch * stride_vb + k_start * stride_vs + kv_head * stride_vh, seqlen_k,
+                                stride_vs, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
+        pages = BLOCK_TABLE
     o_desc = rows_descriptor(O + batch * stride_ob + q_start * stride_os + head * stride_oh, seqlen_q, stride_os,
                              BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
 
@@ -101,21 +116,24 @@ def _attn_fwd_kernel(
 
     start, un_lo, un_hi, end = key_range(m0, seqlen_q, seqlen_k, window_left, window_right,
                                          BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
-    acc, row_max, row_sum = _fwd_tiles(acc, row_max, row_sum, q, k_desc, v_desc, rows, start, un_lo,
+    acc, row_max, row_sum = _fwd_tiles(acc, row_max, row_sum, q, k_src, v_src, pages, rows, start, un_lo,
                                        qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
-                                       alibi_slope_log2, dropout_seed, head, batch, drop_threshold,
+                                       alibi_slope_log2, dropout_seed, head, batch, drop_threshold, page_size,
+                                       stride_kb, stride_ks, stride_vb, stride_vs,
                                        BLOCK_N, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT,
-                                       HAS_ALIBI, HAS_DROPOUT)
-    acc, row_max, row_sum = _fwd_tiles(acc, row_max, row_sum, q, k_desc, v_desc, rows, un_lo, un_hi,
+                                       HAS_ALIBI, HAS_DROPOUT, IS_PAGED, HEAD_DIM, HEAD_DIM_PAD)
+    acc, row_max, row_sum = _fwd_tiles(acc, row_max, row_sum, q, k_src, v_src, pages, rows, un_lo, un_hi,
                                        qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
-                                       alibi_slope_log2, dropout_seed, head, batch, drop_threshold,
+                                       alibi_slope_log2, dropout_seed, head, batch, drop_threshold, page_size,
+                                       stride_kb, stride_ks, stride_vb, stride_vs,
                                        BLOCK_N, HAS_SOFTCAP, False, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT,
-                                       HAS_ALIBI, HAS_DROPOUT)
-    acc, row_max, row_sum = _fwd_tiles(acc, row_max, row_sum, q, k_desc, v_desc, rows, un_hi, end,
+                                       HAS_ALIBI, HAS_DROPOUT, IS_PAGED, HEAD_DIM, HEAD_DIM_PAD)
+    acc, row_max, row_sum = _fwd_tiles(acc, row_max, row_sum, q, k_src, v_src, pages, rows, un_hi, end,
                                        qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
-                                       alibi_slope_log2, dropout_seed, head, batch, drop_threshold,
+                                       alibi_slope_log2, dropout_seed, head, batch, drop_threshold, page_size,
+                                       stride_kb, stride_ks, stride_vb, stride_vs,
                                        BLOCK_N, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT,
-                                       HAS_ALIBI, HAS_DROPOUT)
+                                       HAS_ALIBI, HAS_DROPOUT, IS_PAGED, HEAD_DIM, HEAD_DIM_PAD)
 
     # A row that saw no key: output 0 and lse = -inf (log of an empty sum).
     empty = row_sum == 0.0
@@ -129,7 +147,7 @@ def _attn_fwd_kernel(
     tl.store(LSE + batch * stride_lse_b + q_start + head * stride_lse_h + rows, lse, mask=rows < seqlen_q)
 
 
-_attn_fwd_tuned = tuned(_attn_fwd_kernel, "fwd", extra_key=("HAS_ALIBI", "HAS_DROPOUT"))
+_attn_fwd_tuned = tuned(_attn_fwd_kernel, "fwd", extra_key=("HAS_ALIBI", "HAS_DROPOUT", "IS_PAGED"))
 
 
 def log2_scales(softmax_scale: float, softcap: float) -> tuple[float, float]:
@@ -150,7 +168,7 @@ def lse_shape(q, is_varlen):
 
 def attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap,
                       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, gluon=False,
-                      alibi_slopes=None, dropout_p=0.0, dropout_seed=None):
+                      alibi_slopes=None, dropout_p=0.0, dropout_seed=None, block_table=None):
     """Launch the forward kernel on validated inputs.
 
     Args:
@@ -162,11 +180,16 @@ def attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap
         alibi_slopes: None, or fp32 (heads_q,) / (batch, heads_q) contiguous.
         dropout_p: probability of dropping each attention probability; > 0 needs dropout_seed, an
             int64 (1,) tensor on q's device (read by the kernel: no host sync).
+        block_table: None, or int32 (batch, pages per sequence) with varlen queries: k, v are then page pools
+            (num_pages, page_size, heads_kv, head_dim) and cu_seqlens_k counts each sequence's keys in its
+            pages (the tl kernel only).
     Returns:
         out like q; lse fp32 (batch, heads_q, seqlen_q), or (heads_q, total_q) for varlen.
     """
     is_varlen = cu_seqlens_q is not None
-    q, k, v = (as_descriptor_compatible(t) for t in (q, k, v))
+    paged = block_table is not None
+    # Page pools are read a row at a time, not through descriptors: no copy of a whole pool.
+    q, k, v = (t if paged and t is not q else as_descriptor_compatible(t) for t in (q, k, v))
     head_dim = q.shape[-1]
     heads_q, heads_kv = q.shape[-2], k.shape[-2]
     out = new_output(q)
@@ -189,7 +212,7 @@ def attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap
     head_dim_pad = pad_head_dim(head_dim)
     ensure_allocator(q.device)
     has_alibi, has_dropout = alibi_slopes is not None, dropout_p > 0.0
-    if gluon:
+    if gluon and not paged:
         from . import flash_fwd_hopper
 
         if flash_fwd_hopper.supports(q, cu_seqlens_q, head_dim_pad, has_alibi, has_dropout):
@@ -202,14 +225,16 @@ def attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap
                                  table_mask(window_right), seqlen_q_bucket)
     launcher(kernel, lambda meta: tile_grid(meta["BLOCK_M"], seqlen_q, q.shape[0], batch, heads_q, is_varlen))(
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed if has_dropout else None,
-        *(stride for t in (q, k, v, out) for stride in seq_strides(t, is_varlen)), *strides_lse,
+        block_table, *seq_strides(q, is_varlen), *(k.stride()[:3] if paged else seq_strides(k, is_varlen)),
+        *(v.stride()[:3] if paged else seq_strides(v, is_varlen)), *seq_strides(out, is_varlen), *strides_lse,
         alibi_slopes.stride(0) if has_alibi and alibi_slopes.dim() == 2 else 0,
+        block_table.stride(0) if paged else 0, k.shape[1] if paged else 0,
         seqlen_q, seqlen_k, batch,
         qk_scale, softcap_log2, window_left, window_right, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p),
         seqlen_q_bucket, next_power_of_2(max(seqlen_k, 1)),
         GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
         IS_VARLEN=is_varlen, SEQS_PAD=seqs_pad(batch, is_varlen), DOT_PRECISION=dot_precision(q.dtype),
-        UPCAST_DOT=upcast_dot(q.dtype), HAS_ALIBI=has_alibi, HAS_DROPOUT=has_dropout, **config,
+        UPCAST_DOT=upcast_dot(q.dtype), HAS_ALIBI=has_alibi, HAS_DROPOUT=has_dropout, IS_PAGED=paged, **config,
     )
     return out, lse

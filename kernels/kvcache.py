@@ -14,7 +14,7 @@ import torch
 from .cache_pages import PAGE_MULTIPLE, check_rotary, count_bad_pages, raise_for_bad_pages, rotate
 from .checks import autocast_inputs, check_attention_args, describe, kernel_head_dim
 from .interface import kernel_impl, triton_attention
-from .kvcache_packed import kvcache_packed_queries, prefill_over_rows, rows_flatten
+from .kvcache_packed import kvcache_packed_queries, prefill_over_cache, rows_flatten
 from .masking import normalize_window
 from .reference import attention_tiled
 from .sizes import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, MIN_HEAD_DIM
@@ -373,18 +373,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         return (out, lse) if return_lse else out
     from .decode import decode_attention, dense_forward_pays
 
-    # A prompt, or a long chunk of one, runs on the dense forward over a contiguous cache's rows in use where
-    # that pays: an int is one length shared by all rows (_check_kvcache_args), a tensor one per row.
+    # A prompt, or a long chunk of one, runs on a dense forward over the cache's entries in use where that pays:
+    # an int is one length shared by all rows of a contiguous cache (_check_kvcache_args), a tensor one per row
+    # (or per sequence of a paged cache).
     dense = num_splits == 0 and dense_forward_pays(q.shape[0], q.shape[2], q.shape[1], q.device)
     if dense and isinstance(cache_seqlens, int) and cache_seqlens + seqlen_new:
         end = cache_seqlens + seqlen_new
         out, lse = triton_attention(q, k_cache[:, :end], v_cache[:, :end], None, None, None, None, 0, 0,
                                     softmax_scale, window_left, window_right, float(softcap), 0.0, True)
         return (out, lse) if return_lse else out
-    if (dense and isinstance(cache_seqlens, torch.Tensor) and block_table is None and cache_batch_idx is None
-            and cache_leftpad is None and rows_flatten(k_cache) and rows_flatten(v_cache)):
-        out, lse = prefill_over_rows(q, k_cache, v_cache, cache_seqlens + seqlen_new, softmax_scale, window_left,
-                                     window_right, float(softcap))
+    if dense and isinstance(cache_seqlens, torch.Tensor) and cache_batch_idx is None and cache_leftpad is None and (
+            block_table is not None or rows_flatten(k_cache) and rows_flatten(v_cache)):
+        out, lse = prefill_over_cache(q, k_cache, v_cache, block_table, cache_seqlens + seqlen_new, max_seqlen_k,
+                                      softmax_scale, window_left, window_right, float(softcap))
         return (out, lse.contiguous()) if return_lse else out
     compiling = torch.compiler.is_compiling()
     if isinstance(cache_seqlens, int):  # eagerly the launcher takes the shared length as an int

@@ -4,8 +4,9 @@
   servers call it: each sequence's new tokens appended at its own cache positions, then its packed queries
   attend through the paged forward of varlen_kv.py (a contiguous cache read in place as one page per
   sequence);
-* a prompt or long chunk over a contiguous cache of per-sequence (tensor) lengths: the dense varlen forward
-  over the cache's rows flattened in place, each sequence's unused entries left out on the device.
+* a prompt or long chunk over per-sequence (tensor) lengths: the dense varlen forward over a contiguous
+  cache's rows flattened in place, each sequence's unused entries left out on the device, or the tl forward
+  reading a paged cache through its block table.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 from .cache_pages import PAGE_MULTIPLE, check_rotary, rotate
 from .checks import check_cu_seqlens, describe
 from .interface import kernel_impl, triton_attention
-from .varlen_kv import check_block_table, check_seqused_k, paged_varlen_attention, without_unused_keys
+from .varlen_kv import (check_block_table, check_seqused_k, paged_forward, paged_varlen_attention,
+                        without_unused_keys)
 
 
 def kvcache_packed_queries(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cu_seqlens_q, cu_seqlens_k_new,
@@ -109,23 +111,30 @@ def rows_flatten(cache):
     return cache.shape[0] < 2 or cache.stride(0) == cache.shape[1] * cache.stride(1)
 
 
-def prefill_over_rows(q, k_cache, v_cache, seqlens_k, softmax_scale, window_left, window_right, softcap):
-    """Sequence b's queries over the first seqlens_k[b] entries of cache row b on the dense varlen forward, the
-    rows flattened in place (rows_flatten) and each row's other entries left out by offsets computed on the
-    device: no host read of the lengths.
+def prefill_over_cache(q, k_cache, v_cache, block_table, seqlens_k, max_seqlen_k, softmax_scale, window_left,
+                       window_right, softcap):
+    """Sequence b's queries over the first seqlens_k[b] entries of its cache on a dense forward, without a host
+    read of the lengths: a contiguous cache's rows flattened in place (rows_flatten), each row's other entries
+    left out by offsets computed on the device, on the varlen forward; a paged cache through its block_table on
+    the tl forward (varlen_kv.paged_forward).
 
     Args:
-        q: (batch, seqlen_q, heads_q, head_dim); k_cache, v_cache: (batch, max_cache, heads_kv, head_dim).
-        seqlens_k: int32 (batch,), each sequence's entries in use (after the append).
+        q: (batch, seqlen_q, heads_q, head_dim); k_cache, v_cache: (batch, max_cache, heads_kv, head_dim), or
+            page pools (num_pages, page_size, heads_kv, head_dim) with block_table (batch, pages per sequence).
+        seqlens_k: int32 (batch,), each sequence's entries in use (after the append); max_seqlen_k: a bound.
     Returns:
         out like q, lse (batch, heads_q, seqlen_q) (a transposed view).
     """
     batch, seqlen_q, heads_q, _ = q.shape
-    capacity = k_cache.shape[1]
     rows = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
-    cu_seqlens_q, cu_seqlens_k, _ = without_unused_keys(k_cache, rows * seqlen_q, rows * capacity, seqlens_k, None,
-                                                        False, False)
-    out, lse = triton_attention(q.flatten(0, 1), k_cache.flatten(0, 1), v_cache.flatten(0, 1), cu_seqlens_q,
-                                cu_seqlens_k, None, None, seqlen_q, capacity, softmax_scale, window_left,
-                                window_right, softcap, 0.0, True)
+    if block_table is None:
+        capacity = k_cache.shape[1]
+        cu_seqlens_q, cu_seqlens_k, _ = without_unused_keys(k_cache, rows * seqlen_q, rows * capacity, seqlens_k,
+                                                            None, False, False)
+        out, lse = triton_attention(q.flatten(0, 1), k_cache.flatten(0, 1), v_cache.flatten(0, 1), cu_seqlens_q,
+                                    cu_seqlens_k, None, None, seqlen_q, capacity, softmax_scale, window_left,
+                                    window_right, softcap, 0.0, True)
+    else:
+        out, lse = paged_forward(q.flatten(0, 1), k_cache, v_cache, rows * seqlen_q, seqlens_k, block_table, seqlen_q,
+                                 max_seqlen_k, softmax_scale, window_left, window_right, softcap)
     return out.view(q.shape), lse.view(heads_q, batch, seqlen_q).transpose(0, 1)

@@ -197,6 +197,21 @@ def rows_descriptor(BASE, rows, stride_rows, BLOCK: tl.constexpr, HEAD_DIM: tl.c
 
 
 @triton.jit
+def paged_rows(BASE, PAGES, n0, rows, page_size, stride_page, stride_row, BLOCK: tl.constexpr,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    """Rows n0 .. n0 + BLOCK of one head of a page pool (BASE at the head, PAGES the sequence's block-table row),
+    as a (BLOCK, HEAD_DIM_PAD) tile with zeros past ``rows`` and HEAD_DIM, like rows_descriptor's loads. A row
+    at a time: a tile may span pages (any page size that holds whole 16-key tiles)."""
+    keys = n0 + tl.arange(0, BLOCK)
+    inside = keys < rows
+    page = tl.load(PAGES + keys // page_size, mask=inside, other=0).to(tl.int64)
+    offsets = page * stride_page + (keys % page_size).to(tl.int64) * stride_row
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    return tl.load(BASE + offsets[:, None] + dims[None, :], mask=inside[:, None] & (dims < HEAD_DIM)[None, :],
+                   other=0.0)
+
+
+@triton.jit
 def attention_logits(q, k, rows, cols, qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
                      HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr, LEFT_BOUNDED: tl.constexpr,
                      RIGHT_BOUNDED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):

@@ -1,8 +1,10 @@
 """flash_attn_varlen_func with keys in a paged pool (block_table), forward only, and with seqused_k (only
 the first seqused_k[b] keys of each sequence).
 
-Paged keys run on decode.py's split-KV kernel, which already reads paged caches with per-sequence key
-counts and takes packed queries: no kernel of its own. Packed keys with seqused_k need no kernel change
+Paged keys run on decode.py's split-KV kernel, which reads paged caches with per-sequence key counts and
+takes packed queries, or, where the queries fill the GPU's SMs in tiles of their own (a prompt, a long chunk:
+decode.dense_forward_pays), on the tl forward kernel reading each key row through the block table
+(``paged_forward``). Packed keys with seqused_k need no kernel change
 at all: the offsets are rewritten on the device (without_unused_keys) so that the dense varlen kernels,
 forward and backward, skip the unused keys. The PyTorch path gathers each paged sequence's keys and runs
 the tiled varlen reference.
@@ -16,6 +18,7 @@ from .checks import (autocast_inputs, check_attention_args, check_cu_seqlens, de
                      max_seqlen_arg)
 from .interface import varlen_tiled
 from .cache_pages import PAGE_MULTIPLE, count_bad_pages, raise_for_bad_pages
+from .flash_fwd import attention_forward
 from .masking import normalize_window
 from .sizes import cdiv
 
@@ -142,7 +145,26 @@ def paged_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         k, v, cu_seqlens_k = _gathered_keys(k, v, block_table, lengths)
         return varlen_tiled(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right,
                             float(softcap), None, 0.0, None)
-    from .decode import decode_attention
+    from .decode import decode_attention, dense_forward_pays
 
+    if dense_forward_pays(batch, q.shape[1], q.shape[0] // max(batch, 1), q.device):
+        return paged_forward(q, k, v, cu_seqlens_q, lengths, block_table, max_seqlen_q, max_seqlen_k, softmax_scale,
+                             window_left, window_right, float(softcap))
     return decode_attention(q, k, v, lengths, block_table, max_seqlen_k, softmax_scale, window_left, window_right,
                             float(softcap), cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
+
+
+def paged_forward(q, k, v, cu_seqlens_q, lengths, block_table, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+                  window_right, softcap):
+    """Packed queries against paged keys on the tl forward kernel: sequence b's queries over its first lengths[b]
+    keys, each read through row b of block_table. Offsets built on the device (no host read); forward only.
+
+    Args:
+        q: (total_q, heads_q, head_dim); k, v: page pools (num_pages, page_size, heads_kv, head_dim).
+        lengths: int32 (batch,), each sequence's keys; max_seqlen_k: a bound on them (a tuning hint).
+    Returns:
+        out like q, lse (heads_q, total_q).
+    """
+    cu_seqlens_k = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    return attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap, cu_seqlens_q, cu_seqlens_k,
+                             max_seqlen_q, max_seqlen_k, block_table=block_table)

@@ -38,7 +38,12 @@ def compile_for_hopper(kernel, constexprs, num_warps, num_stages, maxnreg=None, 
     """Compile ``kernel`` (a tl or a Gluon kernel) for sm_90 with the given constexprs; pointers named
     in CAPS, other args i32. Returns the compiled kernel and its ptxas -v log."""
     names = kernel.arg_names
-    signature, constants = {}, {}
+    signature, constants, attrs = {}, {}, {}
+    # What a launch on aligned tensors specialises (Triton's 16-divisibility of pointers and of ints): pointers,
+    # and the strides of tensors whose rows are 16-element multiples. Without it pointer loads compile scalar and
+    # unpipelined, unlike on the GPU; arguments a kernel keeps unspecialised stay so.
+    unspecialised = {names[i] if isinstance(i, int) else i
+                     for i in (*kernel.do_not_specialize, *kernel.do_not_specialize_on_alignment)}
     for index, name in enumerate(names):
         if name in constexprs:
             signature[name] = "constexpr"
@@ -48,8 +53,10 @@ def compile_for_hopper(kernel, constexprs, num_warps, num_stages, maxnreg=None, 
                                else "*i64" if name in INT64_POINTERS else f"*{dtype}")
         else:
             signature[name] = "fp32" if name in FLOAT_SCALARS else "i32"
+        if (name.isupper() or name.startswith("stride_")) and name not in constexprs and name not in unspecialised:
+            attrs[(index,)] = [["tt.divisibility", 16]]
     source_type = GluonASTSource if kernel.is_gluon() else ASTSource
-    source = source_type(fn=kernel, signature=signature, constexprs=constants)
+    source = source_type(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
     # Triton runs ptxas -v itself and prints its log under dump_ptxas_log: read there, the registers and
     # spills cost no second ptxas run. always_compile: a kernel from Triton's cache would print no log.
     ptxas_log = io.StringIO()
@@ -114,13 +121,13 @@ def stores_under_products(ptx):
 
 
 def attention_constexprs(head_dim, block_m, block_n, causal=True, window=False, softcap=False, varlen=False, group=1,
-                         accumulate_dq=False, has_dlse=False, alibi=False, dropout=False):
+                         accumulate_dq=False, has_dlse=False, alibi=False, dropout=False, paged=False):
     return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=pad_head_dim(head_dim), BLOCK_M=block_m,
                 BLOCK_N=block_n, LEFT_BOUNDED=window, RIGHT_BOUNDED=causal or window, HAS_SOFTCAP=softcap,
                 IS_VARLEN=varlen, SEQS_PAD=16 if varlen else 1, ACCUMULATE_DQ=accumulate_dq,
                 DQ_TMA_REDUCE=accumulate_dq, DOT_PRECISION="tf32", UPCAST_DOT=False, HAS_DLSE=has_dlse,
                 ONE_LOOP=not accumulate_dq and pad_head_dim(head_dim) >= flash_bwd.ONE_LOOP_DKDV_HEAD_DIM,
-                HAS_ALIBI=alibi, HAS_DROPOUT=dropout)
+                HAS_ALIBI=alibi, HAS_DROPOUT=dropout, IS_PAGED=paged)
 
 
 def gluon_forward_constexprs(head_dim, causal=True, window=False, softcap=False, group=1, config=None,
@@ -282,6 +289,9 @@ CASES = {
                                    attention_constexprs(64, 128, 64, window=True, softcap=True, group=4), 4, 3),
     "fwd-d80-varlen": (flash_fwd._attn_fwd_kernel, attention_constexprs(80, 128, 64, varlen=True), 8, 3),
     "fwd-d256": (flash_fwd._attn_fwd_kernel, attention_constexprs(256, 64, 32, causal=False), 4, 2),
+    # a prompt over paged keys (flash_attn_with_kvcache, flash_attn_varlen_func with block_table)
+    "fwd-d128-paged-causal-gqa": (flash_fwd._attn_fwd_kernel,
+                                  attention_constexprs(128, 128, 64, varlen=True, group=4, paged=True), 8, 3),
     "bwd_dkdv-d128-causal-gqa": (flash_bwd._bwd_dkdv_kernel, attention_constexprs(128, 32, 128, group=4), 8, 2),
     # the offline table's head_dim-64 causal config, compiled with no length divisible by 16
     "bwd_dkdv-d64-causal-ragged": (flash_bwd._bwd_dkdv_kernel, attention_constexprs(64, 64, 64), 4, 3),
@@ -384,6 +394,8 @@ def main(selected):
                         "acquire_release": "ld.acquire.gpu" in ptx and "atom.release.gpu" in ptx,
                         # loads through the load/store units from global memory (TMA copies are not among them)
                         "global_loads": len(re.findall(r"\bld\.global\b", ptx)),
+                        # asynchronous copies from global to shared memory (Ampere's, a pipelined pointer load)
+                        "cp_async": len(re.findall(r"\bcp\.async\.c[ag]\.shared\.global\b", ptx)),
                         # local memory in the PTX itself (ptxas's own spills are spill_bytes)
                         "local_memory": bool(re.search(r"\b(?:ld|st)\.local\b", ptx)),
                         # wgmma.wait_group N with N >= 1: a product left in flight while the program goes on

@@ -88,6 +88,17 @@ def test_dkdv_kernel_keeps_three_programs_per_sm_at_ragged_lengths(report):
     assert case["registers"] <= 168 and case["spill_bytes"] == 0, case
 
 
+def test_paged_forward_pipelines_its_key_rows(report):
+    """The tl forward over a paged cache reads key and value rows with pointer loads (a tile may span pages, so
+    no TMA view covers it): launched on aligned tensors they compile to asynchronous copies into shared memory,
+    pipelined over the key loop (more than one tile's buffers), and nothing spills. Scalar, unpipelined loads
+    (what unaligned strides give) took 255 registers and spilled 928 B."""
+    paged, dense = report["fwd-d128-paged-causal-gqa"], report["fwd-d128-causal"]
+    assert paged["cp_async"] and paged["global_loads"] <= 8 and paged["spill_bytes"] == 0, paged
+    assert paged["shared_bytes"] > 2 * 2 * 64 * 128 * 2, paged  # K and V tiles of 64 x 128 bf16, twice
+    assert not dense["cp_async"], dense
+
+
 def test_nondeterministic_backward_reduces_dq_through_tma(report):
     """deterministic=False (and the fused Gluon backward) add dQ shares with TMA bulk reductions
     (cp.reduce.async.bulk), not element-wise atomics; the deterministic kernels issue none."""

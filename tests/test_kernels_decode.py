@@ -196,18 +196,20 @@ def test_query_chunks_match_reference(cache_lens, seqlen_q, new, heads, mask, dt
 
 
 # head_dims 64 and 128: on an H200 the Gluon forward (at 64 from 1k queries, which the GPU's query count reaches),
-# reading the cache's rows in use through strided views.
-@pytest.mark.parametrize("cached,extra,append,mask,dtype,head_dim,per_sequence", [
-    (0, 0, True, 0, 1, 64, False), (37, 0, True, 2, 0, 128, False), (21, 5, True, 5, 1, 64, False),
-    (50, 0, False, 1, 0, 64, False), (37, 3, True, 0, 0, 64, True), (50, 0, False, 2, 1, 128, True),
-    (21, 0, True, 5, 1, 128, True)])
-def test_prompts_take_the_dense_forward(cached, extra, append, mask, dtype, head_dim, per_sequence, device,
-                                        triton_path, monkeypatch):
+# reading the cache's rows in use through strided views; a paged cache the tl forward through its block table.
+@pytest.mark.parametrize("cached,extra,append,mask,dtype,head_dim,lengths", [
+    (0, 0, True, 0, 1, 64, "shared"), (37, 0, True, 2, 0, 128, "shared"), (21, 5, True, 5, 1, 64, "shared"),
+    (50, 0, False, 1, 0, 64, "shared"), (37, 3, True, 0, 0, 64, "per-sequence"),
+    (50, 0, False, 2, 1, 128, "per-sequence"), (21, 0, True, 5, 1, 128, "per-sequence"),
+    (37, 3, True, 0, 0, 64, "paged"), (50, 0, False, 5, 1, 128, "paged")])
+def test_prompts_take_the_dense_forward(cached, extra, append, mask, dtype, head_dim, lengths, device, triton_path,
+                                        monkeypatch):
     """Where dense_forward_pays (a prompt, a long chunk), queries over a contiguous cache run the dense forward
     over the cache's rows in use: with one shared (int) length bit for bit flash_attn_func on them, with
     per-sequence (tensor) lengths flash_attn_varlen_func over the flattened rows with seqused_k, after the same
-    append; within the 2x rule of the reference, the entries past each length NaN. The interpreter takes a GPU of
-    4 SMs, which one query tile fills."""
+    append; over a paged cache (pages of 16 entries, shuffled) bit for bit the tl kernel of that varlen call;
+    within the 2x rule of the reference, the entries past each length NaN. The interpreter takes a GPU of 4 SMs,
+    which one query tile fills."""
     monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
     monkeypatch.setattr(decode, "DEFAULT_SMS", 4)
     heads, batch = (6, 2), 2
@@ -216,24 +218,28 @@ def test_prompts_take_the_dense_forward(cached, extra, append, mask, dtype, head
     assert decode.dense_forward_pays(batch, heads[0], seqlen_q, torch.device(device))
     causal, window_size, softcap = MASKS[mask]
     new = seqlen_q if append else 0
-    case = Case((cached, cached // 3 if per_sequence else cached), seqlen_q, new, heads, head_dim, DTYPES[dtype],
-                None, device)
+    shared = lengths == "shared"
+    case = Case((cached, cached if shared else cached // 3), seqlen_q, new, heads, head_dim, DTYPES[dtype],
+                16 if lengths == "paged" else None, device)
     new_kv = dict(k=case.k, v=case.v) if new else {}
     opts = dict(causal=causal, window_size=window_size, softcap=softcap)
     out, lse = flash_attn_with_kvcache(case.q, case.k_cache, case.v_cache, return_lse=True, **new_kv, **opts,
-                                       cache_seqlens=case.cache_seqlens if per_sequence else cached)
+                                       cache_seqlens=cached if shared else case.cache_seqlens,
+                                       block_table=case.block_table)
     case.assert_cache_appended()
-    if per_sequence:
-        rows = torch.arange(batch + 1, dtype=torch.int32, device=device)
-        dense, dense_lse = flash_attn_varlen_func(
-            case.q.flatten(0, 1), case.k_cache.flatten(0, 1), case.v_cache.flatten(0, 1), rows * seqlen_q,
-            rows * case.k_cache.shape[1], seqlen_q, case.k_cache.shape[1], seqused_k=case.cache_seqlens + new,
-            return_lse=True, **opts)
-        dense, dense_lse = dense.view(out.shape), dense_lse.view(heads[0], batch, seqlen_q).transpose(0, 1)
-    else:
+    if shared:
         end = cached + new
         dense, dense_lse = flash_attn_func(case.q, case.k_cache[:, :end], case.v_cache[:, :end], return_lse=True,
                                            **opts)
+    else:
+        if lengths == "paged":
+            monkeypatch.setenv("FLASHFORMER_KERNEL", "triton")
+        rows = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        max_cache = case.logical_k.shape[1]
+        dense, dense_lse = flash_attn_varlen_func(
+            case.q.flatten(0, 1), case.logical_k.flatten(0, 1), case.logical_v.flatten(0, 1), rows * seqlen_q,
+            rows * max_cache, seqlen_q, max_cache, seqused_k=case.cache_seqlens + new, return_lse=True, **opts)
+        dense, dense_lse = dense.view(out.shape), dense_lse.view(heads[0], batch, seqlen_q).transpose(0, 1)
     assert torch.equal(out, dense) and torch.equal(lse, dense_lse)
     _check_against_reference(case, out, lse, causal, window_size, softcap)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from attention_checks import assert_within_2x
 
-from flashformer.kernels import (attention_materialized, cu_seqlens_from_lengths, flash_attn_varlen_func,
+from flashformer.kernels import (attention_materialized, cu_seqlens_from_lengths, decode, flash_attn_varlen_func,
                                  flash_attn_with_kvcache, launch)
 
 UNUSED_PAGE = 1 << 20  # block_table entries past a sequence's pages: must never be read
@@ -115,6 +115,36 @@ def test_split_keys_are_merged(device, triton_path):
     """A sequence long enough for the split-KV heuristic to cut it (the combine kernel over packed rows)."""
     batch = Batch([3, 2], [1100, 40], (2, 1), 16, torch.float16, 64, None, device)
     assert_matches_reference(batch, causal=True)
+
+
+PROMPTS_OVER_PAGES = [  # lengths_q, lengths_k, used, heads, head_dim, page_size, mask, dtype
+    ([130, 150], [160, 200], None, (2, 1), 64, 16, (True, (-1, -1), 0.0), torch.float16),
+    ([140, 129, 131], [140, 300, 35], [140, 250, 35], (4, 2), 40, 48, (True, (70, -1), 0.0), torch.bfloat16),
+    ([200, 90], [260, 90], None, (2, 2), 128, 32, (False, (-1, -1), 10.0), torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("lengths_q,lengths_k,used,heads,head_dim,page_size,mask,dtype",
+                         [pytest.param(*c, id=_case_id(*c)) for c in PROMPTS_OVER_PAGES])
+def test_prompts_over_pages_take_the_dense_forward(lengths_q, lengths_k, used, heads, head_dim, page_size, mask,
+                                                   dtype, device, monkeypatch):
+    """Where decode.dense_forward_pays (here a GPU of 4 SMs), packed queries over pages run the tl forward, each
+    key row read through the block table: bit for bit that kernel over the same keys packed, within the 2x rule
+    of the reference, with tiles that span pages (16 keys a page) and pages that end inside a tile (48)."""
+    monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(decode, "DEFAULT_SMS", 4)
+    monkeypatch.setenv("FLASHFORMER_KERNEL", "triton")
+    causal, window_size, softcap = mask
+    opts = dict(causal=causal, window_size=window_size, softcap=softcap)
+    paged = Batch(lengths_q, lengths_k, heads, head_dim, dtype, page_size, used, device)
+    assert decode.dense_forward_pays(len(lengths_q), heads[0], sum(lengths_q) // len(lengths_q), torch.device(device))
+    out, lse = paged.run(**opts)
+    packed = dict(k=torch.cat(paged.keys), v=torch.cat(paged.values), block_table=None)
+    dense, dense_lse = flash_attn_varlen_func(paged.q, packed["k"], packed["v"], paged.cu_q, paged.cu_k,
+                                              max(lengths_q), max(lengths_k), seqused_k=paged.seqused_k,
+                                              return_lse=True, **opts)
+    assert torch.equal(out, dense) and torch.equal(lse, dense_lse)
+    assert_matches_reference(paged, **opts)
 
 
 def _reference_grads(batch, grad_out, upcast, alibi_slopes=None, **opts):
