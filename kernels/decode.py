@@ -99,11 +99,11 @@ def device_sms(device):
 
 
 def dense_forward_pays(batch, heads_q, seqlen_q, device):
-    """Whether ``seqlen_q`` new queries per sequence over a contiguous cache of one shared length run better on
-    the dense forward than here: this kernel reads every key tile once per MAX_ROWS query rows (a GQA group's
-    heads times a few tokens), the dense forward once per DENSE_QUERY_TILE rows of one head with its Hopper
-    overlap, but it splits no cache: its programs (batch x heads_q x query tiles) must fill the SMs, where this
-    kernel's splits would."""
+    """Whether ``seqlen_q`` new queries per sequence (on average, where packed) run better on a dense forward than
+    here: this kernel reads every key tile once per MAX_ROWS query rows (a GQA group's heads times a few tokens),
+    the dense forward once per DENSE_QUERY_TILE rows of one head (with its Hopper overlap where the cache is
+    contiguous), but it splits no cache: its programs (batch x heads_q x query tiles) must fill the SMs, where
+    this kernel's splits would."""
     return (seqlen_q >= DENSE_QUERY_TILE
             and batch * heads_q * cdiv(seqlen_q, DENSE_QUERY_TILE) >= device_sms(device))
 

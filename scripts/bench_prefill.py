@@ -8,14 +8,16 @@ q:kv, head_dim, tokens cached, tokens new):
   attention, as the model's KVCache calls it (an int: one length for every row);
 * ours API, tensor lengths: the same with cache_seqlens an int32 (batch,) tensor, as flash-attn users and
   servers pass it (a length per row, never read on the host);
+* ours API, paged: the same over a paged copy of the cache (pages of --page-size entries in shuffled order,
+  block_table), as servers keep it;
 * ours decode kernel: the split-KV decode kernel on the same cache (decode.decode_attention, no append), which
-  flash_attn_with_kvcache runs where decode.dense_forward_pays says no, and on paged caches;
+  flash_attn_with_kvcache runs where decode.dense_forward_pays says no;
 * ours dense: flash_attn_func(q, k_cache[:, :end], v_cache[:, :end], causal=True) on the same cache, the
   dense forward alone (no append);
 * SDPA cuDNN / flash: the same attention (bottom-right causal) on (batch, heads, seqlen, head_dim) copies.
 
 TFLOP/s counts each query's visible keys (cached + its position + 1): 4 * pairs * head_dim * heads_q.
-Each cell records both API calls' and the decode kernel's largest difference from ours dense. Prints a markdown
+Each cell records the API calls' and the decode kernel's largest difference from ours dense. Prints a markdown
 table last; writes JSON to --out after every cell.
 """
 
@@ -36,7 +38,8 @@ from flashformer.kernels.decode import decode_attention
 from flashformer.profiling import benchmark_provenance
 
 DTYPE = torch.bfloat16
-METHODS = ("ours API", "ours API, tensor lengths", "ours decode kernel", "ours dense", "SDPA cuDNN", "SDPA flash")
+METHODS = ("ours API", "ours API, tensor lengths", "ours API, paged", "ours decode kernel", "ours dense", "SDPA cuDNN",
+           "SDPA flash")
 # (batch, heads_q, heads_kv, head_dim, cached, new): prompts of a Llama-style model (32:8 at 128) and a
 # GPT-2-style one (12:12 at 64), then chunks of a prompt arriving at a cache that already holds tokens.
 DEFAULT_CELLS = [
@@ -77,7 +80,22 @@ def _time_sdpa(fn, backend):
             return None
 
 
-def run_cell(batch, heads_q, heads_kv, head_dim, cached, new):
+def paged_copy(k_cache, v_cache, page_size):
+    """(k_pool, v_pool, block_table): the caches (batch, entries, heads, head_dim) cut into pages of page_size
+    entries (the last one padded), stored in one shuffled order."""
+    batch, entries = k_cache.shape[:2]
+    pages = triton.cdiv(entries, page_size)
+    order = torch.randperm(batch * pages, device=k_cache.device)
+    pools = []
+    for cache in (k_cache, v_cache):
+        rows = torch.nn.functional.pad(cache, (0, 0, 0, 0, 0, pages * page_size - entries))
+        pool = torch.empty(batch * pages, page_size, *cache.shape[2:], device=cache.device, dtype=cache.dtype)
+        pool[order] = rows.view(batch * pages, page_size, *cache.shape[2:])
+        pools.append(pool)
+    return *pools, order.view(batch, pages).int()
+
+
+def run_cell(batch, heads_q, heads_kv, head_dim, cached, new, page_size):
     device = torch.device("cuda")
     end = cached + new
     k_cache, v_cache = (torch.randn(batch, end, heads_kv, head_dim, device=device, dtype=DTYPE) for _ in range(2))
@@ -87,6 +105,7 @@ def run_cell(batch, heads_q, heads_kv, head_dim, cached, new):
     q_t, k_t, v_t = (x.transpose(1, 2).contiguous() for x in (q, k_seen, v_seen))
     mask = causal_lower_right(new, end)
     cached_per_row = torch.full((batch,), cached, dtype=torch.int32, device=device)
+    k_pool, v_pool, block_table = paged_copy(k_cache, v_cache, page_size)
 
     def sdpa():
         return torch.nn.functional.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask,
@@ -96,6 +115,8 @@ def run_cell(batch, heads_q, heads_kv, head_dim, cached, new):
         "ours API": lambda: flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cached),
         "ours API, tensor lengths": lambda: flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
                                                                     cache_seqlens=cached_per_row),
+        "ours API, paged": lambda: flash_attn_with_kvcache(q, k_pool, v_pool, k_new, v_new, cache_seqlens=cached_per_row,
+                                                           block_table=block_table),
         "ours decode kernel": lambda: decode_attention(q, k_cache, v_cache, end, None, end, head_dim ** -0.5, -1, 0,
                                                        0.0, return_lse=False)[0],
         "ours dense": lambda: flash_attn_func(q, k_seen, v_seen, causal=True),
@@ -104,10 +125,10 @@ def run_cell(batch, heads_q, heads_kv, head_dim, cached, new):
     for name, backend in (("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION), ("SDPA flash", SDPBackend.FLASH_ATTENTION)):
         ms[name] = _time_sdpa(sdpa, backend)
     dense = calls["ours dense"]().float()
-    diffs = {name: (calls[name]().float() - dense).abs().max().item() for name in METHODS[:3]}
+    diffs = {name: (calls[name]().float() - dense).abs().max().item() for name in METHODS[:4]}
     flops = 4 * batch * heads_q * head_dim * causal_pairs(cached, new)
     return {"batch": batch, "heads_q": heads_q, "heads_kv": heads_kv, "head_dim": head_dim, "cached": cached,
-            "new": new, "ms": ms, "tflops": {name: None if t is None else flops / t / 1e9 for name, t in ms.items()},
+            "new": new, "page_size": page_size, "ms": ms, "tflops": {name: None if t is None else flops / t / 1e9 for name, t in ms.items()},
             "max_diff_from_dense": diffs}
 
 
@@ -116,9 +137,10 @@ def markdown(cells):
         return "-" if value is None else f"{value:.0f}"
 
     pairs = (("ours API", "ours decode kernel"), ("ours API, tensor lengths", "ours decode kernel"),
-             ("ours API", "SDPA cuDNN"))
+             ("ours API, paged", "ours decode kernel"), ("ours API", "SDPA cuDNN"))
     lines = ["| batch | heads | head_dim | cached | new | " + " | ".join(METHODS) + " | API / decode kernel | "
-             "API, tensor lengths / decode kernel | API / cuDNN |", "|" + "---|" * (len(METHODS) + 8)]
+             "API, tensor lengths / decode kernel | API, paged / decode kernel | API / cuDNN |",
+             "|" + "---|" * (len(METHODS) + 9)]
     for c in cells:
         t = c["tflops"]
         ratios = [t[a] / t[b] if t[a] and t[b] else None for a, b in pairs]
@@ -132,6 +154,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", type=parse_cell, nargs="+", default=DEFAULT_CELLS,
                         metavar="BxHQ:HKVxDxCACHEDxNEW")
+    parser.add_argument("--page-size", type=int, default=16, help="entries per page of the paged column (vLLM's "
+                        "16 by default: each key tile then spans pages)")
     parser.add_argument("--out", default="runs/bench_prefill.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -139,7 +163,7 @@ def main():
     cells = []
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     for cell in tqdm(args.cells, desc="prefill cells"):
-        cells.append(run_cell(*cell))
+        cells.append(run_cell(*cell, args.page_size))
         torch.cuda.empty_cache()
         with open(args.out, "w") as f:  # after every cell: a run cut short keeps what it measured
             json.dump({**benchmark_provenance(), "dtype": str(DTYPE), "cells": cells}, f, indent=2)

@@ -704,3 +704,13 @@ def test_prefill_counts_the_pairs_a_bottom_right_mask_keeps():
     assert prefill.parse_cell("8x32:8x128x4096x256") == (8, 32, 8, 128, 4096, 256)
     with pytest.raises(argparse.ArgumentTypeError, match="BxHQ:HKVxDxCACHEDxNEW"):
         prefill.parse_cell("8x32x128x0x256")
+
+
+def test_prefill_pages_hold_the_cache_in_the_block_tables_order():
+    prefill = _load_script("bench_prefill")
+    k_cache, v_cache = torch.randn(3, 37, 2, 8), torch.randn(3, 37, 2, 8)
+    k_pool, v_pool, block_table = prefill.paged_copy(k_cache, v_cache, 16)
+    assert k_pool.shape == (9, 16, 2, 8) and block_table.shape == (3, 3) and block_table.dtype == torch.int32
+    assert sorted(block_table.flatten().tolist()) == list(range(9))
+    for pool, cache in ((k_pool, k_cache), (v_pool, v_cache)):
+        assert torch.equal(pool[block_table.long()].flatten(1, 2)[:, :37], cache)
