@@ -26,7 +26,7 @@ from .sizes import next_power_of_2, pad_head_dim
 from .tile_ops import (alibi_bias, attention_logits, dropout_keep, key_range, load_alibi_slope_log2, load_dropout_key,
                        logit_scale, narrow, online_softmax_step, paged_rows, program_tile, rows_descriptor,
                        sequence_bounds)
-from .tuning import pick_kernel, table_mask, tuned
+from .tuning import pick_kernel, row_pointer_config, table_mask, tuned
 
 LOG2E = 1.4426950408889634
 
@@ -223,6 +223,8 @@ def attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap
     seqlen_q_bucket = next_power_of_2(max(seqlen_q, 1))
     kernel, config = pick_kernel(q.device, "fwd", _attn_fwd_kernel, _attn_fwd_tuned, head_dim_pad,
                                  table_mask(window_right), seqlen_q_bucket)
+    if paged:
+        config = row_pointer_config(config)
     launcher(kernel, lambda meta: tile_grid(meta["BLOCK_M"], seqlen_q, q.shape[0], batch, heads_q, is_varlen))(
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed if has_dropout else None,
         block_table, *seq_strides(q, is_varlen), *(k.stride()[:3] if paged else seq_strides(k, is_varlen)),

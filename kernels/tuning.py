@@ -87,7 +87,10 @@ def _gpu_configs(kind):
 
 def prune_configs(kind, configs, named_args, **kwargs):
     """The candidates of ``kind`` for this launch's head_dim: head_dim 256's own list, else the
-    shapes whose staged tiles fit Hopper's 227 KB of shared memory."""
+    shapes whose staged tiles fit Hopper's 227 KB of shared memory; none capped in registers for a paged
+    forward (row_pointer_config)."""
+    if kwargs.get("IS_PAGED", named_args.get("IS_PAGED")):
+        configs = [config for config in configs if not config.maxnreg] or configs
     head_dim = named_args["HEAD_DIM_PAD"] if "HEAD_DIM_PAD" in named_args else kwargs["HEAD_DIM_PAD"]
     if head_dim > WIDE_HEAD_DIM:
         kept = [config for config in configs if _shape(config) in _WIDE_SHAPES[kind]]
@@ -226,6 +229,13 @@ def pick_kernel(device, kind, kernel, tuned_kernel, head_dim_pad, mask, seqlen_b
     if not autotunes(seqlen_bucket):
         return kernel, _default_gpu_config(kind, head_dim_pad)
     return tuned_kernel, {}
+
+
+def row_pointer_config(config):
+    """``config`` for a kernel that reads its key rows through pointers (the paged forward) instead of TMA: no
+    register cap. The capped picks (two programs per SM) fit the TMA form's ~140 registers; row pointers and their
+    masks take ~215 at head_dim 128, and under a 128 cap spill 884 B (sm_90 compile)."""
+    return {name: value for name, value in config.items() if name != "maxnreg"}
 
 
 # Shorter launches than this (query length's power of two) that the offline table does not cover take

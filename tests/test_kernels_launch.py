@@ -193,6 +193,17 @@ def test_head_dim_256_has_its_own_candidates(kind):
         assert narrow and set(narrow) <= set(tuning._SHAPES[kind])
 
 
+def test_the_paged_forward_never_runs_register_capped():
+    """The paged forward's row pointers need ~215 registers at head_dim 128: the capped candidates (128, two
+    programs per SM) would spill, so neither the autotuner nor the offline table's pick hands it one."""
+    configs = tuning._gpu_configs("fwd")
+    dense = tuning.prune_configs("fwd", configs, {"HEAD_DIM_PAD": 128, "IS_PAGED": False})
+    paged = tuning.prune_configs("fwd", configs, {"HEAD_DIM_PAD": 128, "IS_PAGED": True})
+    assert any(config.maxnreg for config in dense) and paged and not any(config.maxnreg for config in paged)
+    capped = tuning.config_from_shape((128, 64, 8, 2, 128))
+    assert tuning.row_pointer_config(capped) == tuning.config_from_shape((128, 64, 8, 2))
+
+
 @pytest.mark.parametrize("kind", ["fwd", "bwd_dkdv", "bwd_dq", "bwd_fused"])
 def test_candidates_survive_the_round_trip_to_the_table(kind):
     """A tuning run writes its pick as a table entry and a launch reads it back: the register cap of
