@@ -154,6 +154,26 @@ def paged_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                             float(softcap), cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
 
 
+def _paged_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                        lengths: torch.Tensor, block_table: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                        softmax_scale: float, window_left: int, window_right: int,
+                        softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    cu_seqlens_k = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    return attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap, cu_seqlens_q, cu_seqlens_k,
+                             max_seqlen_q, max_seqlen_k, block_table=block_table)
+
+
+# Eagerly the launcher is called directly; torch.compile sees the op (see interface.py for why).
+_paged_forward_op = torch.library.custom_op("flashformer::paged_forward", _paged_forward_impl, mutates_args=())
+
+
+@_paged_forward_op.register_fake
+def _(q, k, v, cu_seqlens_q, lengths, block_table, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+      window_right, softcap):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
+        (q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
 def paged_forward(q, k, v, cu_seqlens_q, lengths, block_table, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
                   window_right, softcap):
     """Packed queries against paged keys on the tl forward kernel: sequence b's queries over its first lengths[b]
@@ -165,6 +185,6 @@ def paged_forward(q, k, v, cu_seqlens_q, lengths, block_table, max_seqlen_q, max
     Returns:
         out like q, lse (heads_q, total_q).
     """
-    cu_seqlens_k = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
-    return attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap, cu_seqlens_q, cu_seqlens_k,
-                             max_seqlen_q, max_seqlen_k, block_table=block_table)
+    run = _paged_forward_op if torch.compiler.is_compiling() else _paged_forward_impl
+    return run(q, k, v, cu_seqlens_q, lengths, block_table, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+               window_right, softcap)

@@ -244,6 +244,23 @@ def test_prompts_take_the_dense_forward(cached, extra, append, mask, dtype, head
     _check_against_reference(case, out, lse, causal, window_size, softcap)
 
 
+def test_a_paged_prompt_compiles_full_graph(device, triton_path, monkeypatch):
+    """A prompt over a paged cache on the dense forward traces with no graph break (the forward as a
+    torch.library op) and computes the eager result."""
+    monkeypatch.setattr(decode, "DEFAULT_SMS", 4)
+    case = Case((9, 30), DENSE_QUERY_TILE, DENSE_QUERY_TILE, (4, 2), 32, torch.float16, 16, device)
+    assert decode.dense_forward_pays(2, 4, DENSE_QUERY_TILE, torch.device(device))
+
+    def step(k_cache, v_cache):
+        return flash_attn_with_kvcache(case.q, k_cache, v_cache, case.k, case.v, cache_seqlens=case.cache_seqlens,
+                                       block_table=case.block_table, return_lse=True)
+
+    eager = step(case.k_cache.clone(), case.v_cache.clone())
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(case.k_cache.clone(), case.v_cache.clone())
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
 def test_dense_forward_pays_where_its_tiles_fill_the_gpu():
     cpu = torch.device("cpu")  # DEFAULT_SMS: the H200's 132
     assert decode.dense_forward_pays(1, 32, 8192, cpu)  # a long prompt
