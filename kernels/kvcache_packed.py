@@ -16,7 +16,7 @@ import torch
 from .cache_pages import PAGE_MULTIPLE, check_rotary, rotate
 from .checks import check_cu_seqlens, describe
 from .interface import kernel_impl, triton_attention
-from .varlen_kv import (check_block_table, check_seqused_k, paged_forward, paged_varlen_attention,
+from .varlen_kv import (check_block_table, check_seqused_k, paged_attention, paged_varlen_attention,
                         without_unused_keys)
 
 
@@ -116,7 +116,7 @@ def prefill_over_cache(q, k_cache, v_cache, block_table, seqlens_k, max_seqlen_k
     """Sequence b's queries over the first seqlens_k[b] entries of its cache on a dense forward, without a host
     read of the lengths: a contiguous cache's rows flattened in place (rows_flatten), each row's other entries
     left out by offsets computed on the device, on the varlen forward; a paged cache through its block_table on
-    the tl forward (varlen_kv.paged_forward).
+    the tl forward (varlen_kv.paged_attention).
 
     Args:
         q: (batch, seqlen_q, heads_q, head_dim); k_cache, v_cache: (batch, max_cache, heads_kv, head_dim), or
@@ -135,6 +135,6 @@ def prefill_over_cache(q, k_cache, v_cache, block_table, seqlens_k, max_seqlen_k
                                     cu_seqlens_k, None, None, seqlen_q, capacity, softmax_scale, window_left,
                                     window_right, softcap, 0.0, True)
     else:
-        out, lse = paged_forward(q.flatten(0, 1), k_cache, v_cache, rows * seqlen_q, seqlens_k, block_table, seqlen_q,
-                                 max_seqlen_k, softmax_scale, window_left, window_right, softcap)
+        out, lse = paged_attention(q.flatten(0, 1), k_cache, v_cache, rows * seqlen_q, seqlens_k, block_table,
+                                   seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, True)
     return out.view(q.shape), lse.view(heads_q, batch, seqlen_q).transpose(0, 1)

@@ -4,8 +4,8 @@ the first seqused_k[b] keys of each sequence).
 Paged keys run on decode.py's split-KV kernel, which reads paged caches with per-sequence key counts and
 takes packed queries, or, where the queries fill the GPU's SMs in tiles of their own (a prompt, a long chunk:
 decode.dense_forward_pays), on the tl forward kernel reading each key row through the block table
-(``paged_forward``). Packed keys with seqused_k need no kernel change
-at all: the offsets are rewritten on the device (without_unused_keys) so that the dense varlen kernels,
+(``paged_attention``, a torch.library op under torch.compile). Packed keys with seqused_k need no kernel
+change at all: the offsets are rewritten on the device (without_unused_keys) so that the dense varlen kernels,
 forward and backward, skip the unused keys. The PyTorch path gathers each paged sequence's keys and runs
 the tiled varlen reference.
 """
@@ -145,46 +145,49 @@ def paged_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         k, v, cu_seqlens_k = _gathered_keys(k, v, block_table, lengths)
         return varlen_tiled(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right,
                             float(softcap), None, 0.0, None)
-    from .decode import decode_attention, dense_forward_pays
+    from .decode import dense_forward_pays
 
-    if dense_forward_pays(batch, q.shape[1], q.shape[0] // max(batch, 1), q.device):
-        return paged_forward(q, k, v, cu_seqlens_q, lengths, block_table, max_seqlen_q, max_seqlen_k, softmax_scale,
-                             window_left, window_right, float(softcap))
+    dense = dense_forward_pays(batch, q.shape[1], q.shape[0] // max(batch, 1), q.device)
+    return paged_attention(q, k, v, cu_seqlens_q, lengths, block_table, max_seqlen_q, max_seqlen_k, softmax_scale,
+                           window_left, window_right, float(softcap), dense)
+
+
+def _paged_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, lengths: torch.Tensor,
+                block_table: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
+                window_left: int, window_right: int, softcap: float, dense: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if dense:
+        cu_seqlens_k = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+        return attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap, cu_seqlens_q,
+                                 cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=block_table)
+    from .decode import decode_attention
+
     return decode_attention(q, k, v, lengths, block_table, max_seqlen_k, softmax_scale, window_left, window_right,
-                            float(softcap), cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
+                            softcap, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
 
 
-def _paged_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                        lengths: torch.Tensor, block_table: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                        softmax_scale: float, window_left: int, window_right: int,
-                        softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
-    cu_seqlens_k = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
-    return attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap, cu_seqlens_q, cu_seqlens_k,
-                             max_seqlen_q, max_seqlen_k, block_table=block_table)
+# Eagerly the launchers are called directly; torch.compile sees the op (see interface.py for why).
+_paged_op = torch.library.custom_op("flashformer::paged_attention", _paged_impl, mutates_args=())
 
 
-# Eagerly the launcher is called directly; torch.compile sees the op (see interface.py for why).
-_paged_forward_op = torch.library.custom_op("flashformer::paged_forward", _paged_forward_impl, mutates_args=())
-
-
-@_paged_forward_op.register_fake
+@_paged_op.register_fake
 def _(q, k, v, cu_seqlens_q, lengths, block_table, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-      window_right, softcap):
+      window_right, softcap, dense):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
         (q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
-def paged_forward(q, k, v, cu_seqlens_q, lengths, block_table, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-                  window_right, softcap):
-    """Packed queries against paged keys on the tl forward kernel: sequence b's queries over its first lengths[b]
-    keys, each read through row b of block_table. Offsets built on the device (no host read); forward only.
+def paged_attention(q, k, v, cu_seqlens_q, lengths, block_table, max_seqlen_q, max_seqlen_k, softmax_scale,
+                    window_left, window_right, softcap, dense):
+    """Packed queries against paged keys, forward only: sequence b's queries over its first lengths[b] keys, each
+    read through row b of block_table, with no host read. ``dense``: on the tl forward kernel (offsets built on
+    the device), else on decode.py's split kernel.
 
     Args:
         q: (total_q, heads_q, head_dim); k, v: page pools (num_pages, page_size, heads_kv, head_dim).
-        lengths: int32 (batch,), each sequence's keys; max_seqlen_k: a bound on them (a tuning hint).
+        lengths: int32 (batch,), each sequence's keys; max_seqlen_k: a bound on them.
     Returns:
         out like q, lse (heads_q, total_q).
     """
-    run = _paged_forward_op if torch.compiler.is_compiling() else _paged_forward_impl
+    run = _paged_op if torch.compiler.is_compiling() else _paged_impl
     return run(q, k, v, cu_seqlens_q, lengths, block_table, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-               window_right, softcap)
+               window_right, softcap, dense)

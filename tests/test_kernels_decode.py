@@ -261,6 +261,26 @@ def test_a_paged_prompt_compiles_full_graph(device, triton_path, monkeypatch):
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
 
 
+def test_packed_queries_compile_full_graph(device, triton_path):
+    """flash-attn 3's packed form (cu_seqlens_q, cu_seqlens_k_new) traces with no graph break, append included,
+    and computes the eager result."""
+    caches = [torch.randn(2, 32, 1, 16, device=device, dtype=torch.float16) for _ in range(2)]
+    q = torch.randn(5, 2, 16, device=device, dtype=torch.float16)
+    k, v = (torch.randn(5, 1, 16, device=device, dtype=torch.float16) for _ in range(2))
+    cu_seqlens = torch.tensor([0, 3, 5], dtype=torch.int32, device=device)
+    cache_seqlens = torch.tensor([4, 7], dtype=torch.int32, device=device)
+
+    def step(k_cache, v_cache):
+        out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, cu_seqlens_q=cu_seqlens,
+                                      cu_seqlens_k_new=cu_seqlens, max_seqlen_q=3)
+        return out, k_cache, v_cache
+
+    eager = step(*(c.clone() for c in caches))
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(*(c.clone() for c in caches))
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
 def test_dense_forward_pays_where_its_tiles_fill_the_gpu():
     cpu = torch.device("cpu")  # DEFAULT_SMS: the H200's 132
     assert decode.dense_forward_pays(1, 32, 8192, cpu)  # a long prompt

@@ -111,6 +111,24 @@ def test_paged_with_seqused_k_and_head_dim_v(device, triton_path):
     assert_matches_reference(batch, causal=True)
 
 
+@pytest.mark.parametrize("queries", ["decode", "prompt"])
+def test_paged_calls_compile_full_graph(queries, device, triton_path, monkeypatch):
+    """Paged keys trace with no graph break (the kernels behind one torch.library op), on the decode kernel (a
+    few queries) and on the dense forward (prompts filling a GPU of 4 SMs), and compute the eager result."""
+    monkeypatch.setattr(decode, "DEFAULT_SMS", 4)
+    lengths_q = [3, 2] if queries == "decode" else [130, 140]
+    batch = Batch(lengths_q, [150, 90], (2, 1), 32, torch.float16, 16, None, device)
+
+    def step(q, k, v):
+        return flash_attn_varlen_func(q, k, v, batch.cu_q, batch.cu_k, max(lengths_q), 150,
+                                      block_table=batch.block_table, causal=True, return_lse=True)
+
+    eager = step(batch.q, batch.k, batch.v)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(batch.q, batch.k, batch.v)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
 def test_split_keys_are_merged(device, triton_path):
     """A sequence long enough for the split-KV heuristic to cut it (the combine kernel over packed rows)."""
     batch = Batch([3, 2], [1100, 40], (2, 1), 16, torch.float16, 64, None, device)
