@@ -246,8 +246,8 @@ def test_prompts_take_the_dense_forward(cached, extra, append, mask, dtype, head
 
 def test_a_paged_prompt_compiles_full_graph(device, triton_path, monkeypatch):
     """A prompt over a paged cache on the dense forward traces with no graph break (the forward as a
-    torch.library op) and computes the eager result."""
-    monkeypatch.setattr(decode, "DEFAULT_SMS", 4)
+    torch.library op) and computes the eager result. The route's rule sees a GPU of 4 SMs (a real one too)."""
+    monkeypatch.setattr(decode, "device_sms", lambda device: 4)
     case = Case((9, 30), DENSE_QUERY_TILE, DENSE_QUERY_TILE, (4, 2), 32, torch.float16, 16, device)
     assert decode.dense_forward_pays(2, 4, DENSE_QUERY_TILE, torch.device(device))
 
