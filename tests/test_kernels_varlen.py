@@ -221,3 +221,19 @@ def test_varlen_backward_for_a_given_out_and_lse(impl, device, monkeypatch):
         flash_attn_varlen_backward(grad_out, q, k, v, out, lse.T, cu_q, cu_k, 20, 20, **opts)
     with pytest.raises(ValueError, match=r"grad_out must be \(total_q, heads_q, head_dim_v\)"):
         flash_attn_varlen_backward(grad_out[:-1], q, k, v, out, lse, cu_q, cu_k, 20, 20, **opts)
+
+
+@pytest.mark.parametrize("case", [0, 2], ids=["empty-sequences-gqa", "window-mqa"])
+def test_fixed_point_dq_matches_per_sequence(case, device, triton_path, monkeypatch):
+    """Packed sequences through the one pass with fixed-point dQ: each row's factor sits at its packed row."""
+    from flashformer.kernels import flash_bwd
+
+    monkeypatch.setattr(flash_bwd, "attention_backward",
+                        functools.partial(flash_bwd.attention_backward, fixed_point_dq=True))
+    monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
+    lengths_q, lengths_k, heads, head_dim, causal, window, softcap, dtype = CASES[case]
+    lengths_k = lengths_k or lengths_q
+    q = torch.randn(sum(lengths_q), heads[0], head_dim, device=device, dtype=dtype)
+    k = torch.randn(sum(lengths_k), heads[1], head_dim, device=device, dtype=dtype)
+    _assert_varlen_matches(q, k, torch.randn_like(k), lengths_q, lengths_k, True, causal=causal, window_size=window,
+                           softcap=softcap)
