@@ -3,11 +3,12 @@ gradient into lse enters as -delta, since d lse_i / d s_ij = p_ij), and lse in l
 (-inf) turned into +inf so that their recomputed probabilities are 0. flash_bwd.py's dQ kernel forms them
 for its own rows (row_stats); where no dQ kernel runs first, ``_bwd_preprocess`` does.
 
-Dense, both are stored with each head's rows padded to a multiple of STATS_ROWS, the padding +inf / 0 (rows
-that add nothing), so that the dK/dV kernels load a query tile's statistics without a per-row mask: at a
-length not divisible by 16 that mask cost the tl dK/dV kernel ~30 registers on sm_90 (191 against 162 at
-head_dim 64, 64 x 64 tiles), past what three programs per SM can hold. Packed sequences (varlen) keep lse's
-layout, and their loads the mask.
+Both are stored with each head's rows padded to a multiple of STATS_ROWS, the padding +inf / 0 (rows that add
+nothing), so that the dK/dV kernels load a query tile's statistics without a per-row mask: at a length not
+divisible by 16 that mask cost the tl dK/dV kernel ~30 registers on sm_90 (191 against 162 at head_dim 64, 64 x
+64 tiles), past what three programs per SM can hold. Packed sequences (varlen) pad each head's run of all the
+sequences' rows; the tl kernels' loads keep the mask there, and the Gluon dK/dV kernel's TMA copies of them
+start 16-byte aligned at each head.
 """
 
 from __future__ import annotations
@@ -108,17 +109,15 @@ def fixed_point_bounds(k, v):
 
 def row_stats_buffers(lse, seqlen_q, is_varlen):
     """(lse_log2, delta, their (batch, head) strides) for a backward of ``lse`` (dense (batch, heads,
-    seqlen_q), packed (heads, total)), laid out as the module docstring says: dense, each head's rows padded
-    to a multiple of STATS_ROWS with +inf / 0 there; packed, contiguous like lse."""
-    if is_varlen:
-        lse_log2 = new_output(lse)
-        return lse_log2, new_output(lse), (0, lse_log2.stride(0))
-    batch, heads = lse.shape[:2]
-    rows = cdiv(seqlen_q, STATS_ROWS.value) * STATS_ROWS.value
+    seqlen_q), packed (heads, total)), laid out as the module docstring says: each head's rows (dense, a
+    sequence's; packed, all sequences') padded to a multiple of STATS_ROWS with +inf / 0 there."""
+    # Packed (heads, total) rows are one sequence of total rows to pad, as batch 1 of a dense layout.
+    batch, heads, length = (1, lse.shape[0], lse.shape[1]) if is_varlen else (*lse.shape[:2], seqlen_q)
+    rows = cdiv(length, STATS_ROWS.value) * STATS_ROWS.value
     # One allocation for both (a backward's host time counts its allocations); each half starts on a
     # multiple of STATS_ROWS rows, so both stay 16-byte aligned for the TMA copies.
     lse_log2, delta = new_output(lse, shape=(2, batch, heads, rows), dtype=torch.float32).unbind()
-    if rows != seqlen_q:
+    if rows != length:
         lse_log2.fill_(float("inf"))
         delta.zero_()
-    return lse_log2, delta, (heads * rows, rows)
+    return lse_log2, delta, (0 if is_varlen else heads * rows, rows)

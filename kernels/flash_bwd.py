@@ -378,22 +378,25 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
     if gluon and not fixed_point_dq:
         from . import flash_bwd_dq_hopper, flash_bwd_hopper
 
-        if flash_bwd_hopper.supports(q, cu_seqlens_q, head_dim_pad, alibi_slopes is not None, dropout_p > 0.0):
+        if flash_bwd_hopper.supports(q, seqlen_q, head_dim_pad, alibi_slopes is not None, dropout_p > 0.0):
             form = checked_gluon_form(gluon_form) or gluon_backward_form(head_dim_pad, seqlen_k, window_left,
                                                                           window_right, deterministic)
             launch_preprocess(out, grad_out, lse, grad_lse, delta, lse_log2, cu_seqlens_q, batch, seqlen_q,
                               strides_lse, strides_stats, head_dim, head_dim_pad, is_varlen)
             launch_args = (lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left, window_right,
                            softcap, head_dim_pad)
-            dkdv_strides = [s for t in (q, k, v, grad_out, dk, dv) for s in seq_strides(t, False)]
-            if form != "two-kernel" and flash_bwd_hopper.fused_supports(head_dim_pad, softcap):
+            dkdv_strides = [s for t in (q, k, v, grad_out, dk, dv) for s in seq_strides(t, is_varlen)]
+            # Packed sequences take the two kernels (the fused form's dQ tiles are dense).
+            if not is_varlen and form != "two-kernel" and flash_bwd_hopper.fused_supports(head_dim_pad, softcap):
                 flash_bwd_hopper.launch_fused(q, k, v, grad_out, dq, dk, dv, *launch_args, dkdv_strides, strides_stats,
                                               deterministic=deterministic, split_dq=form == "fused-split")
                 return dq, dk, dv
+            varlen = flash_bwd_hopper.Varlen(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k) if is_varlen else None
             flash_bwd_dq_hopper.launch_dq(q, k, v, grad_out, dq, *launch_args,
-                                       [s for t in (q, k, v, grad_out, dq) for s in seq_strides(t, False)],
-                                       strides_stats)
-            flash_bwd_hopper.launch_dkdv(q, k, v, grad_out, dk, dv, *launch_args, dkdv_strides, strides_stats)
+                                          [s for t in (q, k, v, grad_out, dq) for s in seq_strides(t, is_varlen)],
+                                          strides_stats, varlen=varlen)
+            flash_bwd_hopper.launch_dkdv(q, k, v, grad_out, dk, dv, *launch_args, dkdv_strides, strides_stats,
+                                         varlen=varlen)
             return dq, dk, dv
     mask = table_mask(window_right)
     one_pass = fixed_point_dq or not (deterministic or not tl_reduced_dq_pays(q.device, head_dim_pad))

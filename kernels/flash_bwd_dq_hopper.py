@@ -8,16 +8,15 @@ preprocess (delta, lse in log2 units); flash_bwd_hopper.py has the dK/dV kernel 
 
 from __future__ import annotations
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from . import flash_bwd_hopper, flash_fwd_hopper
 from .flash_bwd_hopper import CONSUMER_WARPS
-from .hopper_ops import mma_layout, rows_descriptor, unspecialised_jit
-from .launch import ensure_allocator, launcher
-from .tile_ops import key_range, opaque_copy, tanh, visible
+from .hopper_ops import mma_layout, program_sequence_tile, rows_descriptor, unspecialised_jit
+from .launch import ensure_allocator, launcher, seqs_pad, tile_grid
+from .tile_ops import key_range, opaque_copy, sequence_bounds, tanh, visible
 
 
 # Query rows per dQ consumer.
@@ -114,36 +113,44 @@ def _dq_consume_partition(CONSUMER: gl.constexpr, dq_base, stride_dqs, lse_row, 
 
 @unspecialised_jit
 def _attn_bwd_dq_hopper_kernel(
-    Q, K, V, DO, DQ, LSE_LOG2, DELTA,
+    Q, K, V, DO, DQ, LSE_LOG2, DELTA, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dqb, stride_dqs, stride_dqh,
     stride_lse_b, stride_lse_h,
-    seqlen_q, seqlen_k,
+    seqlen_q, seqlen_k, batch_size,
     softmax_scale, qk_scale, softcap_log2, window_left, window_right,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-    Q_SMEM: gl.constexpr, KV_SMEM: gl.constexpr,
+    Q_SMEM: gl.constexpr, KV_SMEM: gl.constexpr, IS_VARLEN: gl.constexpr, SEQS_PAD: gl.constexpr,
 ):
+    """One program per BLOCK_M query rows of one head, the longest (causal) first; IS_VARLEN: packed
+    sequences located by CU_SEQLENS_Q / CU_SEQLENS_K, as the forward takes them (flash_fwd_hopper.py)."""
     gl.static_assert(BLOCK_M == 2 * DQ_ROWS)
     dtype: gl.constexpr = Q.dtype.element_ty
-    pid_m = gl.program_id(0)
-    if RIGHT_BOUNDED:  # the longest programs (most key tiles under a causal mask) first
-        pid_m = gl.num_programs(0) - 1 - pid_m
-    head = gl.program_id(1).to(gl.int64)
-    batch = gl.program_id(2).to(gl.int64)
-    kv_head = head // GROUP
+    seq, pid_m = program_sequence_tile(batch_size, CU_SEQLENS_Q, BLOCK_M, RIGHT_BOUNDED, IS_VARLEN, SEQS_PAD,
+                                       CONSUMER_WARPS)
     m0 = pid_m * BLOCK_M
-    q_base = Q + batch * stride_qb + head * stride_qh
-    do_base = DO + batch * stride_dob + head * stride_doh
-    k_base = K + batch * stride_kb + kv_head * stride_kh
-    v_base = V + batch * stride_vb + kv_head * stride_vh
-    dq_base = DQ + batch * stride_dqb + head * stride_dqh
-    lse_row = LSE_LOG2 + batch * stride_lse_b + head * stride_lse_h
-    delta_row = DELTA + batch * stride_lse_b + head * stride_lse_h
+    if IS_VARLEN:  # dense, every program is live and its values stay as ptxas can rematerialise them
+        live = seq < batch_size  # programs past the last sequence's tiles load and store nothing
+        seq = gl.minimum(seq, batch_size - 1)
+    q_first, k_first, seqlen_q, seqlen_k = sequence_bounds(seq, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K,
+                                                           IS_VARLEN)
+    if IS_VARLEN:  # past the sequence's last row, loads read zeros and the store is clipped away
+        m0 = gl.where(live, m0, gl.maximum(seqlen_q, 1))
+    batch = seq.to(gl.int64)
+    head = gl.program_id(1).to(gl.int64)
+    kv_head = head // GROUP
+    q_base = Q + batch * stride_qb + q_first * stride_qs + head * stride_qh
+    do_base = DO + batch * stride_dob + q_first * stride_dos + head * stride_doh
+    k_base = K + batch * stride_kb + k_first * stride_ks + kv_head * stride_kh
+    v_base = V + batch * stride_vb + k_first * stride_vs + kv_head * stride_vh
+    dq_base = DQ + batch * stride_dqb + q_first * stride_dqs + head * stride_dqh
+    lse_row = LSE_LOG2 + batch * stride_lse_b + head * stride_lse_h + q_first
+    delta_row = DELTA + batch * stride_lse_b + head * stride_lse_h + q_first
     q_smem = gl.allocate_shared_memory(dtype, [2, DQ_ROWS, HEAD_DIM_PAD], Q_SMEM)
     do_smem = gl.allocate_shared_memory(dtype, [2, DQ_ROWS, HEAD_DIM_PAD], Q_SMEM)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM_PAD], KV_SMEM)
@@ -163,6 +170,11 @@ def _attn_bwd_dq_hopper_kernel(
     start, un_lo, un_hi, end = key_range(m0, seqlen_q, seqlen_k, window_left, window_right,
                                          BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
     num_tiles = (end - start) // BLOCK_N
+    if IS_VARLEN:
+        num_tiles = gl.where(live, num_tiles, 0)
+        # A TMA view needs a row: a sequence with no key loads no key tile, and one past the last takes the last
+        # sequence's bounds, which may hold no query.
+        seqlen_q, seqlen_k = gl.maximum(seqlen_q, 1), gl.maximum(seqlen_k, 1)
     gl.warp_specialize([
         (_dq_consume_partition, (0, dq_base, stride_dqs, lse_row, delta_row, q_smem, do_smem, k_smem, v_smem,
                                  q_bars, k_ready, v_ready, slot_empty, m0, start, un_lo, un_hi, num_tiles,
@@ -189,21 +201,23 @@ DQ_BLOCK_M = 2 * DQ_ROWS.value
 
 
 def launch_dq(q, k, v, grad_out, dq, lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left,
-              window_right, softcap, head_dim_pad, strides, strides_lse, block_n=None):
-    """Launch the dQ kernel on dense inputs the caller has validated; ``strides`` are (batch, seq, head)
-    strides of q, k, v, grad_out, dq; lse_log2 and delta as flash_bwd's preprocess wrote them."""
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+              window_right, softcap, head_dim_pad, strides, strides_lse, block_n=None, varlen=None):
+    """Launch the dQ kernel on inputs the caller has validated; ``strides`` are (batch, seq, head) strides of q,
+    k, v, grad_out, dq; lse_log2 and delta as flash_bwd's preprocess wrote them. Dense (batch, seqlen, heads,
+    head_dim), or packed (total, heads, head_dim) with ``varlen`` = flash_bwd_hopper.Varlen."""
+    batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim = flash_bwd_hopper.dimensions(q, k, varlen)
     block_n = block_n or DQ_BLOCK_N[head_dim_pad]
     q_smem = flash_bwd_hopper.shared_layouts(DQ_ROWS.value, head_dim_pad, q.dtype)[0]
     kv_smem = flash_fwd_hopper.shared_layouts(block_n, head_dim_pad, q.dtype)[1]
     ensure_allocator(q.device)
-    grid = (triton.cdiv(seqlen_q, DQ_BLOCK_M), heads_q, batch)
-    launcher(_attn_bwd_dq_hopper_kernel, grid)(
-        q, k, v, grad_out, dq, lse_log2, delta, *strides, *strides_lse, seqlen_q, seqlen_k,
-        softmax_scale, qk_scale, softcap_log2, window_left, window_right,
+    is_varlen = varlen is not None
+    grid = tile_grid(DQ_BLOCK_M, seqlen_q, q.shape[0], batch, heads_q, is_varlen)
+    launcher(_attn_bwd_dq_hopper_kernel, grid)(  # q stands in for the offsets a dense launch never reads
+        q, k, v, grad_out, dq, lse_log2, delta, *(varlen[:2] if is_varlen else (q, q)), *strides, *strides_lse,
+        seqlen_q, seqlen_k, batch, softmax_scale, qk_scale, softcap_log2, window_left, window_right,
         GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_M=DQ_BLOCK_M, BLOCK_N=block_n, NUM_STAGES=DQ_NUM_STAGES,
         LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
-        Q_SMEM=q_smem, KV_SMEM=kv_smem, num_warps=CONSUMER_WARPS.value,
+        Q_SMEM=q_smem, KV_SMEM=kv_smem, IS_VARLEN=is_varlen, SEQS_PAD=seqs_pad(batch, is_varlen),
+        num_warps=CONSUMER_WARPS.value,
     )

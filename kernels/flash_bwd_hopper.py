@@ -19,6 +19,7 @@ its share of the query tile's dQ, dS K from dS^T in shared memory, into an fp32 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -27,11 +28,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .hopper_ops import mma_layout, rows_descriptor, unspecialised_jit
-from .launch import ensure_allocator, launcher
+from .hopper_ops import mma_layout, program_sequence_tile, rows_descriptor, unspecialised_jit
+from .launch import ensure_allocator, launcher, seqs_pad, tile_grid
 from .dq_reduce_hopper import add_dq_share, heads_descriptor, release_dq_share
 from .flash_bwd_hopper_load import dkdv_load_partition
-from .tile_ops import last_key_block, opaque_copy, query_range, tanh, visible
+from .tile_ops import last_key_block, opaque_copy, query_range, sequence_bounds, tanh, visible
 from .tuning import GLUON_BACKWARD_FROM_SEQLEN
 
 CONSUMER_WARPS = gl.constexpr(4)
@@ -193,7 +194,7 @@ def _dkdv_consume_partition(CONSUMER: gl.constexpr, dk_base, dv_base, stride_dks
 
 @unspecialised_jit
 def _attn_bwd_dkdv_hopper_kernel(
-    Q, K, V, DO, DK, DV, LSE_LOG2, DELTA, DQ_ACC, DQ_SEMAPHORES,
+    Q, K, V, DO, DK, DV, LSE_LOG2, DELTA, DQ_ACC, DQ_SEMAPHORES, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -202,32 +203,50 @@ def _attn_bwd_dkdv_hopper_kernel(
     stride_dvb, stride_dvs, stride_dvh,
     stride_dqb, stride_dqs, stride_dqh,
     stride_lse_b, stride_lse_h,
-    seqlen_q, seqlen_k,
+    seqlen_q, seqlen_k, batch_size,
     softmax_scale, qk_scale, softcap_log2, window_left, window_right,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     SPLIT_HEAD_DIM: gl.constexpr, QO_SMEM: gl.constexpr, QO_TMA: gl.constexpr, KV_SMEM: gl.constexpr,
     DQ_MODE: gl.constexpr, DS_SMEM: gl.constexpr, DQ_SMEM: gl.constexpr, DQ_TMA: gl.constexpr,
-    DQ_SPLIT: gl.constexpr,
+    DQ_SPLIT: gl.constexpr, IS_VARLEN: gl.constexpr, SEQS_PAD: gl.constexpr,
 ):
+    """One program per BLOCK_N keys of one kv head; IS_VARLEN (DQ_SEPARATE only): packed sequences located by
+    CU_SEQLENS_Q / CU_SEQLENS_K, the row statistics one padded run per head (bwd_stats.row_stats_buffers)."""
     KV_TILES: gl.constexpr = 1 if SPLIT_HEAD_DIM else 2
-    gl.static_assert((BLOCK_N == KV_TILES * CONSUMER_KEYS) & ((DQ_MODE != DQ_SEPARATE) | (not DQ_SPLIT)))
+    gl.static_assert((BLOCK_N == KV_TILES * CONSUMER_KEYS) & ((DQ_MODE != DQ_SEPARATE) | (not DQ_SPLIT))
+                     & ((DQ_MODE == DQ_SEPARATE) | (not IS_VARLEN)))
     dtype: gl.constexpr = Q.dtype.element_ty
-    n0 = gl.program_id(0) * BLOCK_N
-    if DQ_MODE == DQ_ORDERED:
-        # Key blocks last first: a contributor waits only for higher blocks, which the grid then starts
-        # earlier (FlashAttention-3's deterministic backward relies on the same launch order).
-        n0 = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_N
+    # Dense, each value is formed where ptxas can rematerialise it (from the program ids): with the varlen form's
+    # selects the dK/dV consumers spill at head_dim 128.
+    if IS_VARLEN:
+        seq, pid_n = program_sequence_tile(batch_size, CU_SEQLENS_K, BLOCK_N, False, IS_VARLEN, SEQS_PAD,
+                                           CONSUMER_WARPS)
+        live = seq < batch_size  # programs past the last sequence's key blocks load and store nothing
+        batch = gl.minimum(seq, batch_size - 1)
+        q_first, k_first, seqlen_q, seqlen_k = sequence_bounds(batch, seqlen_q, seqlen_k, CU_SEQLENS_Q,
+                                                               CU_SEQLENS_K, IS_VARLEN)
+        # Past the sequence's last key (a program that is not live) the dK / dV stores are clipped away.
+        n0 = gl.where(live, pid_n * BLOCK_N, gl.maximum(seqlen_k, 1))
+        batch = batch.to(gl.int64)
+    else:
+        n0 = gl.program_id(0) * BLOCK_N
+        if DQ_MODE == DQ_ORDERED:
+            # Key blocks last first: a contributor waits only for higher blocks, which the grid then starts
+            # earlier (FlashAttention-3's deterministic backward relies on the same launch order).
+            n0 = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_N
+        batch = gl.program_id(2).to(gl.int64)
+        q_first, k_first = 0, 0
     kv_head = gl.program_id(1).to(gl.int64)
-    batch = gl.program_id(2).to(gl.int64)
     head0 = kv_head * GROUP
-    q_base = Q + batch * stride_qb + head0 * stride_qh
-    do_base = DO + batch * stride_dob + head0 * stride_doh
-    k_base = K + batch * stride_kb + kv_head * stride_kh
-    v_base = V + batch * stride_vb + kv_head * stride_vh
-    dk_base = DK + batch * stride_dkb + kv_head * stride_dkh
-    dv_base = DV + batch * stride_dvb + kv_head * stride_dvh
+    q_base = Q + batch * stride_qb + q_first * stride_qs + head0 * stride_qh
+    do_base = DO + batch * stride_dob + q_first * stride_dos + head0 * stride_doh
+    k_base = K + batch * stride_kb + k_first * stride_ks + kv_head * stride_kh
+    v_base = V + batch * stride_vb + k_first * stride_vs + kv_head * stride_vh
+    dk_base = DK + batch * stride_dkb + k_first * stride_dks + kv_head * stride_dkh
+    dv_base = DV + batch * stride_dvb + k_first * stride_dvs + kv_head * stride_dvh
+    # Varlen: the group's statistics from each head's run (aligned for TMA); the sequence's rows from q_first on.
     lse_group = LSE_LOG2 + batch * stride_lse_b + head0 * stride_lse_h
     delta_group = DELTA + batch * stride_lse_b + head0 * stride_lse_h
     # Fused: the group's dQ accumulator, and its semaphores, one per (batch, query head, query tile)
@@ -264,12 +283,17 @@ def _attn_bwd_dkdv_hopper_kernel(
     start, un_lo, un_hi, end = query_range(n0, seqlen_q, seqlen_k, window_left, window_right,
                                            BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
     tiles_per_head = (end - start) // BLOCK_M
+    if IS_VARLEN:
+        tiles_per_head = gl.where(live, tiles_per_head, 0)
+        # A TMA view needs a row: a sequence with no query loads no query tile, and one past the last takes the
+        # last sequence's bounds, which may hold no key.
+        seqlen_q, seqlen_k = gl.maximum(seqlen_q, 1), gl.maximum(seqlen_k, 1)
     # Consumers 0 and 1, then the producer (a comprehension: `+` on partition tuples strips constexprs)
     gl.warp_specialize(
         [(dkdv_load_partition, (q_base, do_base, k_base, v_base, lse_group, delta_group, stride_qh, stride_qs,
                                 stride_doh, stride_dos, stride_ks, stride_vs, stride_lse_h, seqlen_q, seqlen_k, q_smem,
                                 do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bars, q_ready, do_ready, slot_empty,
-                                n0, start, tiles_per_head, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, NUM_STAGES,
+                                n0, start, tiles_per_head, q_first, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, NUM_STAGES,
                                 SPLIT_HEAD_DIM, QO_TMA, KV_SMEM, CONSUMER_KEYS))
          if c == 2 else
          (_dkdv_consume_partition, (c, dk_base, dv_base, stride_dks, stride_dvs, q_smem, do_smem, k_smem, v_smem,
@@ -312,13 +336,29 @@ def split_head_dim(head_dim_pad):
     return head_dim_pad > SPLIT_HEAD_DIM_ABOVE
 
 
-def supports(q, cu_seqlens_q, head_dim_pad, has_alibi, has_dropout):
-    """Whether these kernels take these inputs (the caller has chosen the Gluon path for the device): dense,
-    16-bit, a padded head_dim and query length where they are the faster backward
+def supports(q, seqlen_q, head_dim_pad, has_alibi, has_dropout):
+    """Whether these kernels take these inputs (the caller has chosen the Gluon path for the device): 16-bit,
+    dense or varlen, a padded head_dim and query length (varlen: max_seqlen_q) where they are the faster backward
     (tuning.GLUON_BACKWARD_FROM_SEQLEN), no ALiBi and no dropout (the tl kernels have them)."""
-    return (cu_seqlens_q is None and q.dtype in (torch.float16, torch.bfloat16)
-            and q.shape[1] >= GLUON_BACKWARD_FROM_SEQLEN.get(head_dim_pad, float("inf"))
-            and not has_alibi and not has_dropout)
+    return (q.dtype in (torch.float16, torch.bfloat16) and not has_alibi and not has_dropout
+            and seqlen_q >= GLUON_BACKWARD_FROM_SEQLEN.get(head_dim_pad, float("inf")))
+
+
+class Varlen(NamedTuple):
+    """Packed sequences for the backward's launchers: int32 offsets (batch + 1,) and the longest lengths."""
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+def dimensions(q, k, varlen):
+    """(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim) of dense inputs, or of packed ones with
+    ``varlen`` (a Varlen; the longest lengths)."""
+    if varlen is None:
+        return (*q.shape[:2], k.shape[1], q.shape[2], k.shape[2], q.shape[3])
+    return (varlen.cu_seqlens_q.numel() - 1, varlen.max_seqlen_q, varlen.max_seqlen_k, *q.shape[1:2], k.shape[1],
+            q.shape[2])
 
 
 @functools.cache  # built once per config, not on every launch
@@ -343,15 +383,18 @@ def fused_layouts(block_m, head_dim_pad, dtype, split_dq=False):
 
 def launch_dkdv(q, k, v, grad_out, dk, dv, lse_log2, delta, softmax_scale, qk_scale, softcap_log2, window_left,
                 window_right, softcap, head_dim_pad, strides, strides_lse, block_m=None, num_stages=None,
-                dq_acc=None, dq_semaphores=None, split_dq=False):
-    """Launch the dK/dV kernel on dense (batch, seqlen, heads, head_dim) inputs the caller has validated;
-    ``strides`` are (batch, seq, head) strides of q, k, v, grad_out, dk, dv; lse_log2 and delta as
-    flash_bwd's preprocess wrote them. With ``dq_acc`` (fp32 zeros, (batch, seqlen_q, heads,
-    head_dim_pad), contiguous) the kernel also adds dQ / softmax_scale into it: in key-block order behind
-    ``dq_semaphores`` (int32 zeros, one per (batch, query head, FUSED_BLOCK_M query tile)), or in arrival
-    order where they are None; with ``split_dq`` each consumer adds half of dQ's columns (DQ_SPLIT)."""
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+                dq_acc=None, dq_semaphores=None, split_dq=False, varlen=None):
+    """Launch the dK/dV kernel on dense (batch, seqlen, heads, head_dim) inputs the caller has validated, or on
+    packed (total, heads, head_dim) ones with ``varlen`` (a Varlen; not with dq_acc); ``strides`` are (batch, seq,
+    head) strides of q, k, v, grad_out, dk, dv; lse_log2 and delta as flash_bwd's preprocess wrote them. With
+    ``dq_acc`` (fp32 zeros, (batch, seqlen_q, heads, head_dim_pad), contiguous) the kernel also adds dQ /
+    softmax_scale into it: in key-block order behind ``dq_semaphores`` (int32 zeros, one per (batch, query head,
+    FUSED_BLOCK_M query tile)), or in arrival order where they are None; with ``split_dq`` each consumer adds half
+    of dQ's columns (DQ_SPLIT)."""
+    batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim = dimensions(q, k, varlen)
+    is_varlen = varlen is not None
+    if is_varlen and dq_acc is not None:
+        raise ValueError("dq_acc: the dK/dV kernel forms dQ for dense inputs only (varlen runs the dQ kernel)")
     default_m, default_stages = config(head_dim_pad, softcap)
     if dq_acc is not None:
         default_m = FUSED_BLOCK_M
@@ -364,18 +407,18 @@ def launch_dkdv(q, k, v, grad_out, dk, dv, lse_log2, delta, softmax_scale, qk_sc
     placeholders = (delta if dq_acc is None else dq_acc,
                     delta.view(torch.int32) if dq_semaphores is None else dq_semaphores)
     # Key blocks on the grid's fastest axis: DQ_ORDERED's contributors wait for blocks started earlier.
-    grid = (triton.cdiv(seqlen_k, keys), heads_kv, batch)
+    grid = tile_grid(keys, seqlen_k, k.shape[0], batch, heads_kv, is_varlen)
     ds_smem, dq_smem, dq_tma = fused_layouts(block_m, head_dim_pad, q.dtype, split_dq)
-    launcher(_attn_bwd_dkdv_hopper_kernel, grid)(
-        q, k, v, grad_out, dk, dv, lse_log2, delta, *placeholders, *strides,
-        *(dq_acc.stride()[:3] if dq_acc is not None else (0, 0, 0)), *strides_lse, seqlen_q, seqlen_k,
-        softmax_scale, qk_scale, softcap_log2, window_left, window_right,
+    launcher(_attn_bwd_dkdv_hopper_kernel, grid)(  # q stands in for the offsets a dense launch never reads
+        q, k, v, grad_out, dk, dv, lse_log2, delta, *placeholders, *(varlen[:2] if is_varlen else (q, q)),
+        *strides, *(dq_acc.stride()[:3] if dq_acc is not None else (0, 0, 0)), *strides_lse, seqlen_q, seqlen_k,
+        batch, softmax_scale, qk_scale, softcap_log2, window_left, window_right,
         GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_M=block_m, BLOCK_N=keys, NUM_STAGES=num_stages,
         LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
         SPLIT_HEAD_DIM=split_head_dim(head_dim_pad), QO_SMEM=qo_smem, QO_TMA=qo_tma, KV_SMEM=kv_smem,
-        DQ_MODE=mode, DS_SMEM=ds_smem, DQ_SMEM=dq_smem, DQ_TMA=dq_tma, DQ_SPLIT=split_dq,
-        num_warps=CONSUMER_WARPS.value,
+        DQ_MODE=mode, DS_SMEM=ds_smem, DQ_SMEM=dq_smem, DQ_TMA=dq_tma, DQ_SPLIT=split_dq, IS_VARLEN=is_varlen,
+        SEQS_PAD=seqs_pad(batch, is_varlen), num_warps=CONSUMER_WARPS.value,
     )
 
 

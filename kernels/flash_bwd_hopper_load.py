@@ -16,7 +16,7 @@ from .hopper_ops import rows_descriptor
 def dkdv_load_partition(q_base, do_base, k_base, v_base, lse_group, delta_group, stride_qh, stride_qs, stride_doh,
                         stride_dos, stride_ks, stride_vs, stride_lse_h, seqlen_q, seqlen_k, q_smem, do_smem, k_smem,
                         v_smem, lse_smem, delta_smem, kv_bars, q_ready, do_ready, slot_empty, n0, start,
-                        tiles_per_head, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
+                        tiles_per_head, stats_first, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
                         BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT_HEAD_DIM: gl.constexpr,
                         QO_TMA: gl.constexpr, KV_SMEM: gl.constexpr, KEYS: gl.constexpr):
     q_desc = heads_descriptor(q_base, GROUP, seqlen_q, stride_qh, stride_qs, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, QO_TMA)
@@ -24,7 +24,8 @@ def dkdv_load_partition(q_base, do_base, k_base, v_base, lse_group, delta_group,
                                 QO_TMA)
     k_desc = rows_descriptor(k_base, seqlen_k, stride_ks, KEYS, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
     v_desc = rows_descriptor(v_base, seqlen_k, stride_vs, KEYS, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
-    # The group's row statistics as one run of rows (each head's padded to STATS_ROWS), BLOCK_M rows a copy.
+    # The group's row statistics as one run of rows (each head's padded to STATS_ROWS), BLOCK_M rows a copy; the
+    # sequence's from stats_first on (varlen: its first row among the packed ones).
     lse_desc = tma.make_tensor_descriptor(lse_group, [GROUP * stride_lse_h], [1], [BLOCK_M], lse_smem.layout)
     delta_desc = tma.make_tensor_descriptor(delta_group, [GROUP * stride_lse_h], [1], [BLOCK_M], lse_smem.layout)
     for c in gl.static_range(1 if SPLIT_HEAD_DIM else 2):
@@ -42,10 +43,9 @@ def dkdv_load_partition(q_base, do_base, k_base, v_base, lse_group, delta_group,
         mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + delta_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [head, m0, 0], q_ready.index(stage),
                                         tma_view(q_smem.index(stage)))
-        tma.async_copy_global_to_shared(delta_desc, [head * stride_lse_h + m0], q_ready.index(stage),
-                                        delta_smem.index(stage))
+        stats_row = (head * stride_lse_h + stats_first + m0).to(gl.int32)  # TMA coordinates are 32-bit
+        tma.async_copy_global_to_shared(delta_desc, [stats_row], q_ready.index(stage), delta_smem.index(stage))
         mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes + lse_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(do_desc, [head, m0, 0], do_ready.index(stage),
                                         tma_view(do_smem.index(stage)))
-        tma.async_copy_global_to_shared(lse_desc, [head * stride_lse_h + m0], do_ready.index(stage),
-                                        lse_smem.index(stage))
+        tma.async_copy_global_to_shared(lse_desc, [stats_row], do_ready.index(stage), lse_smem.index(stage))

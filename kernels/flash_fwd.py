@@ -215,10 +215,12 @@ def attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap
     if gluon and not paged:
         from . import flash_fwd_hopper
 
-        if flash_fwd_hopper.supports(q, cu_seqlens_q, head_dim_pad, has_alibi, has_dropout):
+        if flash_fwd_hopper.supports(q, seqlen_q, head_dim_pad, has_alibi, has_dropout, is_varlen):
             flash_fwd_hopper.launch_forward(q, k, v, out, lse, qk_scale, softcap_log2, window_left, window_right,
                                             softcap, head_dim_pad,
-                                            [s for t in (q, k, v, out) for s in seq_strides(t, False)], strides_lse)
+                                            [s for t in (q, k, v, out) for s in seq_strides(t, is_varlen)],
+                                            strides_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
             return out, lse
     seqlen_q_bucket = next_power_of_2(max(seqlen_q, 1))
     kernel, config = pick_kernel(q.device, "fwd", _attn_fwd_kernel, _attn_fwd_tuned, head_dim_pad,

@@ -38,12 +38,14 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from .flash_fwd_hopper_load import heads_descriptor, load_partition
 from .flash_fwd_hopper_tile import (CONSUMER_WARPS, attend, finish_values, issue_scores, key_loop, normalised,
                                     opening_softmax, retire_store, store_out)
-from .hopper_ops import CONSUMER_ROWS, mma_layout, pass_turn, rows_descriptor, unspecialised_jit, wait_turn
-from .launch import ensure_allocator, launcher, sm_count
-from .tile_schedule import (device_schedule, program_tile, q_buffers, query_block, scheduled_tiles, section_pairs,
+from .hopper_ops import (CONSUMER_ROWS, mma_layout, pass_turn, program_sequence_tile, rows_descriptor,
+                         unspecialised_jit, wait_turn)
+from .launch import ensure_allocator, launcher, seqs_pad, sm_count, tile_grid
+from .tile_ops import sequence_bounds
+from .tile_schedule import (device_schedule, q_buffers, query_block, scheduled_tiles, section_pairs,
                             tile_coords)
-from .tuning import (GLUON_FORWARD_FROM_SEQLEN, gluon_consumers_take_turns, gluon_forward_config,
-                     gluon_overlaps_tiles)
+from .tuning import (GLUON_FORWARD_FROM_SEQLEN, GLUON_VARLEN_FORWARD_FROM_SEQLEN, gluon_consumers_take_turns,
+                     gluon_forward_config, gluon_overlaps_tiles)
 
 # A program is CONSUMERS + 1 partitions (gl.warp_specialize): one TMA producer warp and CONSUMERS
 # consumer warpgroups, each over 64 of the tile's 64 * CONSUMERS query rows. A consumer frees a K/V slot
@@ -223,12 +225,13 @@ def _attend_overlapped(CONSUMER: gl.constexpr, o_desc, LSE, stride_lse_b, stride
 @gluon.jit
 def _consume_partition(CONSUMER: gl.constexpr, O, LSE, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
                        seqlen_q, seqlen_k, qk_scale, softcap_log2, window_left, window_right, batch_size, heads,
-                       num_m_blocks, section, TILE_SCHEDULE, q_smem, k_smem, v_smem, q_bars, q_free, k_ready,
-                       v_ready, k_empty, v_empty, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr,
-                       BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-                       LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-                       Q_BUFFERS: gl.constexpr, PERSISTENT: gl.constexpr, OVERLAP_TILES: gl.constexpr,
-                       Q_SMEM: gl.constexpr, TURNS: gl.constexpr):
+                       num_m_blocks, section, TILE_SCHEDULE, CU_SEQLENS_Q, CU_SEQLENS_K, seq, pid_m, q_smem, k_smem,
+                       v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, HEAD_DIM: gl.constexpr,
+                       HEAD_DIM_PAD: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                       CONSUMERS: gl.constexpr, LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr,
+                       HAS_SOFTCAP: gl.constexpr, Q_BUFFERS: gl.constexpr, PERSISTENT: gl.constexpr,
+                       OVERLAP_TILES: gl.constexpr, IS_VARLEN: gl.constexpr, Q_SMEM: gl.constexpr,
+                       TURNS: gl.constexpr):
     BLOCK_M: gl.constexpr = CONSUMERS * CONSUMER_ROWS
     if CONSUMER == CONSUMERS - 1:
         pass_turn(CONSUMER, TURNS)  # consumer 0 takes the first turn
@@ -247,25 +250,26 @@ def _consume_partition(CONSUMER: gl.constexpr, O, LSE, stride_ob, stride_os, str
                           TILE_SCHEDULE, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty,
                           HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, CONSUMERS, LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP,
                           Q_BUFFERS, TURNS)
-    else:
-        batch, head, pid_m = program_tile(RIGHT_BOUNDED)
+    elif seq < batch_size:  # a one-tile program (load_partition's)
+        q_first, _, seqlen_q, seqlen_k = sequence_bounds(seq, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K,
+                                                         IS_VARLEN)
         m0, start, un_lo, un_hi, num_tiles = query_block(pid_m, seqlen_q, seqlen_k, window_left, window_right,
                                                          BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
-        batch, head = batch.to(gl.int64), head.to(gl.int64)
+        batch, head = seq.to(gl.int64), gl.program_id(1).to(gl.int64)
         row0 = m0 + CONSUMER * CONSUMER_ROWS
         out = attend(q_smem.index(CONSUMER), q_bars.index(CONSUMER), k_smem, v_smem, k_ready, v_ready, k_empty,
-                     v_empty, LSE + batch * stride_lse_b + head * stride_lse_h, row0, start, un_lo, un_hi, num_tiles,
-                     0, 0, seqlen_q, seqlen_k, qk_scale, softcap_log2, window_left, window_right,
+                     v_empty, LSE + batch * stride_lse_b + head * stride_lse_h + q_first, row0, start, un_lo, un_hi,
+                     num_tiles, 0, 0, seqlen_q, seqlen_k, qk_scale, softcap_log2, window_left, window_right,
                      q_bars.index(CONSUMER), False, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, LEFT_BOUNDED, RIGHT_BOUNDED,
                      HAS_SOFTCAP, False, CONSUMER, TURNS)
-        o_desc = rows_descriptor(O + batch * stride_ob + head * stride_oh, seqlen_q, stride_os, CONSUMER_ROWS,
-                                 HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
+        o_desc = rows_descriptor(O + batch * stride_ob + q_first * stride_os + head * stride_oh, seqlen_q, stride_os,
+                                 CONSUMER_ROWS, HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
         store_out(o_desc, batch, row0, head, out, q_smem.index(CONSUMER), PERSISTENT, True)
 
 
 @unspecialised_jit
 def _attn_fwd_hopper_kernel(
-    Q, K, V, O, LSE, TILE_SCHEDULE,
+    Q, K, V, O, LSE, TILE_SCHEDULE, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -278,14 +282,18 @@ def _attn_fwd_hopper_kernel(
     CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     Q_BUFFERS: gl.constexpr, PERSISTENT: gl.constexpr, OVERLAP_TILES: gl.constexpr, Q_SMEM: gl.constexpr,
-    KV_SMEM: gl.constexpr, TURNS: gl.constexpr,
+    KV_SMEM: gl.constexpr, TURNS: gl.constexpr, IS_VARLEN: gl.constexpr, SEQS_PAD: gl.constexpr,
 ):
     """One query tile per program on a (query blocks, heads, batch) grid or, PERSISTENT, a 1-D grid whose
     programs each walk their slice of TILE_SCHEDULE (tile_schedule.schedule_table), with Q_BUFFERS sets of Q
     blocks (2: the next tile's queries load while this tile runs). OVERLAP_TILES (persistent, two sets): a tile's
     boundary with the next overlaps (_attend_overlapped). TURNS (CONSUMERS, or 0): the consumers issue their
-    products in rotation (flash_fwd_hopper_tile.wait_turn)."""
+    products in rotation (flash_fwd_hopper_tile.wait_turn). IS_VARLEN (one tile per program): packed (total, heads,
+    head_dim) rows, sequence b's at CU_SEQLENS_Q[b] (queries) and CU_SEQLENS_K[b] (keys, values), batch_size
+    sequences; seqlen_q and seqlen_k go unread."""
     dtype: gl.constexpr = Q.dtype.element_ty
+    seq, pid_m = program_sequence_tile(batch_size, CU_SEQLENS_Q, CONSUMERS * CONSUMER_ROWS, RIGHT_BOUNDED, IS_VARLEN,
+                                       SEQS_PAD, CONSUMER_WARPS)
     q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * CONSUMERS, CONSUMER_ROWS, HEAD_DIM_PAD], Q_SMEM)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM_PAD], KV_SMEM)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM_PAD], KV_SMEM)
@@ -313,26 +321,28 @@ def _attn_fwd_hopper_kernel(
     gl.warp_specialize(
         [(load_partition, (Q, K, V, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb,
                            stride_vs, stride_vh, seqlen_q, seqlen_k, window_left, window_right, batch_size, heads,
-                           num_m_blocks, section, TILE_SCHEDULE, q_smem, k_smem, v_smem, q_bars, q_free, k_ready,
-                           v_ready, k_empty, v_empty, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, CONSUMERS,
-                           LEFT_BOUNDED, RIGHT_BOUNDED, Q_BUFFERS, PERSISTENT, Q_SMEM, KV_SMEM))
+                           num_m_blocks, section, TILE_SCHEDULE, CU_SEQLENS_Q, CU_SEQLENS_K, seq, pid_m, q_smem,
+                           k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, GROUP, HEAD_DIM,
+                           HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, CONSUMERS, LEFT_BOUNDED, RIGHT_BOUNDED, Q_BUFFERS,
+                           PERSISTENT, IS_VARLEN, Q_SMEM, KV_SMEM))
          if c == CONSUMERS else
          (_consume_partition, (c, O, LSE, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, seqlen_q,
                                seqlen_k, qk_scale, softcap_log2, window_left, window_right, batch_size, heads,
-                               num_m_blocks, section, TILE_SCHEDULE, q_smem, k_smem, v_smem, q_bars, q_free,
-                               k_ready, v_ready, k_empty, v_empty, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, NUM_STAGES,
-                               CONSUMERS, LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP, Q_BUFFERS, PERSISTENT,
-                               OVERLAP_TILES, Q_SMEM, TURNS))
+                               num_m_blocks, section, TILE_SCHEDULE, CU_SEQLENS_Q, CU_SEQLENS_K, seq, pid_m,
+                               q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, HEAD_DIM,
+                               HEAD_DIM_PAD, BLOCK_N, NUM_STAGES, CONSUMERS, LEFT_BOUNDED, RIGHT_BOUNDED, HAS_SOFTCAP,
+                               Q_BUFFERS, PERSISTENT, OVERLAP_TILES, IS_VARLEN, Q_SMEM, TURNS))
          for c in (0, 1, 2, 3)[:CONSUMERS + 1]],
         _partition_warps(CONSUMERS), _partition_registers(CONSUMERS))
 
 
-def supports(q, cu_seqlens_q, head_dim_pad, has_alibi, has_dropout):
-    """Whether this kernel takes these inputs (the caller has chosen the Gluon path for the device):
-    dense, 16-bit, a padded head_dim and query length where it is the faster forward, no ALiBi and no
-    dropout (the tl kernel has them)."""
-    return (cu_seqlens_q is None and q.dtype in (torch.float16, torch.bfloat16)
-            and q.shape[1] >= GLUON_FORWARD_FROM_SEQLEN.get(head_dim_pad, float("inf")) and not has_alibi and not has_dropout)
+def supports(q, seqlen_q, head_dim_pad, has_alibi, has_dropout, is_varlen=False):
+    """Whether this kernel takes these inputs (the caller has chosen the Gluon path for the device): 16-bit,
+    dense or varlen, a padded head_dim and query length (varlen: max_seqlen_q) where it is the faster forward, no
+    ALiBi and no dropout (the tl kernel has them)."""
+    from_seqlen = GLUON_VARLEN_FORWARD_FROM_SEQLEN if is_varlen else GLUON_FORWARD_FROM_SEQLEN
+    return (q.dtype in (torch.float16, torch.bfloat16) and not has_alibi and not has_dropout
+            and seqlen_q >= from_seqlen.get(head_dim_pad, float("inf")))
 
 
 @functools.cache  # built once per config, not on every launch
@@ -345,14 +355,25 @@ def shared_layouts(block_n, head_dim_pad, dtype):
 
 def launch_forward(q, k, v, out, lse, qk_scale, softcap_log2, window_left, window_right, softcap, head_dim_pad,
                    strides, strides_lse, block_n=None, num_stages=None, consumers=None, persistent=None,
-                   overlap_tiles=None, turns=None):
-    """Launch the kernel on dense (batch, seqlen, heads, head_dim) inputs the caller has validated;
-    block_n, num_stages, consumers (2 or 3 warpgroups of 64 rows) and persistent (one program per SM, each
-    walking its share of tile_schedule's order) override gluon_forward_config's choice, overlap_tiles (a
-    persistent program's tile boundaries overlapped, where it has two sets of Q blocks) the rule's, and turns (the
-    consumers issuing their products in rotation) tuning.gluon_consumers_take_turns'."""
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+                   overlap_tiles=None, turns=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                   max_seqlen_k=None):
+    """Launch the kernel on dense (batch, seqlen, heads, head_dim) inputs the caller has validated, or packed
+    (total, heads, head_dim) ones with cu_seqlens_q / cu_seqlens_k and max_seqlen_q / max_seqlen_k (hints that
+    pick the config; one tile per program); block_n, num_stages, consumers (2 or 3 warpgroups of 64 rows) and
+    persistent (one program per SM, each walking its share of tile_schedule's order) override
+    gluon_forward_config's choice, overlap_tiles (a persistent program's tile boundaries overlapped, where it has
+    two sets of Q blocks) the rule's, and turns (the consumers issuing their products in rotation)
+    tuning.gluon_consumers_take_turns'."""
+    is_varlen = cu_seqlens_q is not None
+    if is_varlen:
+        if persistent:
+            raise ValueError("persistent: the varlen forward runs one tile per program (its schedule would need "
+                             "the sequence lengths on the host)")
+        batch, (heads_q, head_dim), heads_kv = cu_seqlens_q.numel() - 1, q.shape[1:], k.shape[1]
+        seqlen_q, seqlen_k, persistent = max_seqlen_q, max_seqlen_k, False
+    else:
+        batch, seqlen_q, heads_q, head_dim = q.shape
+        seqlen_k, heads_kv = k.shape[1], k.shape[2]
     default_n, default_stages, default_consumers, default_persistent = gluon_forward_config(head_dim_pad, seqlen_k,
                                                                                             window_right >= 0)
     block_n, num_stages, consumers = block_n or default_n, num_stages or default_stages, consumers or default_consumers
@@ -373,13 +394,15 @@ def launch_forward(q, k, v, out, lse, qk_scale, softcap_log2, window_left, windo
         turns = gluon_consumers_take_turns(head_dim_pad, consumers, persistent)
     if overlap_tiles is None:
         overlap_tiles = gluon_overlaps_tiles(head_dim_pad, seqlen_k, window_right >= 0)
-    grid = (programs,) if persistent else (num_m_blocks, heads_q, batch)
-    launcher(_attn_fwd_hopper_kernel, grid)(  # q stands in for the table a one-tile launch never reads
-        q, k, v, out, lse, q if schedule is None else schedule, *strides, *strides_lse, seqlen_q, seqlen_k,
+    grid = (programs,) if persistent else tile_grid(block_m, seqlen_q, q.shape[0], batch, heads_q, is_varlen)
+    offsets = (cu_seqlens_q, cu_seqlens_k) if is_varlen else (q, q)
+    launcher(_attn_fwd_hopper_kernel, grid)(  # q stands in for the tables and offsets a launch never reads
+        q, k, v, out, lse, q if schedule is None else schedule, *offsets, *strides, *strides_lse, seqlen_q, seqlen_k,
         qk_scale, softcap_log2, window_left, window_right, batch, heads_q, num_m_blocks, section,
         GROUP=heads_q // heads_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         CONSUMERS=consumers, BLOCK_N=block_n, NUM_STAGES=num_stages,
         LEFT_BOUNDED=window_left >= 0, RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0,
         Q_BUFFERS=q_sets, PERSISTENT=persistent, OVERLAP_TILES=overlap_tiles and q_sets == 2, Q_SMEM=q_smem,
-        KV_SMEM=kv_smem, TURNS=consumers if turns else 0, num_warps=CONSUMER_WARPS.value,
+        KV_SMEM=kv_smem, TURNS=consumers if turns else 0, IS_VARLEN=is_varlen, SEQS_PAD=seqs_pad(batch, is_varlen),
+        num_warps=CONSUMER_WARPS.value,
     )

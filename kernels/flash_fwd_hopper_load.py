@@ -1,7 +1,8 @@
 """The producer partition of the Hopper forward (flash_fwd_hopper.py): one warp that streams each query tile's Q
 blocks and its K and V tiles by TMA into shared memory, a ring of NUM_STAGES slots with a "ready" and an "empty"
 mbarrier per slot and tensor. A persistent program walks its slice of tile_schedule.py's deal, as its consumers do,
-and its ring's slots and phases run on across tiles."""
+and its ring's slots and phases run on across tiles. A one-tile program reads one sequence's rows through TMA views
+bounded at the sequence's ends (zeros past them), dense or packed (varlen)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from .hopper_ops import CONSUMER_ROWS, rows_descriptor
-from .tile_schedule import program_tile, query_block, scheduled_tiles, tile_coords
+from .tile_ops import sequence_bounds
+from .tile_schedule import query_block, scheduled_tiles, tile_coords
 
 
 @gluon.constexpr_function
@@ -71,11 +73,14 @@ def _load_query_tile(q_desc, k_desc, v_desc, batch, head, kv_head, m0, start, nu
 @gluon.jit
 def load_partition(Q, K, V, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
                    stride_vh, seqlen_q, seqlen_k, window_left, window_right, batch_size, heads, num_m_blocks, section,
-                   TILE_SCHEDULE, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty,
-                   GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
-                   NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr, LEFT_BOUNDED: gl.constexpr,
-                   RIGHT_BOUNDED: gl.constexpr, Q_BUFFERS: gl.constexpr, PERSISTENT: gl.constexpr,
+                   TILE_SCHEDULE, CU_SEQLENS_Q, CU_SEQLENS_K, seq, pid_m, q_smem, k_smem, v_smem, q_bars, q_free,
+                   k_ready, v_ready, k_empty, v_empty, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   HEAD_DIM_PAD: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                   CONSUMERS: gl.constexpr, LEFT_BOUNDED: gl.constexpr, RIGHT_BOUNDED: gl.constexpr,
+                   Q_BUFFERS: gl.constexpr, PERSISTENT: gl.constexpr, IS_VARLEN: gl.constexpr,
                    Q_SMEM: gl.constexpr, KV_SMEM: gl.constexpr):
+    """The producer: a persistent program's tiles in its schedule's order, or a one-tile program's (seq, pid_m:
+    hopper_ops.program_sequence_tile) query tile, whose rows are located by cu_seqlens where IS_VARLEN."""
     BLOCK_M: gl.constexpr = CONSUMERS * CONSUMER_ROWS
     if PERSISTENT:
         q_desc = heads_descriptor(Q, batch_size, seqlen_q, heads, stride_qb, stride_qs, stride_qh, CONSUMER_ROWS,
@@ -95,17 +100,21 @@ def load_partition(Q, K, V, stride_qb, stride_qs, stride_qh, stride_kb, stride_k
                              tile_index, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty,
                              BLOCK_N, NUM_STAGES, CONSUMERS, Q_BUFFERS, PERSISTENT)
             loaded += num_tiles
-    else:
-        batch, head, pid_m = program_tile(RIGHT_BOUNDED)
+    elif seq < batch_size:  # a one-tile program; varlen, past the last sequence's tiles, has nothing to load
+        q_first, k_first, seqlen_q, seqlen_k = sequence_bounds(seq, seqlen_q, seqlen_k, CU_SEQLENS_Q, CU_SEQLENS_K,
+                                                               IS_VARLEN)
         m0, start, _, _, num_tiles = query_block(pid_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M,
                                                  BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
-        batch, kv_head = batch.to(gl.int64), (head // GROUP).to(gl.int64)
-        q_desc = rows_descriptor(Q + batch * stride_qb + head.to(gl.int64) * stride_qh, seqlen_q, stride_qs,
-                                 CONSUMER_ROWS, HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
-        k_desc = rows_descriptor(K + batch * stride_kb + kv_head * stride_kh, seqlen_k, stride_ks, BLOCK_N, HEAD_DIM,
-                                 HEAD_DIM_PAD, KV_SMEM)
-        v_desc = rows_descriptor(V + batch * stride_vb + kv_head * stride_vh, seqlen_k, stride_vs, BLOCK_N, HEAD_DIM,
-                                 HEAD_DIM_PAD, KV_SMEM)
+        head = gl.program_id(1)
+        batch, kv_head = seq.to(gl.int64), (head // GROUP).to(gl.int64)
+        q_desc = rows_descriptor(Q + batch * stride_qb + q_first * stride_qs + head.to(gl.int64) * stride_qh, seqlen_q,
+                                 stride_qs, CONSUMER_ROWS, HEAD_DIM, HEAD_DIM_PAD, Q_SMEM)
+        # A sequence may have no key (varlen): then no tile loads, but a TMA view needs a row.
+        k_rows = gl.maximum(seqlen_k, 1)
+        k_desc = rows_descriptor(K + batch * stride_kb + k_first * stride_ks + kv_head * stride_kh, k_rows, stride_ks,
+                                 BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
+        v_desc = rows_descriptor(V + batch * stride_vb + k_first * stride_vs + kv_head * stride_vh, k_rows, stride_vs,
+                                 BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, KV_SMEM)
         _load_query_tile(q_desc, k_desc, v_desc, batch, head, kv_head, m0, start, num_tiles, 0, 0, q_smem, k_smem,
                          v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, BLOCK_N, NUM_STAGES, CONSUMERS,
                          Q_BUFFERS, PERSISTENT)

@@ -1,6 +1,6 @@
 """Gluon helpers shared by the Hopper (sm_90) kernels: their jit with unspecialised integers, the wgmma
-accumulator layout, the per-head TMA view each partition builds, and the consumers' turns on the tensor cores
-(tile_ops.py is the tl kernels' side)."""
+accumulator layout, the per-head TMA view each partition builds, a one-tile program's sequence and tile, and the
+consumers' turns on the tensor cores (tile_ops.py is the tl kernels' side)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,35 @@ def rows_descriptor(base, rows, stride_rows, BLOCK: gl.constexpr, HEAD_DIM: gl.c
     either end and stores are clipped there. Each partition builds the descriptors it uses: one written to global
     memory reaches the TMA unit only through the writing threads' tensormap fence, which no other warp executes."""
     return tma.make_tensor_descriptor(base, [rows, HEAD_DIM], [stride_rows, 1], [BLOCK, HEAD_DIM_PAD], LAYOUT)
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def program_sequence_tile(num_seqs, CU_SEQLENS, BLOCK: gl.constexpr, LAST_FIRST: gl.constexpr,
+                          IS_VARLEN: gl.constexpr, SEQS_PAD: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """(sequence, tile within it) of a one-tile program, as tile_ops.program_tile places them: dense, its grid
+    position (tiles, heads, batch); varlen, the tiles of every sequence packed one after another on a grid of
+    (cdiv(total rows, BLOCK) + num_seqs, heads, 1), the programs past the last tile at sequence num_seqs.
+    LAST_FIRST: the tiles in reverse order (a causal tile's work grows with its index). Computed once per
+    program, before the partitions split, by its NUM_WARPS default warps."""
+    t = gl.program_id(0)
+    if LAST_FIRST:
+        t = gl.num_programs(0) - 1 - t
+    if IS_VARLEN:
+        index = gl.arange(0, SEQS_PAD, layout=gl.BlockedLayout([1], [32], [NUM_WARPS], [0]))
+        starts = gl.load(CU_SEQLENS + index, mask=index < num_seqs, other=0)
+        ends = gl.load(CU_SEQLENS + index + 1, mask=index < num_seqs, other=0)
+        tiles = (ends - starts + BLOCK - 1) // BLOCK
+        seq = gl.sum((gl.associative_scan(tiles, 0, _add) <= t).to(gl.int32), 0)
+        tile = t - gl.sum(gl.where(index < seq, tiles, 0), 0)
+    else:
+        seq = gl.program_id(2)
+        tile = t
+    return seq, tile
 
 
 # Named barriers of consumer warpgroups' turns on the tensor cores, one per consumer, above those Triton gives its

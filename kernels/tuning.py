@@ -259,6 +259,10 @@ GLUON_FORWARD_CONFIGS = {64: (128, 2, 3), 128: (128, 2, 2), 256: (64, 2, 2)}
 # padded head_dim: 1.03-1.17x the tl kernel at head_dim 128 and 1.14-1.38x at 256 over 1k-16k tokens; at 64
 # the persistent form is 1.11-1.32x tl from 1k (shorter lengths are unmeasured, so tl keeps them).
 GLUON_FORWARD_FROM_SEQLEN = {64: 1024, 128: 1, 256: 1}
+# Packed sequences (varlen) run the Gluon forward one tile per program (its persistent schedule needs the lengths on
+# the host). That form read 1.03-1.17x tl at head_dim 128 and 1.14-1.38x at 256 from 1k tokens, but 0.77-0.99x at
+# 64 (BENCHMARKS.md, the Gluon forward's tile shapes), so tl keeps varlen at head_dim 64.
+GLUON_VARLEN_FORWARD_FROM_SEQLEN = {128: 1, 256: 1}
 # The same for the Gluon backward (flash_bwd_hopper): at head_dim 128 and 256 faster than the tl kernels at every
 # length measured (1.23-1.68x at 4k and 16k); at 64 (BLOCK_M 128) 1.03-1.12x from 4k but 0.86-0.96x at 512-1k and
 # 0.98-1.02x at 2k, causal and not (two attention grids, one before it took 64, BENCHMARKS.md), so tl keeps the

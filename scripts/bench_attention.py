@@ -20,8 +20,9 @@ medians: the same kernel timed twice in one run has read up to 10% apart on the 
 block-size multiples) summing exactly to --tokens, through flash_attn_varlen_func, beside ours dense at
 the same total tokens with seqlen = the mean document length rounded to 64 (the headline ratio
 varlen / dense@mean; the bar is >= 0.9, ideally 0.95) and seqlen = the longest document. FLOPs are
-summed per document. FlexAttention with a document mask (if in --impls and --flex-head-dims) is the
-outside reference; the max diff is ours varlen against each document run through flash_attn_func alone.
+summed per document. With ours-tl in --impls the packed batch also runs on the portable tl kernels (on an
+H200 ours varlen takes the Gluon forward). FlexAttention with a document mask (if in --impls and
+--flex-head-dims) is the outside reference; the max diff is ours varlen against each document run through flash_attn_func alone.
 
     python scripts/bench_attention.py --varlen --doc-lengths lognormal --seed 0 --impls ours flex \
         --flex-head-dims 64 128 --out bench_varlen.json
@@ -388,6 +389,9 @@ def run_varlen(args, causals):
             row["ours-varlen"] = cell
             ref = per_document_reference(q, k, v, lengths, causal)
             row["max_abs_diff_vs_per_doc"] = (out.float() - ref.float()).abs().max().item()
+        if "ours-tl" in args.impls:  # the portable kernels on the same packed batch, where ours is Gluon's
+            with force_kernel_impl("triton"):
+                row["ours-tl-varlen"], _ = time_fwd_bwd(varlen, q, k, v, causal, grad_out, flops)
         if flex is not None and head_dim in args.flex_head_dims:
             row["flex-document"], _ = time_fwd_bwd(flex_packed, q, k, v, causal, grad_out, flops)
         for name, (batch, seqlen) in shapes.items():
@@ -489,13 +493,14 @@ def varlen_table(section):
     caption = (f"{len(lengths)} {section['distribution']} documents (seed {section['seed']}), lengths "
                f"{min(lengths)}..{max(lengths)}; dense@mean = {shapes['mean'][0]} x {shapes['mean'][1]}, "
                f"dense@max = {shapes['max'][0]} x {shapes['max'][1]} (batch x seqlen)")
-    head = ("| head_dim | causal | docs | tokens | ours varlen | ours dense@mean | ours dense@max "
+    head = ("| head_dim | causal | docs | tokens | ours varlen | ours tl varlen | ours dense@mean | ours dense@max "
             "| varlen / dense@mean (fwd, bwd) | flex document mask | max diff vs per-doc |")
     lines = [caption, "", head, "|" + "---|" * (head.count("|") - 1)]
     for r in section["results"]:
         ratio = ", ".join(f"{x:.2f}" for x in r["varlen_over_dense_mean"]) if "varlen_over_dense_mean" in r else "–"
         lines.append(f"| {r['head_dim']} | {'yes' if r['causal'] else 'no'} | {r['docs']} | {r['tokens']} | "
-                     f"{tflops(r.get('ours-varlen'))} | {tflops(r.get('ours-dense@mean'))} | "
+                     f"{tflops(r.get('ours-varlen'))} | {tflops(r.get('ours-tl-varlen'))} | "
+                     f"{tflops(r.get('ours-dense@mean'))} | "
                      f"{tflops(r.get('ours-dense@max'))} | {ratio} | {tflops(r.get('flex-document'))} | "
                      f"{r.get('max_abs_diff_vs_per_doc', math.nan):.1e} |")
     return "\n".join(lines)

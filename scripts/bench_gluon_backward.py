@@ -269,7 +269,7 @@ def main(argv=None):
                 out, lse = attention_forward(q, k, v, head_dim ** -0.5, -1, 0 if causal else -1, 0.0)
                 tl_grads = backward(q, k, v, out, lse, grad_out, causal, (-1, -1), 0.0, False)
                 cell = {"head_dim": head_dim, "causal": causal, "seqlen": seqlen, "batch": batch, "gluon": {},
-                        "gluon_is_default": flash_bwd_hopper.supports(q, None, head_dim_pad, False, False)}
+                        "gluon_is_default": flash_bwd_hopper.supports(q, seqlen, head_dim_pad, False, False)}
                 timings = {"tl": functools.partial(backward, q, k, v, out, lse, grad_out, causal, (-1, -1), 0.0,
                                                    False)}
                 try:

@@ -98,7 +98,8 @@ for stage in "${stages[@]}"; do
               | tee "$RES/prefill.log" | grep "^|" ;;
     attention) timeout 420 python3 scripts/bench_attention.py ${ATTN_ARGS:---impls ours ours-nondet sdpa-flash sdpa-cudnn --head-dims 64 128 256} \
               --out "$RES/attention.json" --plot "$RES/attention.png" 2>&1 | tee "$RES/attention.log" | grep "^|" ;;
-    varlen) timeout 300 python3 scripts/bench_attention.py --varlen --impls ours --out "$RES/varlen.json" 2>&1 \
+    varlen) # packed documents: the dispatch's pick (Gluon on sm_90 at head_dim 128 and 256) beside the tl kernels
+            timeout 300 python3 scripts/bench_attention.py --varlen --impls ours ours-tl --out "$RES/varlen.json" 2>&1 \
               | tee "$RES/varlen.log" | grep "documents\|^|" ;;
     train)  timeout 540 python3 scripts/bench_train.py configs/gpt2-124m.yaml ${TRAIN_ARGS:---seqlens 1024 4096 16384 --steps 50 \
               --profile 5} --out "$RES/train.json" 2>&1 | tee "$RES/train.log" | grep "^|\| @ " ;;

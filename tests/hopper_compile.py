@@ -134,7 +134,7 @@ def attention_constexprs(head_dim, block_m, block_n, causal=True, window=False, 
 
 
 def gluon_forward_constexprs(head_dim, causal=True, window=False, softcap=False, group=1, config=None,
-                             persistent=False, overlap_tiles=True, turns=None):
+                             persistent=False, overlap_tiles=True, turns=None, varlen=False):
     """config: (BLOCK_N, NUM_STAGES, CONSUMERS), tuning.GLUON_FORWARD_CONFIGS' by default; persistent: one program
     per SM with the Q buffers the launcher gives it, its tile boundaries overlapped where two sets fit
     (overlap_tiles=False: never; the launcher picks by length, tuning.gluon_overlaps_tiles); turns: the consumers
@@ -149,11 +149,12 @@ def gluon_forward_constexprs(head_dim, causal=True, window=False, softcap=False,
                 BLOCK_N=block_n, NUM_STAGES=num_stages, LEFT_BOUNDED=window, RIGHT_BOUNDED=causal or window,
                 HAS_SOFTCAP=softcap, PERSISTENT=persistent, Q_SMEM=q_smem, KV_SMEM=kv_smem,
                 Q_BUFFERS=q_sets if persistent else 1,
-                OVERLAP_TILES=overlap_tiles and persistent and q_sets == 2, TURNS=consumers if turns else 0)
+                OVERLAP_TILES=overlap_tiles and persistent and q_sets == 2, TURNS=consumers if turns else 0,
+                IS_VARLEN=varlen, SEQS_PAD=16 if varlen else 1)
 
 
 def gluon_backward_constexprs(head_dim, causal=True, window=False, softcap=False, group=1, block_m=None,
-                              dq_mode=flash_bwd_hopper.DQ_SEPARATE.value, split_dq=False):
+                              dq_mode=flash_bwd_hopper.DQ_SEPARATE.value, split_dq=False, varlen=False):
     """dq_mode: flash_bwd_hopper's DQ_MODE; a fused one (dQ formed in the kernel) takes FUSED_BLOCK_M;
     split_dq: its DQ_SPLIT."""
     head_dim_pad = pad_head_dim(head_dim)
@@ -168,17 +169,18 @@ def gluon_backward_constexprs(head_dim, causal=True, window=False, softcap=False
                 RIGHT_BOUNDED=causal or window, HAS_SOFTCAP=softcap,
                 SPLIT_HEAD_DIM=flash_bwd_hopper.split_head_dim(head_dim_pad), QO_SMEM=qo_smem, QO_TMA=qo_tma,
                 KV_SMEM=kv_smem, DQ_MODE=dq_mode, DS_SMEM=ds_smem, DQ_SMEM=dq_smem, DQ_TMA=dq_tma,
-                DQ_SPLIT=split_dq)
+                DQ_SPLIT=split_dq, IS_VARLEN=varlen, SEQS_PAD=16 if varlen else 1)
 
 
-def gluon_dq_constexprs(head_dim, causal=True, window=False, softcap=False, group=1):
+def gluon_dq_constexprs(head_dim, causal=True, window=False, softcap=False, group=1, varlen=False):
     head_dim_pad = pad_head_dim(head_dim)
     block_n = flash_bwd_dq_hopper.DQ_BLOCK_N[head_dim_pad]
     q_smem, _, _ = flash_bwd_hopper.shared_layouts(64, head_dim_pad, torch.bfloat16)
     _, kv_smem = flash_fwd_hopper.shared_layouts(block_n, head_dim_pad, torch.bfloat16)
     return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=flash_bwd_dq_hopper.DQ_BLOCK_M,
                 BLOCK_N=block_n, NUM_STAGES=flash_bwd_dq_hopper.DQ_NUM_STAGES, LEFT_BOUNDED=window,
-                RIGHT_BOUNDED=causal or window, HAS_SOFTCAP=softcap, Q_SMEM=q_smem, KV_SMEM=kv_smem)
+                RIGHT_BOUNDED=causal or window, HAS_SOFTCAP=softcap, Q_SMEM=q_smem, KV_SMEM=kv_smem,
+                IS_VARLEN=varlen, SEQS_PAD=16 if varlen else 1)
 
 
 GLUON_FORWARD = flash_fwd_hopper._attn_fwd_hopper_kernel
@@ -201,6 +203,12 @@ CASES = {
                                             GLUON_WARPS, 1),
     "gluon-fwd-d64-c3-full-n64": (GLUON_FORWARD, gluon_forward_constexprs(64, causal=False, config=(64, 4, 3)),
                                   GLUON_WARPS, 1),
+    # packed sequences (varlen), one tile per program, at the head_dims that take it (128, 256)
+    "gluon-fwd-d128-varlen-causal": (GLUON_FORWARD, gluon_forward_constexprs(128, varlen=True), GLUON_WARPS, 1),
+    "gluon-fwd-d128-varlen-window-softcap-gqa": (
+        GLUON_FORWARD, gluon_forward_constexprs(128, window=True, softcap=True, group=4, varlen=True), GLUON_WARPS, 1),
+    "gluon-fwd-d256-varlen-full": (GLUON_FORWARD, gluon_forward_constexprs(256, causal=False, varlen=True),
+                                   GLUON_WARPS, 1),
     # the persistent forward (one program per SM walking kernels/tile_schedule.py's order) at every head_dim
     "gluon-fwd-d128-persistent-causal": (GLUON_FORWARD, gluon_forward_constexprs(128, persistent=True), GLUON_WARPS, 1),
     "gluon-fwd-d128-persistent-full": (GLUON_FORWARD, gluon_forward_constexprs(128, causal=False, persistent=True),
@@ -284,6 +292,14 @@ CASES = {
     "gluon-bwd_dq-d64-softcap-gqa": (GLUON_DQ, gluon_dq_constexprs(64, softcap=True, group=2), GLUON_WARPS, 1),
     "gluon-bwd_dq-d256-causal": (GLUON_DQ, gluon_dq_constexprs(256), GLUON_WARPS, 1),
     "gluon-bwd_dq-d256-full-softcap": (GLUON_DQ, gluon_dq_constexprs(256, causal=False, softcap=True), GLUON_WARPS, 1),
+    # packed sequences (varlen): the two kernels of the deterministic backward
+    "gluon-bwd_dq-d128-varlen-causal-gqa": (GLUON_DQ, gluon_dq_constexprs(128, group=4, varlen=True), GLUON_WARPS, 1),
+    "gluon-bwd_dkdv-d128-varlen-causal-gqa": (GLUON_DKDV, gluon_backward_constexprs(128, group=4, varlen=True),
+                                              GLUON_WARPS, 1),
+    "gluon-bwd_dkdv-d64-varlen-window-softcap": (
+        GLUON_DKDV, gluon_backward_constexprs(64, window=True, softcap=True, varlen=True), GLUON_WARPS, 1),
+    "gluon-bwd_dkdv-d256-varlen-full": (GLUON_DKDV, gluon_backward_constexprs(256, causal=False, varlen=True),
+                                        GLUON_WARPS, 1),
     "gluon-bwd_dkdv-d64-causal-gqa": (GLUON_DKDV, gluon_backward_constexprs(64, group=4), GLUON_WARPS, 1),
     "gluon-bwd_dkdv-d64-window-softcap": (GLUON_DKDV, gluon_backward_constexprs(64, window=True, softcap=True),
                                           GLUON_WARPS, 1),
@@ -408,6 +424,7 @@ def main(selected):
                         "acquire_release": "ld.acquire.gpu" in ptx and "atom.release.gpu" in ptx,
                         # loads through the load/store units from global memory (TMA copies are not among them)
                         "global_loads": len(re.findall(r"\bld\.global\b", ptx)),
+                        "global_load_loop_depth": max(loop_depths(ptx, r"\bld\.global\b"), default=0),
                         # asynchronous copies from global to shared memory (Ampere's, a pipelined pointer load)
                         "cp_async": len(re.findall(r"\bcp\.async\.c[ag]\.shared\.global\b", ptx)),
                         # local memory in the PTX itself (ptxas's own spills are spill_bytes)

@@ -139,6 +139,10 @@ GLUON_SPILL_BOUND = {"gluon-bwd_dkdv-d80-window": 16, "gluon-bwd_dkdv-d256-causa
                      "gluon-bwd_fused-d128-causal-gqa": 576, "gluon-bwd_fused-d128-full": 512,
                      "gluon-bwd_fused_unordered-d128-causal": 512, "gluon-bwd_fused_unordered-d128-full-gqa": 512,
                      "gluon-bwd_fused_unordered-d80-window": 512, "gluon-bwd_fused-d64-window-softcap-gqa": 64}
+# Packed sequences (varlen) keep their sequence's offsets and bounds (loaded from cu_seqlens, not formed from the
+# program ids) beside the same accumulators: 340 B in the dK/dV kernel at head_dim 128, 584 at 256; the H200 timing
+# of bench_attention --varlen --impls ours ours-tl includes them.
+GLUON_SPILL_BOUND.update({"gluon-bwd_dkdv-d128-varlen-causal-gqa": 384, "gluon-bwd_dkdv-d256-varlen-full": 640})
 # The fused form with dQ's columns split between the consumers (DQ_SPLIT): the same kind of scalars, fewer
 # of them beside its 32-register dQ half (124-488 B at head_dim 128, against up to 572 for the shares).
 GLUON_SPILL_BOUND.update({"gluon-bwd_fused_split-d128-causal": 512, "gluon-bwd_fused_split-d128-full-gqa": 320,
@@ -165,10 +169,12 @@ def test_gluon_kernels_overlap_softmax_with_the_tensor_cores(report):
 @needs_gluon_triton
 def test_gluon_dkdv_kernels_take_their_row_statistics_by_tma(report):
     """The dK/dV kernel's consumers (every form, dQ fused or not) read delta and lse from shared memory, where the
-    producer's TMA put them with each Q and dO tile: no global load waits inside the query loop."""
+    producer's TMA put them with each Q and dO tile: no global load waits inside the query loop. Dense, no global
+    load at all; varlen, only its sequence's offsets, before any loop."""
     dkdv = {name: case for name, case in report.items() if name.startswith(("gluon-bwd_dkdv", "gluon-bwd_fused"))}
-    assert dkdv
-    assert all(case["global_loads"] == 0 for case in dkdv.values()), {n: c["global_loads"] for n, c in dkdv.items()}
+    assert dkdv and any("-varlen" in name for name in dkdv)
+    loads = {name: (case["global_loads"], case["global_load_loop_depth"]) for name, case in dkdv.items()}
+    assert all(count == 0 or ("-varlen" in name and depth == 0) for name, (count, depth) in loads.items()), loads
 
 
 @needs_gluon_triton

@@ -306,21 +306,23 @@ def test_autotuned_nondeterministic_backward_first_call(tmp_path):
 
 
 @pytest.mark.parametrize("seqlen_q", [1, 127, 128, 200])
-def test_dense_row_statistics_are_padded_with_rows_that_add_nothing(seqlen_q):
-    """The dK/dV kernels load a query tile's statistics unmasked: dense, each head's rows run on to a multiple
-    of STATS_ROWS, the padding lse_log2 = +inf and delta = 0; packed sequences keep lse's layout."""
+def test_row_statistics_are_padded_with_rows_that_add_nothing(seqlen_q):
+    """The dK/dV kernels load a query tile's statistics unmasked: each head's rows (dense, a sequence's; packed,
+    all the sequences' in one run) go on to a multiple of STATS_ROWS, the padding lse_log2 = +inf and delta = 0,
+    so that each head's run starts 16-byte aligned for the Gluon kernel's TMA copies."""
     from flashformer.kernels import bwd_stats
 
     rows = bwd_stats.STATS_ROWS.value
-    lse = torch.randn(2, 3, seqlen_q)
-    lse_log2, delta, strides = bwd_stats.row_stats_buffers(lse, seqlen_q, False)
-    padded = -(-seqlen_q // rows) * rows
-    assert lse_log2.shape == delta.shape == (2, 3, padded) and strides == (3 * padded, padded)
-    if padded > seqlen_q:
-        assert torch.isinf(lse_log2).all() and lse_log2.gt(0).all() and delta.eq(0).all()
-    packed = torch.randn(3, 5 * seqlen_q)
-    packed_lse_log2, _, packed_strides = bwd_stats.row_stats_buffers(packed, seqlen_q, True)
-    assert packed_lse_log2.shape == packed.shape and packed_strides == (0, 5 * seqlen_q)
+    for lse, is_varlen, (batch, heads, length) in ((torch.randn(2, 3, seqlen_q), False, (2, 3, seqlen_q)),
+                                                   (torch.randn(3, 5 * seqlen_q), True, (1, 3, 5 * seqlen_q))):
+        lse_log2, delta, strides = bwd_stats.row_stats_buffers(lse, seqlen_q, is_varlen)
+        padded = -(-length // rows) * rows
+        assert lse_log2.shape == delta.shape == (batch, heads, padded)
+        assert strides == (0 if is_varlen else heads * padded, padded)
+        assert lse_log2.data_ptr() % 16 == 0 and delta.data_ptr() % 16 == 0
+        if padded > length:
+            tail = (lse_log2[..., length:], delta[..., length:])
+            assert torch.isinf(tail[0]).all() and tail[0].gt(0).all() and tail[1].eq(0).all()
 
 
 @pytest.fixture

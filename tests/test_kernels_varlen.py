@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 from attention_checks import assert_within_2x, attention_grads
+from conftest import KERNEL_PATHS
 
 from flashformer.kernels import (attention_materialized, cu_seqlens_from_document_ids, cu_seqlens_from_lengths,
                                  document_ids_from_cu_seqlens, flash_attn_varlen_backward, flash_attn_varlen_func,
@@ -33,11 +34,19 @@ CASES = [  # (q lengths, k lengths or None for the same), heads, head_dim, causa
     ([33, 97, 0], [40, 97, 3], (2, 2), 40, False, (-1, -1), 0.0, torch.float16),
     ([1, 200, 64], [17, 150, 64], (4, 1), 128, True, (20, -1), 0.0, torch.float16),
     ([77, 3], None, (4, 2), 80, False, (16, 4), 10.0, torch.bfloat16),
+    # more sequences than one vector of 16 holds, among them one without keys and ones without queries; and
+    # head_dim 256 (on an H200 both take the Gluon kernels' varlen form)
+    ([3, 0, 70, 1, 129, 5, 0, 17, 64, 2, 33, 8, 1, 1, 90, 4, 11, 6], [9, 4, 70, 1, 100, 0, 2, 17, 70, 2, 30, 8, 1, 5,
+                                                                     90, 4, 1, 6], (4, 2), 128, True, (-1, -1), 0.0,
+     torch.bfloat16),
+    ([50, 0, 7], [64, 3, 20], (2, 1), 256, False, (-1, -1), 0.0, torch.float16),
 ]
 
 
 @pytest.mark.parametrize("lengths_q,lengths_k,heads,head_dim,causal,window,softcap,dtype", CASES)
-@pytest.mark.parametrize("impl,deterministic", [("triton", True), ("triton", False), ("torch", True)])
+@pytest.mark.parametrize("impl,deterministic",
+                         [(path, deterministic) for path in KERNEL_PATHS for deterministic in (True, False)]
+                         + [("torch", True)])
 def test_varlen_matches_per_sequence(lengths_q, lengths_k, heads, head_dim, causal, window, softcap, dtype, impl,
                                      deterministic, device, monkeypatch):
     monkeypatch.setenv("FLASHFORMER_KERNEL", impl)
