@@ -7,8 +7,9 @@ Both are stored with each head's rows padded to a multiple of STATS_ROWS, the pa
 nothing), so that the dK/dV kernels load a query tile's statistics without a per-row mask: at a length not
 divisible by 16 that mask cost the tl dK/dV kernel ~30 registers on sm_90 (191 against 162 at head_dim 64, 64 x
 64 tiles), past what three programs per SM can hold. Packed sequences (varlen) pad each head's run of all the
-sequences' rows; the tl kernels' loads keep the mask there, and the Gluon dK/dV kernel's TMA copies of them
-start 16-byte aligned at each head.
+sequences' rows, and start each sequence's on a 16-byte boundary (stats_start): the Gluon dK/dV kernel copies
+them by TMA, whose innermost coordinate must be 16-byte aligned (an unaligned one is an illegal instruction on
+sm_90); the tl kernels' loads keep the mask there.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def _bwd_preprocess(
     o = tl.load(O + o_base + head * stride_oh + rows_64 * stride_os + dims[None, :], mask=valid, other=0.0)
     do = tl.load(DO + do_base + head * stride_doh + rows_64 * stride_dos + dims[None, :], mask=valid, other=0.0)
     lse_offsets = batch * stride_lse_b + q_start + head * stride_lse_h + rows
-    stats_offsets = batch * stride_stats_b + q_start + head * stride_stats_h + rows
+    stats_offsets = (batch * stride_stats_b + stats_start(batch, q_start, IS_VARLEN) + head * stride_stats_h
+                     + rows)
     row_stats(o, do, LSE, DLSE, DELTA, LSE_LOG2, lse_offsets, stats_offsets, rows < seqlen_q, HAS_DLSE)
     if FIXED_POINT_DQ:
         dlse = 0.0
@@ -55,6 +57,26 @@ def _bwd_preprocess(
         scale = fixed_point_scale(do.to(tl.float32), dlse, tl.load(KV_BOUNDS), tl.load(KV_BOUNDS + 1),
                                   dropout_rescale)
         tl.store(DQ_SCALE + stats_offsets, scale, mask=rows < seqlen_q)
+
+
+@triton.jit
+def stats_start(seq, q_start, IS_VARLEN: tl.constexpr):
+    """Where sequence ``seq``'s row statistics start in its head's run: dense, at its own run's start (q_start, 0);
+    packed, at its first query row moved on to a 16-byte boundary (4 rows), since the Gluon dK/dV kernel's TMA
+    copies of them need an aligned innermost coordinate; 3 rows more per earlier sequence keep the runs apart."""
+    if IS_VARLEN:
+        return (q_start + 3 * seq + 3) // 4 * 4
+    return q_start
+
+
+def packed_stats_rows(cu_seqlens_q, total):
+    """Each packed query row's place in its head's run of statistics (stats_start's layout), on the device."""
+    rows = torch.arange(total, device=cu_seqlens_q.device)
+    offsets = cu_seqlens_q.long()
+    sequence = torch.searchsorted(offsets[1:], rows, right=True)
+    first = offsets[:-1]
+    moved = (first + 3 * torch.arange(first.numel(), device=first.device) + 3) // 4 * 4 - first
+    return rows + moved[sequence]
 
 
 # Bits of a row's fixed-point dQ grid below its bound: one under int32's 31, as ceil(log2) may read one high or low.
@@ -107,12 +129,14 @@ def fixed_point_bounds(k, v):
                         torch.linalg.vector_norm(v, dim=-1, dtype=torch.float32).amax()))
 
 
-def row_stats_buffers(lse, seqlen_q, is_varlen):
+def row_stats_buffers(lse, seqlen_q, is_varlen, num_seqs=1):
     """(lse_log2, delta, their (batch, head) strides) for a backward of ``lse`` (dense (batch, heads,
-    seqlen_q), packed (heads, total)), laid out as the module docstring says: each head's rows (dense, a
-    sequence's; packed, all sequences') padded to a multiple of STATS_ROWS with +inf / 0 there."""
-    # Packed (heads, total) rows are one sequence of total rows to pad, as batch 1 of a dense layout.
-    batch, heads, length = (1, lse.shape[0], lse.shape[1]) if is_varlen else (*lse.shape[:2], seqlen_q)
+    seqlen_q), packed (heads, total) over ``num_seqs`` sequences), laid out as the module docstring says: each
+    head's rows (dense, a sequence's; packed, all sequences', each from stats_start) padded to a multiple of
+    STATS_ROWS with +inf / 0 there and between sequences."""
+    # Packed rows are one run per head, as batch 1 of a dense layout, with up to 3 rows moved per sequence.
+    batch, heads, length = ((1, lse.shape[0], lse.shape[1] + 3 * num_seqs) if is_varlen
+                            else (*lse.shape[:2], seqlen_q))
     rows = cdiv(length, STATS_ROWS.value) * STATS_ROWS.value
     # One allocation for both (a backward's host time counts its allocations); each half starts on a
     # multiple of STATS_ROWS rows, so both stay 16-byte aligned for the TMA copies.

@@ -36,7 +36,8 @@ import triton
 import triton.language as tl
 
 from .flash_fwd import log2_scales
-from .bwd_stats import STATS_ROWS, fixed_point_bounds, launch_preprocess, row_stats, row_stats_buffers
+from .bwd_stats import (STATS_ROWS, fixed_point_bounds, launch_preprocess, packed_stats_rows, row_stats,
+                        row_stats_buffers, stats_start)
 from .launch import (INTERPRETED, as_descriptor_compatible, dot_precision, ensure_allocator, launcher, new_output,
                      seq_strides, seqs_pad, tile_grid, upcast_dot)
 from .reference import dropout_threshold
@@ -157,7 +158,7 @@ def _bwd_dkdv_kernel(
     start, un_lo, un_hi, end = query_range(n0, seqlen_q, seqlen_k, window_left, window_right,
                                            BLOCK_M, BLOCK_N, LEFT_BOUNDED, RIGHT_BOUNDED)
     tl.static_assert(STATS_ROWS % BLOCK_M == 0)  # dense, the query tiles end inside the statistics' padding
-    stats_base = batch * stride_stats_b + q_start
+    stats_base = batch * stride_stats_b + stats_start(batch, q_start, IS_VARLEN)
     dropout_seed = load_dropout_key(DROPOUT_SEED, HAS_DROPOUT)
     # Never software-pipelined: the loop creates descriptors, which the pipeliner cannot predicate. It
     # would try when a query length of 1 (specialised as a constant) folds the inner loops away.
@@ -294,8 +295,8 @@ def _bwd_dq_kernel(
     # stores them for the dK/dV kernel, launched after it) instead of a separate pass over O and dO.
     delta, lse_log2 = row_stats(o_desc.load([m0, 0]), do, LSE, DLSE, DELTA, LSE_LOG2,
                                  batch * stride_lse_b + q_start + head * stride_lse_h + rows,
-                                 batch * stride_stats_b + q_start + head * stride_stats_h + rows, rows < seqlen_q,
-                                 HAS_DLSE)
+                                 batch * stride_stats_b + stats_start(batch, q_start, IS_VARLEN)
+                                 + head * stride_stats_h + rows, rows < seqlen_q, HAS_DLSE)
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     alibi_slope_log2 = load_alibi_slope_log2(ALIBI_SLOPES, batch, head, stride_alibi_b, HAS_ALIBI)
     dropout_seed = load_dropout_key(DROPOUT_SEED, HAS_DROPOUT)
@@ -357,7 +358,7 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
         strides_lse = lse.stride()[:2]
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    lse_log2, delta, strides_stats = row_stats_buffers(lse, seqlen_q, is_varlen)
+    lse_log2, delta, strides_stats = row_stats_buffers(lse, seqlen_q, is_varlen, batch)
     head_dim_pad = pad_head_dim(head_dim)
     qk_scale, softcap_log2 = log2_scales(softmax_scale, softcap)
     ensure_allocator(q.device)
@@ -429,10 +430,12 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
         FIXED_POINT_DQ=fixed_point_dq, **config,
     )
     if fixed_point_dq:  # the rows' factors, (batch, heads, rows) or packed (heads, rows), beside dQ's rows
-        rows = dq_acc.shape[-3]
-        factors = softmax_scale / dq_scale.view(-1, heads_q, dq_scale.shape[-1])[..., :rows]
-        factors = factors.transpose(-1, -2).unsqueeze(-1)
-        return dq.copy_(dq_acc * (factors[0] if is_varlen else factors)), dk, dv
+        factors = softmax_scale / dq_scale.view(-1, heads_q, dq_scale.shape[-1])
+        if is_varlen:  # (total, heads, 1), each row's from its place in stats_start's layout
+            factors = factors[0][:, packed_stats_rows(cu_seqlens_q, dq_acc.shape[0])].T.unsqueeze(-1)
+        else:
+            factors = factors[..., :seqlen_q].transpose(-1, -2).unsqueeze(-1)
+        return dq.copy_(dq_acc * factors), dk, dv
     if not deterministic:
         return dq.copy_(dq_acc.mul_(softmax_scale)), dk, dv
     return dq, dk, dv

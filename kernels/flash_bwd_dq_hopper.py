@@ -14,6 +14,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from . import flash_bwd_hopper, flash_fwd_hopper
 from .flash_bwd_hopper import CONSUMER_WARPS
+from .bwd_stats import stats_start
 from .hopper_ops import mma_layout, program_sequence_tile, rows_descriptor, unspecialised_jit
 from .launch import ensure_allocator, launcher, seqs_pad, tile_grid
 from .tile_ops import key_range, opaque_copy, sequence_bounds, tanh, visible
@@ -149,8 +150,9 @@ def _attn_bwd_dq_hopper_kernel(
     k_base = K + batch * stride_kb + k_first * stride_ks + kv_head * stride_kh
     v_base = V + batch * stride_vb + k_first * stride_vs + kv_head * stride_vh
     dq_base = DQ + batch * stride_dqb + q_first * stride_dqs + head * stride_dqh
-    lse_row = LSE_LOG2 + batch * stride_lse_b + head * stride_lse_h + q_first
-    delta_row = DELTA + batch * stride_lse_b + head * stride_lse_h + q_first
+    stats_first = stats_start(batch, q_first, IS_VARLEN)
+    lse_row = LSE_LOG2 + batch * stride_lse_b + head * stride_lse_h + stats_first
+    delta_row = DELTA + batch * stride_lse_b + head * stride_lse_h + stats_first
     q_smem = gl.allocate_shared_memory(dtype, [2, DQ_ROWS, HEAD_DIM_PAD], Q_SMEM)
     do_smem = gl.allocate_shared_memory(dtype, [2, DQ_ROWS, HEAD_DIM_PAD], Q_SMEM)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM_PAD], KV_SMEM)

@@ -28,6 +28,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
+from .bwd_stats import stats_start
 from .hopper_ops import mma_layout, program_sequence_tile, rows_descriptor, unspecialised_jit
 from .launch import ensure_allocator, launcher, seqs_pad, tile_grid
 from .dq_reduce_hopper import add_dq_share, heads_descriptor, release_dq_share
@@ -246,7 +247,9 @@ def _attn_bwd_dkdv_hopper_kernel(
     v_base = V + batch * stride_vb + k_first * stride_vs + kv_head * stride_vh
     dk_base = DK + batch * stride_dkb + k_first * stride_dks + kv_head * stride_dkh
     dv_base = DV + batch * stride_dvb + k_first * stride_dvs + kv_head * stride_dvh
-    # Varlen: the group's statistics from each head's run (aligned for TMA); the sequence's rows from q_first on.
+    # Varlen: the group's statistics from each head's run (aligned for TMA); the sequence's rows from stats_first on
+    # (bwd_stats.stats_start: a 16-byte boundary, as the TMA copies' coordinates must be).
+    stats_first = stats_start(batch, q_first, IS_VARLEN)
     lse_group = LSE_LOG2 + batch * stride_lse_b + head0 * stride_lse_h
     delta_group = DELTA + batch * stride_lse_b + head0 * stride_lse_h
     # Fused: the group's dQ accumulator, and its semaphores, one per (batch, query head, query tile)
@@ -293,7 +296,7 @@ def _attn_bwd_dkdv_hopper_kernel(
         [(dkdv_load_partition, (q_base, do_base, k_base, v_base, lse_group, delta_group, stride_qh, stride_qs,
                                 stride_doh, stride_dos, stride_ks, stride_vs, stride_lse_h, seqlen_q, seqlen_k, q_smem,
                                 do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bars, q_ready, do_ready, slot_empty,
-                                n0, start, tiles_per_head, q_first, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, NUM_STAGES,
+                                n0, start, tiles_per_head, stats_first, GROUP, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, NUM_STAGES,
                                 SPLIT_HEAD_DIM, QO_TMA, KV_SMEM, CONSUMER_KEYS))
          if c == 2 else
          (_dkdv_consume_partition, (c, dk_base, dv_base, stride_dks, stride_dvs, q_smem, do_smem, k_smem, v_smem,

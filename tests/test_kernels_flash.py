@@ -308,14 +308,15 @@ def test_autotuned_nondeterministic_backward_first_call(tmp_path):
 @pytest.mark.parametrize("seqlen_q", [1, 127, 128, 200])
 def test_row_statistics_are_padded_with_rows_that_add_nothing(seqlen_q):
     """The dK/dV kernels load a query tile's statistics unmasked: each head's rows (dense, a sequence's; packed,
-    all the sequences' in one run) go on to a multiple of STATS_ROWS, the padding lse_log2 = +inf and delta = 0,
-    so that each head's run starts 16-byte aligned for the Gluon kernel's TMA copies."""
+    all the sequences' in one run, up to 3 rows apart) go on to a multiple of STATS_ROWS, the padding
+    lse_log2 = +inf and delta = 0, so that each head's run starts 16-byte aligned for the Gluon kernel's TMA
+    copies."""
     from flashformer.kernels import bwd_stats
 
     rows = bwd_stats.STATS_ROWS.value
     for lse, is_varlen, (batch, heads, length) in ((torch.randn(2, 3, seqlen_q), False, (2, 3, seqlen_q)),
-                                                   (torch.randn(3, 5 * seqlen_q), True, (1, 3, 5 * seqlen_q))):
-        lse_log2, delta, strides = bwd_stats.row_stats_buffers(lse, seqlen_q, is_varlen)
+                                                   (torch.randn(3, 5 * seqlen_q), True, (1, 3, 5 * seqlen_q + 15))):
+        lse_log2, delta, strides = bwd_stats.row_stats_buffers(lse, seqlen_q, is_varlen, num_seqs=5)
         padded = -(-length // rows) * rows
         assert lse_log2.shape == delta.shape == (batch, heads, padded)
         assert strides == (0 if is_varlen else heads * padded, padded)

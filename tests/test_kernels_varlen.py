@@ -246,3 +246,20 @@ def test_fixed_point_dq_matches_per_sequence(case, device, triton_path, monkeypa
     k = torch.randn(sum(lengths_k), heads[1], head_dim, device=device, dtype=dtype)
     _assert_varlen_matches(q, k, torch.randn_like(k), lengths_q, lengths_k, True, causal=causal, window_size=window,
                            softcap=softcap)
+
+
+def test_packed_statistics_start_on_16_byte_boundaries():
+    """Each packed sequence's row statistics start on a multiple of 4 rows (the Gluon dK/dV kernel's TMA copies
+    need an aligned coordinate), in order, apart, and inside row_stats_buffers' run."""
+    from flashformer.kernels import bwd_stats
+
+    lengths = [1, 200, 0, 3, 64, 5]
+    cu = cu_seqlens_from_lengths(lengths)
+    places = bwd_stats.packed_stats_rows(cu, sum(lengths))
+    starts = [int(places[int(cu[b])]) for b in range(len(lengths)) if lengths[b]]
+    assert all(start % 4 == 0 for start in starts)
+    assert torch.equal(places.diff() > 0, torch.ones(sum(lengths) - 1, dtype=torch.bool))  # in order, no overlap
+    for b, n in enumerate(lengths):  # a sequence's rows stay together
+        assert torch.equal(places[int(cu[b]):int(cu[b]) + n].diff(), torch.ones(max(n - 1, 0), dtype=places.dtype))
+    lse_log2, _, _ = bwd_stats.row_stats_buffers(torch.randn(2, sum(lengths)), 1, True, num_seqs=len(lengths))
+    assert int(places.max()) < lse_log2.shape[-1]
