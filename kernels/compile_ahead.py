@@ -46,14 +46,30 @@ _latest: concurrent.futures.Future | None = None
 _jobs_lock = threading.Lock()
 _executors: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
 _executors_lock = threading.Lock()
+_exit_hooked = False
 
 
 def _executor(name, workers):
     """A thread pool made on first use: importing the kernels starts no threads."""
+    global _exit_hooked
     with _executors_lock:
+        if not _exit_hooked:
+            # Python joins pool threads at exit only after they drain their queues: a process that ran forwards at
+            # many shapes and never their backwards would compile every one of those backwards before exiting.
+            # Hooks registered later run earlier, so this one cancels the queued work before that join.
+            threading._register_atexit(cancel_pending)
+            _exit_hooked = True
         if name not in _executors:
             _executors[name] = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=f"flashformer-{name}")
         return _executors[name]
+
+
+def cancel_pending():
+    """Cancel every queued compile; compiles already running finish. Later work gets fresh pools."""
+    with _executors_lock:
+        for executor in _executors.values():
+            executor.shutdown(wait=False, cancel_futures=True)
+        _executors.clear()
 
 
 def _contiguous_strides(shape):
@@ -145,7 +161,10 @@ def submit_backward(inputs, gluon):
         if len(_jobs) >= MAX_KEYS:
             for done in [seen for seen, job in _jobs.items() if job.done()]:
                 del _jobs[done]
-        _jobs[key] = _latest = worker.submit(_compile_backward, stream, inputs, gluon)
+        try:
+            _jobs[key] = _latest = worker.submit(_compile_backward, stream, inputs, gluon)
+        except RuntimeError:  # the interpreter is exiting: the backward, if any, compiles its own kernels
+            pass
 
 
 def wait_for_backward(inputs, gluon):

@@ -148,3 +148,26 @@ def test_launchers_load_only_on_the_launching_threads(monkeypatch):
     backward()
     torch.cuda.synchronize()
     assert loads and not any(name.startswith("flashformer-") for name in loads), loads
+
+
+def test_exit_cancels_queued_compiles_instead_of_running_them(tmp_path):
+    """A process that queued backward compiles it never needed exits without running them."""
+    import subprocess
+    import sys
+    ran = tmp_path / "ran.txt"
+    script = f"""
+import time
+from flashformer.kernels import compile_ahead
+
+def job(index):
+    with open({str(ran)!r}, "a") as log:
+        log.write(f"{{index}}\\n")
+    time.sleep(1.0)
+
+worker = compile_ahead._executor("compile-ahead", 1)
+for index in range(10):
+    worker.submit(job, index)
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+    # the job running at exit finishes (and, were the main thread slow to exit, one more): never all ten
+    assert 1 <= len(ran.read_text().split()) <= 2
