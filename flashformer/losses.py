@@ -10,6 +10,8 @@ cross-entropy over it runs in fp32 inside kernels/cross_entropy.py (Triton on th
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -134,8 +136,8 @@ def chunked_cross_entropy(hidden, weight, targets, bias=None, ignore_index=-100,
         chunk_size = default_chunk_size(weight.shape[0])
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-    if softcap < 0:
-        raise ValueError(f"softcap must be >= 0 (0 disables it), got {softcap!r}")
+    if not 0 <= softcap < math.inf:
+        raise ValueError(f"softcap must be a finite float >= 0 (0 disables it), got {softcap!r}")
     # Backward runs outside autocast, so settle the matmul dtype here (fp32 master weights
     # under bf16 autocast would otherwise meet bf16 hidden states there).
     hidden, weight = autocast_inputs(hidden, weight)

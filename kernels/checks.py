@@ -6,6 +6,7 @@ Raises ValueError naming the argument; reads device values only where a function
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -65,12 +66,12 @@ def check_attention_args(q, k, v, seq_dim, softmax_scale, window_size, softcap):
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)):
         raise ValueError(f"window_size must be a pair of ints >= -1 (-1 = unbounded), got {window_size!r}")
-    if not isinstance(softcap, (int, float)) or softcap < 0:
-        raise ValueError(f"softcap must be a float >= 0 (0 disables it), got {softcap!r}")
+    if not isinstance(softcap, (int, float)) or not 0 <= softcap < math.inf:
+        raise ValueError(f"softcap must be a finite float >= 0 (0 disables it), got {softcap!r}")
     if softmax_scale is None:
         softmax_scale = head_dim**-0.5
-    elif not isinstance(softmax_scale, (int, float)) or softmax_scale <= 0:
-        raise ValueError(f"softmax_scale must be a positive float or None, got {softmax_scale!r}")
+    elif not isinstance(softmax_scale, (int, float)) or not 0 < softmax_scale < math.inf:
+        raise ValueError(f"softmax_scale must be a finite positive float or None, got {softmax_scale!r}")
     return float(softmax_scale), (int(window_size[0]), int(window_size[1]))
 
 

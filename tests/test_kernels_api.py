@@ -41,7 +41,11 @@ def test_bad_tensors_name_the_argument(mutate, match):
     (dict(window_size=(-2, 0)), "window_size"),
     (dict(window_size=(1.5, 0)), "window_size"),
     (dict(softcap=-1.0), "softcap"),
+    (dict(softcap=float("inf")), "softcap"),
+    (dict(softcap=float("nan")), "softcap"),
     (dict(softmax_scale=0.0), "softmax_scale"),
+    (dict(softmax_scale=float("nan")), "softmax_scale"),
+    (dict(softmax_scale=float("inf")), "softmax_scale"),
 ])
 def test_bad_options_name_the_argument(kwargs, match):
     with pytest.raises(ValueError, match=match):

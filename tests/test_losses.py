@@ -180,7 +180,8 @@ def test_autocast_with_fp32_weights():
 
 
 @pytest.mark.parametrize("kwargs,match", [({"reduction": "avg"}, "reduction"), ({"chunk_size": 0}, "chunk_size"),
-                                          ({"softcap": -1.0}, "softcap"), ({"bias": torch.zeros(3)}, "bias")])
+                                          ({"softcap": -1.0}, "softcap"), ({"softcap": float("nan")}, "softcap"),
+                                          ({"bias": torch.zeros(3)}, "bias")])
 def test_rejects_bad_arguments(kwargs, match):
     hidden, weight, _, targets = make_inputs(8, 10, 8)
     with pytest.raises(ValueError, match=match):
