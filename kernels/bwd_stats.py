@@ -26,13 +26,14 @@ PREPROCESS_BLOCK = 64
 # Rows of the padded statistics: a multiple of every dK/dV BLOCK_M (the tl kernel asserts it).
 STATS_ROWS = tl.constexpr(128)
 
+
 @triton.jit(do_not_specialize=["seqlen_q", "num_seqs"])  # lengths: no vector width depends on them
 def _bwd_preprocess(
-    O, DO, LSE, DLSE, DELTA, LSE_LOG2, DQ_SCALE, KV_BOUNDS, CU_SEQLENS_Q,
+    O, DO, LSE, DLSE, DELTA, LSE_LOG2, CU_SEQLENS_Q,
     stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh, stride_lse_b, stride_lse_h,
-    stride_stats_b, stride_stats_h, seqlen_q, num_seqs, dropout_rescale,
+    stride_stats_b, stride_stats_h, seqlen_q, num_seqs,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK: tl.constexpr, IS_VARLEN: tl.constexpr,
-    SEQS_PAD: tl.constexpr, HAS_DLSE: tl.constexpr, FIXED_POINT_DQ: tl.constexpr,
+    SEQS_PAD: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
     batch, pid_m, head = program_tile(num_seqs, CU_SEQLENS_Q, BLOCK, SEQS_PAD, False, IS_VARLEN)
     if batch >= num_seqs:
@@ -50,13 +51,6 @@ def _bwd_preprocess(
     stats_offsets = (batch * stride_stats_b + stats_start(batch, q_start, IS_VARLEN) + head * stride_stats_h
                      + rows)
     row_stats(o, do, LSE, DLSE, DELTA, LSE_LOG2, lse_offsets, stats_offsets, rows < seqlen_q, HAS_DLSE)
-    if FIXED_POINT_DQ:
-        dlse = 0.0
-        if HAS_DLSE:
-            dlse = tl.load(DLSE + lse_offsets, mask=rows < seqlen_q, other=0.0)
-        scale = fixed_point_scale(do.to(tl.float32), dlse, tl.load(KV_BOUNDS), tl.load(KV_BOUNDS + 1),
-                                  dropout_rescale)
-        tl.store(DQ_SCALE + stats_offsets, scale, mask=rows < seqlen_q)
 
 
 @triton.jit
@@ -67,31 +61,6 @@ def stats_start(seq, q_start, IS_VARLEN: tl.constexpr):
     if IS_VARLEN:
         return (q_start + 3 * seq + 3) // 4 * 4
     return q_start
-
-
-def packed_stats_rows(cu_seqlens_q, total):
-    """Each packed query row's place in its head's run of statistics (stats_start's layout), on the device."""
-    rows = torch.arange(total, device=cu_seqlens_q.device)
-    offsets = cu_seqlens_q.long()
-    sequence = torch.searchsorted(offsets[1:], rows, right=True)
-    first = offsets[:-1]
-    moved = (first + 3 * torch.arange(first.numel(), device=first.device) + 3) // 4 * 4 - first
-    return rows + moved[sequence]
-
-
-# Bits of a row's fixed-point dQ grid below its bound: one under int32's 31, as ceil(log2) may read one high or low.
-FIXED_POINT_BITS = tl.constexpr(30)
-
-
-@triton.jit
-def fixed_point_scale(do, dlse, k_max, v_norm_max, dropout_rescale):
-    """Per row, the factor that puts dQ / softmax_scale on an int32 grid no partial sum can leave: 2^30 over a
-    bound B >= sum_j |dS_ij| max|K|, B = max|K| (2 ||dO_i|| max_j ||V_j|| dropout_rescale + |dlse_i|), as
-    |dP_ij| <= ||dO_i|| ||V_j|| dropout_rescale and |delta_i| <= max_j |dP_ij| + |dlse_i|. NaN where B is not
-    finite (the row's dQ is then NaN); B = 0 (dQ exactly 0) takes 2^126."""
-    bound = k_max * (2.0 * tl.sqrt(tl.sum(do * do, axis=1)) * v_norm_max * dropout_rescale + tl.abs(dlse))
-    exponent = FIXED_POINT_BITS - tl.math.ceil(tl.math.log2(tl.maximum(bound, 1e-38)))
-    return tl.where(bound < float("inf"), tl.exp2(tl.minimum(exponent, 126.0)), float("nan"))
 
 
 @triton.jit
@@ -110,23 +79,15 @@ def row_stats(o, do, LSE, DLSE, DELTA, LSE_LOG2, lse_offsets, stats_offsets, in_
 
 
 def launch_preprocess(out, grad_out, lse, grad_lse, delta, lse_log2, cu_seqlens_q, batch, seqlen_q, strides_lse,
-                      strides_stats, head_dim, head_dim_pad, is_varlen, dq_scale=None, kv_bounds=None,
-                      dropout_rescale=1.0):
-    """Launch ``_bwd_preprocess``: every row's delta and lse_log2, and with ``dq_scale`` (laid out as delta) its
-    fixed-point dQ factor from ``kv_bounds`` (fixed_point_bounds)."""
+                      strides_stats, head_dim, head_dim_pad, is_varlen):
+    """Launch ``_bwd_preprocess``: every row's delta and lse_log2."""
     launcher(_bwd_preprocess, tile_grid(PREPROCESS_BLOCK, seqlen_q, out.shape[0], batch, out.shape[-2], is_varlen))(
-        out, grad_out, lse, grad_lse, delta, lse_log2, dq_scale, kv_bounds, cu_seqlens_q,
+        out, grad_out, lse, grad_lse, delta, lse_log2, cu_seqlens_q,
         *seq_strides(out, is_varlen), *seq_strides(grad_out, is_varlen), *strides_lse, *strides_stats,
-        seqlen_q, batch, dropout_rescale,
+        seqlen_q, batch,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK=PREPROCESS_BLOCK, IS_VARLEN=is_varlen,
-        SEQS_PAD=seqs_pad(batch, is_varlen), HAS_DLSE=grad_lse is not None, FIXED_POINT_DQ=dq_scale is not None,
+        SEQS_PAD=seqs_pad(batch, is_varlen), HAS_DLSE=grad_lse is not None,
     )
-
-
-def fixed_point_bounds(k, v):
-    """fixed_point_scale's (max |K|, max_j ||V_j||) as a float32 pair on the device (no host read)."""
-    return torch.stack((torch.linalg.vector_norm(k, float("inf"), dtype=torch.float32),
-                        torch.linalg.vector_norm(v, dim=-1, dtype=torch.float32).amax()))
 
 
 def row_stats_buffers(lse, seqlen_q, is_varlen, num_seqs=1):

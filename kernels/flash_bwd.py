@@ -19,9 +19,7 @@ arrival order, its columns split between the consumers). Both beat the tl form b
 Elsewhere, with deterministic=False (where tuning.tl_reduced_dq_pays) there is no dQ kernel: ``_bwd_preprocess``
 computes the statistics, and the dK/dV program also adds each query tile's dQ share dS K to an fp32 buffer
 (TMA reductions on the GPU, pointer atomics in the interpreter): 5 tile matmuls instead of the dQ kernel's
-7, at the price of a summation order that varies between runs. ``fixed_point_dq`` keeps the 5 and the bits:
-each share is rounded once onto its row's int32 grid (bwd_stats.fixed_point_scale) and summed as an integer,
-which gives the same result in any order.
+7, at the price of a summation order that varies between runs.
 
 With s = qk * scale (or softcap * tanh(qk * scale / softcap)), plus ALiBi's bias (no gradient):
 dS = P * (dP - delta), and d qk = dS * scale (times 1 - tanh^2 with softcap). Dropout (the forward's
@@ -36,8 +34,7 @@ import triton
 import triton.language as tl
 
 from .flash_fwd import log2_scales
-from .bwd_stats import (STATS_ROWS, fixed_point_bounds, launch_preprocess, packed_stats_rows, row_stats,
-                        row_stats_buffers, stats_start)
+from .bwd_stats import STATS_ROWS, launch_preprocess, row_stats, row_stats_buffers, stats_start
 from .launch import (INTERPRETED, as_descriptor_compatible, dot_precision, ensure_allocator, launcher, new_output,
                      seq_strides, seqs_pad, tile_grid, upcast_dot)
 from .reference import dropout_threshold
@@ -53,15 +50,14 @@ ONE_LOOP_DKDV_HEAD_DIM = 128
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, DQ_ACC, stride_dq_acc, LSE_LOG2, DELTA, DQ_SCALE, cols, start,
-                end, un_lo, un_hi, qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
+def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, DQ_ACC, stride_dq_acc, LSE_LOG2, DELTA, cols, start, end,
+                un_lo, un_hi, qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
                 alibi_slope_log2, dropout_seed, head, batch, drop_threshold, dropout_rescale,
                 BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
                 LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, ACCUMULATE_DQ: tl.constexpr,
                 DQ_TMA_REDUCE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
-                FIXED_POINT_DQ: tl.constexpr):
+                HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr):
     for m0 in tl.range(start, end, BLOCK_M):
         q = q_desc.load([m0, 0])
         do = do_desc.load([m0, 0])
@@ -103,14 +99,8 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, DQ_ACC, stride_dq_acc, L
             ds_t = ds_t * (1.0 - tanh_t * tanh_t)
         ds_t = narrow(ds_t, q.dtype)
         dk += mma(ds_t, q, DOT_PRECISION, UPCAST_DOT)
-        if ACCUMULATE_DQ:  # this key tile's share of dQ, added to the accumulator in arrival order
+        if ACCUMULATE_DQ:  # this key tile's share of dQ, added to the fp32 accumulator in arrival order
             dq = mma(tl.trans(ds_t), k, DOT_PRECISION, UPCAST_DOT)
-            if FIXED_POINT_DQ:  # rounded once onto the row's int32 grid: integer sums are the same in any order
-                if IS_VARLEN:
-                    scale = tl.load(DQ_SCALE + rows, mask=rows < seqlen_q, other=1.0)
-                else:
-                    scale = tl.load(DQ_SCALE + rows)
-                dq = tl.floor(dq * scale[:, None] + 0.5).to(tl.int32)
             if DQ_TMA_REDUCE:
                 dq_desc.atomic_add([m0, 0], dq)
             else:  # Triton's interpreter has no TMA reduction
@@ -122,7 +112,7 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, DQ_ACC, stride_dq_acc, L
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, DQ_ACC, LSE_LOG2, DELTA, DQ_SCALE, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES, DROPOUT_SEED,
+    Q, K, V, DO, DK, DV, DQ_ACC, LSE_LOG2, DELTA, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES, DROPOUT_SEED,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     stride_dqab, stride_dqas, stride_dqah,
@@ -135,7 +125,7 @@ def _bwd_dkdv_kernel(
     LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     IS_VARLEN: tl.constexpr, SEQS_PAD: tl.constexpr, ACCUMULATE_DQ: tl.constexpr, DQ_TMA_REDUCE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, ONE_LOOP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, FIXED_POINT_DQ: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     # Key tiles first to last: under a causal mask the first keys are seen by the most queries.
     batch, pid_n, kv_head = program_tile(num_seqs, CU_SEQLENS_K, BLOCK_N, SEQS_PAD, False, IS_VARLEN)
@@ -170,9 +160,6 @@ def _bwd_dkdv_kernel(
                                   stride_dos, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
         lse_ptr = LSE_LOG2 + stats_base + head * stride_stats_h
         delta_ptr = DELTA + stats_base + head * stride_stats_h
-        scale_ptr = DQ_SCALE
-        if FIXED_POINT_DQ:
-            scale_ptr = DQ_SCALE + stats_base + head * stride_stats_h
         alibi_slope_log2 = load_alibi_slope_log2(ALIBI_SLOPES, batch, head, stride_alibi_b, HAS_ALIBI)
         dq_acc = DQ_ACC
         dq_desc = q_desc  # a placeholder unless the TMA reduction is used
@@ -182,34 +169,30 @@ def _bwd_dkdv_kernel(
                 dq_desc = rows_descriptor(dq_acc, seqlen_q, stride_dqas, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
         if ONE_LOOP:  # one software pipeline per program: the edge tiles mask inside it
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_acc, stride_dqas, lse_ptr, delta_ptr,
-                                 scale_ptr, cols, start, end, un_lo, un_hi, qk_scale, softcap_log2,
-                                 seqlen_q, seqlen_k, window_left, window_right, alibi_slope_log2, dropout_seed,
-                                 head, batch, drop_threshold, dropout_rescale, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
-                                 HAS_SOFTCAP, 2,
+                                 cols, start, end, un_lo, un_hi, qk_scale, softcap_log2, seqlen_q, seqlen_k,
+                                 window_left, window_right, alibi_slope_log2, dropout_seed, head, batch, drop_threshold,
+                                 dropout_rescale, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HAS_SOFTCAP, 2,
                                  LEFT_BOUNDED, RIGHT_BOUNDED, ACCUMULATE_DQ, DQ_TMA_REDUCE, DOT_PRECISION, UPCAST_DOT,
-                                 HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, FIXED_POINT_DQ)
+                                 HAS_ALIBI, HAS_DROPOUT, IS_VARLEN)
         else:
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_acc, stride_dqas, lse_ptr, delta_ptr,
-                                 scale_ptr, cols, start, un_lo, un_lo, un_hi, qk_scale, softcap_log2,
-                                 seqlen_q, seqlen_k, window_left, window_right, alibi_slope_log2, dropout_seed,
-                                 head, batch, drop_threshold, dropout_rescale, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
-                                 HAS_SOFTCAP, 1,
+                                 cols, start, un_lo, un_lo, un_hi, qk_scale, softcap_log2, seqlen_q, seqlen_k,
+                                 window_left, window_right, alibi_slope_log2, dropout_seed, head, batch, drop_threshold,
+                                 dropout_rescale, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HAS_SOFTCAP, 1,
                                  LEFT_BOUNDED, RIGHT_BOUNDED, ACCUMULATE_DQ, DQ_TMA_REDUCE, DOT_PRECISION, UPCAST_DOT,
-                                 HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, FIXED_POINT_DQ)
+                                 HAS_ALIBI, HAS_DROPOUT, IS_VARLEN)
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_acc, stride_dqas, lse_ptr, delta_ptr,
-                                 scale_ptr, cols, un_lo, un_hi, un_lo, un_hi, qk_scale, softcap_log2,
-                                 seqlen_q, seqlen_k, window_left, window_right, alibi_slope_log2, dropout_seed,
-                                 head, batch, drop_threshold, dropout_rescale, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
-                                 HAS_SOFTCAP, 0,
+                                 cols, un_lo, un_hi, un_lo, un_hi, qk_scale, softcap_log2, seqlen_q, seqlen_k,
+                                 window_left, window_right, alibi_slope_log2, dropout_seed, head, batch, drop_threshold,
+                                 dropout_rescale, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HAS_SOFTCAP, 0,
                                  LEFT_BOUNDED, RIGHT_BOUNDED, ACCUMULATE_DQ, DQ_TMA_REDUCE, DOT_PRECISION, UPCAST_DOT,
-                                 HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, FIXED_POINT_DQ)
+                                 HAS_ALIBI, HAS_DROPOUT, IS_VARLEN)
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_acc, stride_dqas, lse_ptr, delta_ptr,
-                                 scale_ptr, cols, un_hi, end, un_lo, un_hi, qk_scale, softcap_log2,
-                                 seqlen_q, seqlen_k, window_left, window_right, alibi_slope_log2, dropout_seed,
-                                 head, batch, drop_threshold, dropout_rescale, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
-                                 HAS_SOFTCAP, 1,
+                                 cols, un_hi, end, un_lo, un_hi, qk_scale, softcap_log2, seqlen_q, seqlen_k,
+                                 window_left, window_right, alibi_slope_log2, dropout_seed, head, batch, drop_threshold,
+                                 dropout_rescale, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, HAS_SOFTCAP, 1,
                                  LEFT_BOUNDED, RIGHT_BOUNDED, ACCUMULATE_DQ, DQ_TMA_REDUCE, DOT_PRECISION, UPCAST_DOT,
-                                 HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, FIXED_POINT_DQ)
+                                 HAS_ALIBI, HAS_DROPOUT, IS_VARLEN)
     dk_desc = rows_descriptor(DK + batch * stride_dkb + k_start * stride_dks + kv_head * stride_dkh, seqlen_k,
                               stride_dks, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD)
     dv_desc = rows_descriptor(DV + batch * stride_dvb + k_start * stride_dvs + kv_head * stride_dvh, seqlen_k,
@@ -322,7 +305,7 @@ _bwd_dq_tuned = tuned(_bwd_dq_kernel, "bwd_dq", extra_key=("HAS_ALIBI", "HAS_DRO
 def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, window_left, window_right,
                        softcap, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                        deterministic=True, alibi_slopes=None, dropout_p=0.0, dropout_seed=None, gluon=False,
-                       gluon_form=None, fixed_point_dq=False):
+                       gluon_form=None):
     """Launch the backward kernels; returns (dq, dk, dv) shaped like (q, k, v).
 
     Args:
@@ -338,9 +321,6 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
             dQ, flash_bwd_hopper.launch_fused: 5 tile matmuls, its dQ shares reduced in a fixed order when
             deterministic, else in arrival order) or "fused-split" (the same with dQ's columns split between
             the consumers); the fused forms where they cover the head_dim and softcap. None: tuning's choice.
-        fixed_point_dq: the tl kernels' one pass (5 matmuls), each dQ share rounded once onto a per-row int32
-            grid (bwd_stats.fixed_point_scale) and added as an integer, so that dQ is bit-identical in any order
-            of addition; whatever ``deterministic`` and ``gluon`` say.
     """
     is_varlen = cu_seqlens_q is not None
     q, k, v, out, grad_out = (as_descriptor_compatible(t) for t in (q, k, v, out, grad_out))
@@ -376,7 +356,7 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
     strides_qkv = (*seq_strides(q, is_varlen), *seq_strides(k, is_varlen), *seq_strides(v, is_varlen),
                    *seq_strides(grad_out, is_varlen))
 
-    if gluon and not fixed_point_dq:
+    if gluon:
         from . import flash_bwd_dq_hopper, flash_bwd_hopper
 
         if flash_bwd_hopper.supports(q, seqlen_q, head_dim_pad, alibi_slopes is not None, dropout_p > 0.0):
@@ -399,10 +379,7 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
             flash_bwd_hopper.launch_dkdv(q, k, v, grad_out, dk, dv, *launch_args, dkdv_strides, strides_stats,
                                          varlen=varlen)
             return dq, dk, dv
-    mask = table_mask(window_right)
-    one_pass = fixed_point_dq or not (deterministic or not tl_reduced_dq_pays(q.device, head_dim_pad))
-    deterministic = not one_pass
-    dq_scale = torch.ones_like(lse_log2) if fixed_point_dq else None  # padding rows: any finite factor
+    mask, deterministic = table_mask(window_right), deterministic or not tl_reduced_dq_pays(q.device, head_dim_pad)
     if deterministic:  # the dQ kernel also writes delta and lse_log2
         kernel, config = pick_kernel(q.device, "bwd_dq", _bwd_dq_kernel, _bwd_dq_tuned, head_dim_pad, mask,
                                      buckets[0])
@@ -414,28 +391,18 @@ def attention_backward(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, win
         )
     else:
         launch_preprocess(out, grad_out, lse, grad_lse, delta, lse_log2, cu_seqlens_q, batch, seqlen_q, strides_lse,
-                          strides_stats, head_dim, head_dim_pad, is_varlen, dq_scale=dq_scale,
-                          kv_bounds=fixed_point_bounds(k, v) if fixed_point_dq else None,
-                          dropout_rescale=1.0 / (1.0 - dropout_p))
-    dq_acc = None if deterministic else torch.zeros(q.shape, dtype=torch.int32 if fixed_point_dq else torch.float32,
-                                                    device=q.device)
+                          strides_stats, head_dim, head_dim_pad, is_varlen)
+    dq_acc = None if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kind, tuned_kernel = ("bwd_dkdv", _bwd_dkdv_tuned) if deterministic else ("bwd_fused", _bwd_fused_tuned)
     kernel, config = pick_kernel(q.device, kind, _bwd_dkdv_kernel, tuned_kernel, head_dim_pad, mask, buckets[0])
     launcher(kernel, lambda meta: tile_grid(meta["BLOCK_N"], seqlen_k, k.shape[0], batch, heads_kv, is_varlen))(
-        q, k, v, grad_out, dk, dv, dq_acc, lse_log2, delta, dq_scale, cu_seqlens_q, cu_seqlens_k, *extras,
+        q, k, v, grad_out, dk, dv, dq_acc, lse_log2, delta, cu_seqlens_q, cu_seqlens_k, *extras,
         *strides_qkv, *seq_strides(dk, is_varlen), *seq_strides(dv, is_varlen),
         *(seq_strides(dq_acc, is_varlen) if dq_acc is not None else (0, 0, 0)), *strides_stats, stride_alibi,
         seqlen_q, seqlen_k, batch, *scalars, **common, ACCUMULATE_DQ=not deterministic,
         DQ_TMA_REDUCE=not INTERPRETED, ONE_LOOP=deterministic and head_dim_pad >= ONE_LOOP_DKDV_HEAD_DIM,
-        FIXED_POINT_DQ=fixed_point_dq, **config,
+        **config,
     )
-    if fixed_point_dq:  # the rows' factors, (batch, heads, rows) or packed (heads, rows), beside dQ's rows
-        factors = softmax_scale / dq_scale.view(-1, heads_q, dq_scale.shape[-1])
-        if is_varlen:  # (total, heads, 1), each row's from its place in stats_start's layout
-            factors = factors[0][:, packed_stats_rows(cu_seqlens_q, dq_acc.shape[0])].T.unsqueeze(-1)
-        else:
-            factors = factors[..., :seqlen_q].transpose(-1, -2).unsqueeze(-1)
-        return dq.copy_(dq_acc * factors), dk, dv
     if not deterministic:
         return dq.copy_(dq_acc.mul_(softmax_scale)), dk, dv
     return dq, dk, dv

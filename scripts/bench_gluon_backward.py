@@ -3,10 +3,8 @@
 --variants picks the Gluon forms: two-kernel (dQ kernel + dK/dV kernel, every BLOCK_M candidate), fused (dQ formed in the dK/dV kernel, each share added by a TMA reduction, ordered by semaphores:
 deterministic), fused-nondet (the same in arrival order), fused-split and fused-split-nondet (the same
 two with the consumers' dS^T shared and dQ's columns split between them: flash_bwd_hopper's DQ_SPLIT,
-half the reduce traffic), and two tl one-pass forms beside them: tl-one-pass-nondet (deterministic=False's dQ
-shares in fp32) and tl-fixed (fixed_point_dq: the same shares on each row's int32 grid, bit-identical). A variant's
-first call (but two-kernel's) runs in a child process under a timeout first (--smoke): one that hangs or fails
-there is reported and left out of the rest of the run.
+half the reduce traffic). A variant's first call (but two-kernel's) runs in a child process under a timeout
+first (--smoke): one that hangs or fails there is reported and left out of the rest of the run.
 
 --check first compares dq/dk/dv of every variant (and of the whole Gluon path through
 flash_attn_func, lse gradient included) with fp64 autograd on odd shapes, outputs
@@ -75,8 +73,7 @@ def window_bounds(causal, window):
     return window[0], 0 if causal else window[1]
 
 
-VARIANTS = ("two-kernel", "fused", "fused-nondet", "fused-split", "fused-split-nondet", "tl-one-pass-nondet",
-            "tl-fixed")
+VARIANTS = ("two-kernel", "fused", "fused-nondet", "fused-split", "fused-split-nondet")
 
 
 SMOKE_TIMEOUT_S = 180
@@ -84,17 +81,14 @@ SMOKE_TIMEOUT_S = 180
 
 def backward(q, k, v, out, lse, grad_out, causal, window, softcap, gluon, block_m=None, grad_lse=None,
              variant="two-kernel"):
-    """(dq, dk, dv) of the backward, a ``variant`` (VARIANTS: Gluon forms, or the tl one-pass ones) or tl, from a
-    given forward."""
+    """(dq, dk, dv) of the backward, a Gluon ``variant`` (VARIANTS) or tl, from a given forward."""
     window_left, window_right = window_bounds(causal, window)
-    tl_one_pass = variant.startswith("tl-")
+    form = variant.removesuffix("-nondet")
     with gluon_candidate(block_m):
         return flash_bwd.attention_backward(grad_out, grad_lse, q, k, v, out, lse, q.shape[-1] ** -0.5,
                                             window_left, window_right, softcap,
-                                            deterministic=not variant.endswith("-nondet"),
-                                            gluon=gluon and not tl_one_pass,
-                                            gluon_form=None if tl_one_pass else variant.removesuffix("-nondet"),
-                                            fixed_point_dq=variant == "tl-fixed")
+                                            deterministic=not variant.endswith("-nondet"), gluon=gluon,
+                                            gluon_form=form)
 
 
 def smoke(variant):

@@ -48,8 +48,6 @@ def compile_for_hopper(kernel, constexprs, num_warps, num_stages, maxnreg=None, 
         if name in constexprs:
             signature[name] = "constexpr"
             constants[(index,)] = constexprs[name]
-        elif name == "DQ_ACC" and constexprs.get("FIXED_POINT_DQ"):  # the shares' int32 accumulator
-            signature[name] = "*i32"
         elif name.isupper():
             signature[name] = ("*fp32" if name in FP32_POINTERS else "*i32" if name in INT32_POINTERS
                                else "*i64" if name in INT64_POINTERS else f"*{dtype}")
@@ -123,14 +121,13 @@ def stores_under_products(ptx):
 
 
 def attention_constexprs(head_dim, block_m, block_n, causal=True, window=False, softcap=False, varlen=False, group=1,
-                         accumulate_dq=False, has_dlse=False, alibi=False, dropout=False, paged=False,
-                         fixed_point_dq=False):
+                         accumulate_dq=False, has_dlse=False, alibi=False, dropout=False, paged=False):
     return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=pad_head_dim(head_dim), BLOCK_M=block_m,
                 BLOCK_N=block_n, LEFT_BOUNDED=window, RIGHT_BOUNDED=causal or window, HAS_SOFTCAP=softcap,
                 IS_VARLEN=varlen, SEQS_PAD=16 if varlen else 1, ACCUMULATE_DQ=accumulate_dq,
                 DQ_TMA_REDUCE=accumulate_dq, DOT_PRECISION="tf32", UPCAST_DOT=False, HAS_DLSE=has_dlse,
                 ONE_LOOP=not accumulate_dq and pad_head_dim(head_dim) >= flash_bwd.ONE_LOOP_DKDV_HEAD_DIM,
-                HAS_ALIBI=alibi, HAS_DROPOUT=dropout, IS_PAGED=paged, FIXED_POINT_DQ=fixed_point_dq)
+                HAS_ALIBI=alibi, HAS_DROPOUT=dropout, IS_PAGED=paged)
 
 
 def gluon_forward_constexprs(head_dim, causal=True, window=False, softcap=False, group=1, config=None,
@@ -318,10 +315,6 @@ CASES = {
                                     attention_constexprs(64, 64, 64, softcap=True, varlen=True), 4, 3),
     "bwd_fused-d128-causal-gqa": (flash_bwd._bwd_dkdv_kernel,
                                   attention_constexprs(128, 32, 128, group=4, accumulate_dq=True), 8, 2),
-    # dQ shares rounded onto each row's int32 grid (attention_backward(fixed_point_dq=True)): integer reductions
-    "bwd_fused_fixed-d128-causal-gqa": (flash_bwd._bwd_dkdv_kernel,
-                                        attention_constexprs(128, 32, 128, group=4, accumulate_dq=True,
-                                                             fixed_point_dq=True), 8, 2),
     "bwd_fused-d64-varlen": (flash_bwd._bwd_dkdv_kernel,
                              attention_constexprs(64, 64, 128, varlen=True, accumulate_dq=True), 8, 2),
     "bwd_dkdv-d256": (flash_bwd._bwd_dkdv_kernel, attention_constexprs(256, 32, 64, causal=False), 8, 2),
@@ -352,11 +345,8 @@ CASES = {
     "bwd_dq-d256": (flash_bwd._bwd_dq_kernel, attention_constexprs(256, 64, 32, causal=False), 8, 2),
     "bwd_dq-d64-window": (flash_bwd._bwd_dq_kernel, attention_constexprs(64, 64, 64, window=True), 4, 3),
     "bwd_preprocess-d128": (bwd_stats._bwd_preprocess,
-                            dict(HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK=64, IS_VARLEN=False, SEQS_PAD=1, HAS_DLSE=True,
-                                 FIXED_POINT_DQ=False), 4, 1),
-    "bwd_preprocess_fixed-d128": (bwd_stats._bwd_preprocess,
-                                  dict(HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK=64, IS_VARLEN=False, SEQS_PAD=1,
-                                       HAS_DLSE=True, FIXED_POINT_DQ=True), 4, 1),
+                            dict(HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK=64, IS_VARLEN=False, SEQS_PAD=1,
+                                 HAS_DLSE=True), 4, 1),
     "decode-d128-gqa4-paged": (decode_kernels.decode_kernel,
                                dict(GROUP=4, GROUP_PAD=4, BLOCK_T=16, BLOCK_N=64, PAGE_SIZE=256, HEAD_DIM=128,
                                     HEAD_DIM_PAD=128, LEFT_BOUNDED=False, RIGHT_BOUNDED=True, HAS_SOFTCAP=False,
@@ -412,9 +402,6 @@ def main(selected):
                         "tma_reduce": "cp.reduce.async.bulk.tensor" in ptx,
                         # a TMA reduce-add, and a descriptor of fp32 elements (tensor map type 7) for it
                         "tma_reduce_add": bool(re.search(r"cp\.reduce\.async\.bulk\.tensor\.[\w:.]*\.add\b", ptx)),
-                        # element types of the TMA views built in the kernel (PTX's codes: 3 s32, 7 f32, 10 bf16)
-                        "tma_element_types": sorted({int(code, 16) for code in re.findall(
-                            r"tensormap\.replace\.tile\.elemtype[^;]*\], (0x[0-9a-f]+);", ptx)}),
                         "f32_tensor_map": bool(re.search(r"tensormap\.replace\.tile\.elemtype\S*\s[^;]*,\s*0x7;",
                                                          ptx)),
                         # element-wise fp32 adds (atom or red, any scope, vector or not; the semaphores' are u32)

@@ -106,14 +106,6 @@ def test_nondeterministic_backward_reduces_dq_through_tma(report):
         assert case.get("tma_reduce", False) == name.startswith(("bwd_fused", "gluon-bwd_fused")), (name, case)
 
 
-def test_fixed_point_dq_reduces_int32_shares(report):
-    """fixed_point_dq's shares reach the accumulator through an int32 TMA view (order-free integer sums); the fp32
-    form's through an fp32 one."""
-    fixed, plain = report["bwd_fused_fixed-d128-causal-gqa"], report["bwd_fused-d128-causal-gqa"]
-    assert fixed["tma_reduce"] and 3 in fixed["tma_element_types"] and 7 not in fixed["tma_element_types"], fixed
-    assert plain["tma_reduce"] and 7 in plain["tma_element_types"] and 3 not in plain["tma_element_types"], plain
-
-
 # The Gluon dK/dV kernel at BLOCK_M = 64 (flash_bwd_hopper.CONFIGS): its four accumulators take 192 of a
 # consumer's 240 registers. With the row statistics read from shared memory it spills nothing at head_dim 128 and
 # a scalar or two at 80 and with softcap; at 192-256 the 64-bit shared-memory descriptors of the 16 k-steps of S^T

@@ -324,34 +324,3 @@ def test_row_statistics_are_padded_with_rows_that_add_nothing(seqlen_q):
         if padded > length:
             tail = (lse_log2[..., length:], delta[..., length:])
             assert torch.isinf(tail[0]).all() and tail[0].gt(0).all() and tail[1].eq(0).all()
-
-
-@pytest.fixture
-def fixed_point_dq(monkeypatch):
-    """The backward as flash_attn_func reaches it, taking the one pass with fixed-point dQ shares."""
-    from flashformer.kernels import flash_bwd
-
-    monkeypatch.setattr(flash_bwd, "attention_backward",
-                        functools.partial(flash_bwd.attention_backward, fixed_point_dq=True))
-
-
-@pytest.mark.parametrize("seqlens,head_dim,heads,mask,dtype", [QUICK_CASES[i] for i in (1, 3, 4, 6, 8, 9)])
-def test_fixed_point_dq_matches_reference(seqlens, head_dim, heads, mask, dtype, device, triton_path,
-                                          fixed_point_dq):
-    """dQ summed as int32 on per-row grids is as exact as the fp32 sums: GQA, windows, softcap, a single key."""
-    test_flash_matches_reference(seqlens, head_dim, heads, mask, dtype, device, triton_path)
-
-
-def test_fixed_point_dq_with_lse_gradient_and_faint_rows(device, triton_path, fixed_point_dq):
-    """The grid's bound counts lse's gradient. A row's dQ is linear in its dO: rows with dO scaled by 1e-30 get
-    1e-30 of their dQ (their grid's factor stays finite), rows with dO = 0 get exactly 0 (not 0 x inf)."""
-    test_lse_gradient(device, triton_path)
-    q, k, v = (torch.randn(1, 90, 2, 64, device=device, dtype=torch.float32) for _ in range(3))
-    grad_out = torch.randn_like(q)
-    dq = attention_grads(flash_attn_func, q, k, v, grad_out, causal=True)[1]
-    faint = grad_out.clone()
-    faint[:, 10:30] *= 1e-30
-    faint[:, 40:50] = 0.0
-    dq_faint = attention_grads(flash_attn_func, q, k, v, faint, causal=True)[1]
-    torch.testing.assert_close(dq_faint[:, 10:30] * 1e30, dq[:, 10:30], rtol=1e-3, atol=1e-5)
-    assert (dq_faint[:, 40:50] == 0).all() and torch.isfinite(dq_faint).all()

@@ -1,6 +1,7 @@
 """Varlen (packed) attention: equal to running each sequence through the dense math, by the 2x rule."""
 
 import functools
+import math
 import random
 
 import pytest
@@ -232,34 +233,30 @@ def test_varlen_backward_for_a_given_out_and_lse(impl, device, monkeypatch):
         flash_attn_varlen_backward(grad_out[:-1], q, k, v, out, lse, cu_q, cu_k, 20, 20, **opts)
 
 
-@pytest.mark.parametrize("case", [0, 2], ids=["empty-sequences-gqa", "window-mqa"])
-def test_fixed_point_dq_matches_per_sequence(case, device, triton_path, monkeypatch):
-    """Packed sequences through the one pass with fixed-point dQ: each row's factor sits at its packed row."""
-    from flashformer.kernels import flash_bwd
-
-    monkeypatch.setattr(flash_bwd, "attention_backward",
-                        functools.partial(flash_bwd.attention_backward, fixed_point_dq=True))
-    monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
-    lengths_q, lengths_k, heads, head_dim, causal, window, softcap, dtype = CASES[case]
-    lengths_k = lengths_k or lengths_q
-    q = torch.randn(sum(lengths_q), heads[0], head_dim, device=device, dtype=dtype)
-    k = torch.randn(sum(lengths_k), heads[1], head_dim, device=device, dtype=dtype)
-    _assert_varlen_matches(q, k, torch.randn_like(k), lengths_q, lengths_k, True, causal=causal, window_size=window,
-                           softcap=softcap)
-
-
-def test_packed_statistics_start_on_16_byte_boundaries():
-    """Each packed sequence's row statistics start on a multiple of 4 rows (the Gluon dK/dV kernel's TMA copies
-    need an aligned coordinate), in order, apart, and inside row_stats_buffers' run."""
+def test_packed_statistics_start_on_16_byte_boundaries(device, triton_path):
+    """The preprocess stores each packed sequence's row statistics from a multiple of 4 rows (the Gluon dK/dV
+    kernel's TMA copies need an aligned coordinate), in order and apart, inside row_stats_buffers' run, the
+    rows between them left at +inf / 0."""
     from flashformer.kernels import bwd_stats
 
-    lengths = [1, 200, 0, 3, 64, 5]
-    cu = cu_seqlens_from_lengths(lengths)
-    places = bwd_stats.packed_stats_rows(cu, sum(lengths))
-    starts = [int(places[int(cu[b])]) for b in range(len(lengths)) if lengths[b]]
-    assert all(start % 4 == 0 for start in starts)
-    assert torch.equal(places.diff() > 0, torch.ones(sum(lengths) - 1, dtype=torch.bool))  # in order, no overlap
-    for b, n in enumerate(lengths):  # a sequence's rows stay together
-        assert torch.equal(places[int(cu[b]):int(cu[b]) + n].diff(), torch.ones(max(n - 1, 0), dtype=places.dtype))
-    lse_log2, _, _ = bwd_stats.row_stats_buffers(torch.randn(2, sum(lengths)), 1, True, num_seqs=len(lengths))
-    assert int(places.max()) < lse_log2.shape[-1]
+    lengths, heads, head_dim = [1, 70, 0, 3, 33, 5], 2, 32
+    total = sum(lengths)
+    cu = cu_seqlens_from_lengths(lengths).to(device)
+    out, grad_out = (torch.randn(total, heads, head_dim, device=device) for _ in range(2))
+    lse = torch.randn(heads, total, device=device)
+    lse_log2, delta, strides_stats = bwd_stats.row_stats_buffers(lse, max(lengths), True, num_seqs=len(lengths))
+    bwd_stats.launch_preprocess(out, grad_out, lse, None, delta, lse_log2, cu, len(lengths), max(lengths),
+                                (0, lse.stride(0)), strides_stats, head_dim, head_dim, True)
+    expected_delta = (out * grad_out).sum(-1).T  # (heads, total)
+    written = torch.zeros(lse_log2.shape[-1], dtype=torch.bool)
+    end = 0
+    for b, n in enumerate(lengths):
+        first = int(cu[b])
+        start = (first + 3 * b + 3) // 4 * 4
+        assert start % 4 == 0 and start >= end
+        torch.testing.assert_close(lse_log2[0, :, start:start + n], lse[:, first:first + n] * math.log2(math.e))
+        torch.testing.assert_close(delta[0, :, start:start + n], expected_delta[:, first:first + n])
+        written[start:start + n] = True
+        end = start + n
+    assert torch.isinf(lse_log2[0][:, ~written]).all() and lse_log2[0][:, ~written].gt(0).all()
+    assert delta[0][:, ~written].eq(0).all()
