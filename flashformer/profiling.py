@@ -1,5 +1,5 @@
-"""Where device time goes: per-kernel times of a repeated step, from torch.profiler, the provenance
-every benchmark's JSON carries and its command-line checks (benchmarks only)."""
+"""Where time goes: per-kernel times of a repeated step (torch.profiler), host time per call (queued behind a GPU
+sleep), the provenance every benchmark's JSON carries and its command-line checks (benchmarks only)."""
 
 from __future__ import annotations
 
@@ -72,6 +72,38 @@ def kernel_times(step, iters, device="cuda"):
             own_us = event.device_time_total if cuda else event.self_cpu_time_total
             times[event.name] = times.get(event.name, 0.0) + own_us / 1e3 / iters
     return times, wall_ms
+
+
+# Calls per round of host timing: x ~10 launches a forward + backward, far below the ~1024 launches a CUDA
+# queue holds (a full queue would hold the host to the device's pace).
+HOST_CALLS = 20
+HOST_ROUNDS = 7
+# ~0.1 s of GPU sleep (at ~2 GHz) before each round: longer than any round's host time
+SLEEP_CYCLES = 2 * 10**8
+
+
+def queued_behind_sleep(fn, calls=HOST_CALLS):
+    """Host seconds to run ``fn`` ``calls`` times while the GPU sleeps, so that none of them runs before the
+    host has queued them all (a call's host time, whatever its device time)."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    slept = torch.cuda.Event()
+    slept.record()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    seconds = time.perf_counter() - start
+    if slept.query():  # the device went on to the calls before the host finished queueing them
+        raise RuntimeError(f"SLEEP_CYCLES ({SLEEP_CYCLES}) ran out within a round: raise it")
+    return seconds
+
+
+def host_ms_per_call(fn):
+    """Median host ms per call of ``fn`` over HOST_ROUNDS rounds of HOST_CALLS calls queued behind a GPU sleep
+    (warm ``fn`` up first: compiles and autotuning are no host time per call)."""
+    rounds = [queued_behind_sleep(fn) * 1e3 / HOST_CALLS for _ in range(HOST_ROUNDS)]
+    torch.cuda.synchronize()
+    return sorted(rounds)[len(rounds) // 2]
 
 
 def capture_cuda_graph(fn, warmups=1):

@@ -23,16 +23,12 @@ import os
 import pstats
 import subprocess
 import sys
-import time
 
 import torch
 
-from flashformer.profiling import check_specs
+from flashformer.profiling import (HOST_CALLS, HOST_ROUNDS, check_specs, host_ms_per_call,
+                                   queued_behind_sleep)
 
-HOST_CALLS = 20  # x ~10 launches a forward + backward: far below the ~1024 launches a CUDA queue holds
-HOST_ROUNDS = 7
-# ~0.1 s of GPU sleep (at ~2 GHz) before each round: longer than any round's host time
-SLEEP_CYCLES = 2 * 10**8
 DEFAULT_SHAPES = ["15x1024x16x128", "16x1024x32x64"]  # beside the 704-token shape's tuned one; gpt2's heads
 MODES = {"direct": "1", "Triton's launch path": "0"}
 
@@ -47,29 +43,6 @@ def parse_shape(spec):
     if mask not in ("", "full", "causal") or min(batch, seqlen, heads, head_dim) < 1:
         raise ValueError(f"--shapes: {spec!r} needs sizes >= 1 and the mask full or causal")
     return batch, seqlen, heads, head_dim, mask != "full"
-
-
-def host_ms_per_call(fn):
-    """Median host ms per call over HOST_ROUNDS rounds of HOST_CALLS calls queued behind a GPU sleep."""
-    rounds = [queued_behind_sleep(fn, HOST_CALLS) * 1e3 / HOST_CALLS for _ in range(HOST_ROUNDS)]
-    torch.cuda.synchronize()
-    return sorted(rounds)[len(rounds) // 2]
-
-
-def queued_behind_sleep(fn, calls):
-    """Run ``fn`` ``calls`` times while the GPU sleeps (none of them runs, the launch queue never fills);
-    the host seconds it took."""
-    torch.cuda.synchronize()
-    torch.cuda._sleep(SLEEP_CYCLES)
-    slept = torch.cuda.Event()
-    slept.record()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    seconds = time.perf_counter() - start
-    if slept.query():  # the device went on to the calls before the host finished queueing them
-        raise RuntimeError(f"SLEEP_CYCLES ({SLEEP_CYCLES}) ran out within a round: raise it")
-    return seconds
 
 
 def host_profile(fn, top):

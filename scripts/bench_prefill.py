@@ -11,14 +11,16 @@ q:kv, head_dim, tokens cached, tokens new):
 * ours API, paged: the same over a paged copy of the cache (pages of --page-size entries in shuffled order,
   block_table), as servers keep it;
 * ours decode kernel: the split-KV decode kernel on the same cache (decode.decode_attention, no append), which
-  flash_attn_with_kvcache runs where decode.dense_forward_pays says no;
+  flash_attn_with_kvcache runs where decode.dense_forward_pays says no; "paged": the same over the paged copy;
 * ours dense: flash_attn_func(q, k_cache[:, :end], v_cache[:, :end], causal=True) on the same cache, the
   dense forward alone (no append);
 * SDPA cuDNN / flash: the same attention (bottom-right causal) on (batch, heads, seqlen, head_dim) copies.
 
 TFLOP/s counts each query's visible keys (cached + its position + 1): 4 * pairs * head_dim * heads_q.
-Each cell records the API calls' and the decode kernel's largest difference from ours dense. Prints a markdown
-table last; writes JSON to --out after every cell.
+Each cell records the API calls' and the decode kernel's largest difference from ours dense, and each of our
+calls' host time (flashformer.profiling.host_ms_per_call: calls queued behind a GPU sleep), which bounds a call
+from below wherever it exceeds the kernels' time. Prints two markdown tables last (TFLOP/s; host against timed
+µs per call); writes JSON to --out after every cell.
 """
 
 from __future__ import annotations
@@ -35,11 +37,11 @@ from tqdm import tqdm
 
 from flashformer.kernels import flash_attn_func, flash_attn_with_kvcache
 from flashformer.kernels.decode import decode_attention
-from flashformer.profiling import benchmark_provenance
+from flashformer.profiling import benchmark_provenance, host_ms_per_call
 
 DTYPE = torch.bfloat16
-METHODS = ("ours API", "ours API, tensor lengths", "ours API, paged", "ours decode kernel", "ours dense", "SDPA cuDNN",
-           "SDPA flash")
+METHODS = ("ours API", "ours API, tensor lengths", "ours API, paged", "ours decode kernel", "ours decode kernel, paged",
+           "ours dense", "SDPA cuDNN", "SDPA flash")
 # (batch, heads_q, heads_kv, head_dim, cached, new): prompts of a Llama-style model (32:8 at 128) and a
 # GPT-2-style one (12:12 at 64), then chunks of a prompt arriving at a cache that already holds tokens.
 DEFAULT_CELLS = [
@@ -119,17 +121,20 @@ def run_cell(batch, heads_q, heads_kv, head_dim, cached, new, page_size):
                                                            block_table=block_table),
         "ours decode kernel": lambda: decode_attention(q, k_cache, v_cache, end, None, end, head_dim ** -0.5, -1, 0,
                                                        0.0, return_lse=False)[0],
+        "ours decode kernel, paged": lambda: decode_attention(q, k_pool, v_pool, end, block_table, end,
+                                                              head_dim ** -0.5, -1, 0, 0.0, return_lse=False)[0],
         "ours dense": lambda: flash_attn_func(q, k_seen, v_seen, causal=True),
     }
     ms = {name: _time(fn) for name, fn in calls.items()}
+    host_ms = {name: host_ms_per_call(fn) for name, fn in calls.items()}
     for name, backend in (("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION), ("SDPA flash", SDPBackend.FLASH_ATTENTION)):
         ms[name] = _time_sdpa(sdpa, backend)
     dense = calls["ours dense"]().float()
-    diffs = {name: (calls[name]().float() - dense).abs().max().item() for name in METHODS[:4]}
+    diffs = {name: (calls[name]().float() - dense).abs().max().item() for name in METHODS[:5]}
     flops = 4 * batch * heads_q * head_dim * causal_pairs(cached, new)
     return {"batch": batch, "heads_q": heads_q, "heads_kv": heads_kv, "head_dim": head_dim, "cached": cached,
             "new": new, "page_size": page_size, "ms": ms, "tflops": {name: None if t is None else flops / t / 1e9 for name, t in ms.items()},
-            "max_diff_from_dense": diffs}
+            "max_diff_from_dense": diffs, "host_ms": host_ms}
 
 
 def markdown(cells):
@@ -137,9 +142,9 @@ def markdown(cells):
         return "-" if value is None else f"{value:.0f}"
 
     pairs = (("ours API", "ours decode kernel"), ("ours API, tensor lengths", "ours decode kernel"),
-             ("ours API, paged", "ours decode kernel"), ("ours API", "SDPA cuDNN"))
+             ("ours API, paged", "ours decode kernel, paged"), ("ours API", "SDPA cuDNN"))
     lines = ["| batch | heads | head_dim | cached | new | " + " | ".join(METHODS) + " | API / decode kernel | "
-             "API, tensor lengths / decode kernel | API, paged / decode kernel | API / cuDNN |",
+             "API, tensor lengths / decode kernel | API, paged / decode kernel, paged | API / cuDNN |",
              "|" + "---|" * (len(METHODS) + 9)]
     for c in cells:
         t = c["tflops"]
@@ -147,6 +152,17 @@ def markdown(cells):
         lines.append(f"| {c['batch']} | {c['heads_q']}:{c['heads_kv']} | {c['head_dim']} | {c['cached']} | {c['new']} | "
                      + " | ".join(fmt(t[m]) for m in METHODS) + " | "
                      + " | ".join("-" if r is None else f"{r:.2f}" for r in ratios) + " |")
+    return "\n".join(lines)
+
+
+def host_markdown(cells):
+    """Host µs per call against the timed µs per call, for each of our calls."""
+    ours = METHODS[:6]
+    lines = ["| batch | heads | head_dim | cached | new | " + " | ".join(f"{m}: host / timed µs" for m in ours) + " |",
+             "|" + "---|" * (len(ours) + 5)]
+    for c in cells:
+        lines.append(f"| {c['batch']} | {c['heads_q']}:{c['heads_kv']} | {c['head_dim']} | {c['cached']} | {c['new']} | "
+                     + " | ".join(f"{c['host_ms'][m] * 1e3:.0f} / {c['ms'][m] * 1e3:.0f}" for m in ours) + " |")
     return "\n".join(lines)
 
 
@@ -168,6 +184,7 @@ def main():
         with open(args.out, "w") as f:  # after every cell: a run cut short keeps what it measured
             json.dump({**benchmark_provenance(), "dtype": str(DTYPE), "cells": cells}, f, indent=2)
     print(markdown(cells))
+    print(host_markdown(cells))
 
 
 if __name__ == "__main__":
