@@ -14,7 +14,7 @@ import torch
 from .cache_pages import PAGE_MULTIPLE, check_rotary, count_bad_pages, raise_for_bad_pages, rotate
 from .checks import autocast_inputs, check_attention_args, describe, kernel_head_dim
 from .interface import kernel_impl, triton_attention
-from .kvcache_packed import kvcache_packed_queries, prefill_over_cache, rows_flatten
+from .kvcache_packed import arange, kvcache_packed_queries, prefill_over_cache, rows_flatten, size_index
 from .masking import normalize_window
 from .reference import attention_tiled
 from .sizes import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, MIN_HEAD_DIM
@@ -117,10 +117,11 @@ def _append(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx)
         k_cache[:, cache_seqlens:cache_seqlens + k.shape[1]] = k
         v_cache[:, cache_seqlens:cache_seqlens + v.shape[1]] = v
         return
-    positions = cache_seqlens[:, None].long() + torch.arange(k.shape[1], device=k.device)
+    positions = cache_seqlens[:, None] + size_index(arange, k.shape[1], device=k.device)  # int64
     if block_table is None:
-        rows = cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(k.shape[0], device=k.device)
-        index = (rows[:, None].expand_as(positions), positions)
+        rows = cache_batch_idx.long() if cache_batch_idx is not None else size_index(arange, k.shape[0],
+                                                                                     device=k.device)
+        index = (rows[:, None], positions)  # broadcast against each other
     else:
         page_size = k_cache.shape[1]
         index = (block_table.long().gather(1, positions // page_size), positions % page_size)

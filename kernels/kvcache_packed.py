@@ -16,8 +16,7 @@ import torch
 from .cache_pages import PAGE_MULTIPLE, check_rotary, rotate
 from .checks import check_cu_seqlens, describe
 from .interface import kernel_impl, triton_attention
-from .varlen_kv import (check_block_table, check_seqused_k, paged_attention, paged_varlen_attention,
-                        without_unused_keys)
+from .varlen_kv import check_block_table, check_seqused_k, paged_attention, paged_varlen_attention
 
 
 def kvcache_packed_queries(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cu_seqlens_q, cu_seqlens_k_new,
@@ -106,6 +105,45 @@ def _cache_positions(starts, cu_seqlens, total, within=True):
     return seq, starts[seq].long() + (token - cu_seqlens[seq].long() if within else 0)
 
 
+# Index tensors fixed by sizes alone, kept per device and never written: a short prompt's time is host time, and
+# each tensor built per call is a launch or more.
+_SIZE_INDICES: dict[tuple, torch.Tensor] = {}
+MAX_SIZE_INDICES = 256
+
+
+def size_index(build, *sizes, device):
+    """``build(*sizes, device)``, built once per (build, sizes, device); read it, never write it."""
+    key = (build, device, *sizes)
+    index = _SIZE_INDICES.get(key)
+    if index is None:
+        index = build(*sizes, device)
+        # A tensor made during a CUDA-graph capture belongs to that graph's memory pool: not kept.
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            if len(_SIZE_INDICES) >= MAX_SIZE_INDICES:
+                _SIZE_INDICES.clear()
+            _SIZE_INDICES[key] = index
+    return index
+
+
+def arange(n, device):
+    """0 .. n - 1, int64."""
+    return torch.arange(n, device=device)
+
+
+def multiples(n, step, device):
+    """0, step, .. (n - 1) step, int32: the offsets of n - 1 sequences of ``step`` rows."""
+    return torch.arange(n, dtype=torch.int32, device=device) * step
+
+
+def _row_pair_offsets(batch, seqlen_q, capacity, device):
+    """(2, 2 batch + 1) int32: cu_seqlens_q of 2 batch sequences (sequence 2b row b's seqlen_q queries, 2b + 1
+    none), then each sequence's first key in a (batch, capacity) cache flattened, before the used keys are
+    counted in (sequence 2b starts row b, 2b + 1 starts where its used keys end): varlen_kv.without_unused_keys'
+    layout for rows of equal length."""
+    pair = torch.arange(2 * batch + 1, dtype=torch.int32, device=device)
+    return torch.stack(((pair + 1) // 2 * seqlen_q, pair // 2 * capacity))
+
+
 def rows_flatten(cache):
     """Whether a contiguous cache's (batch, max_cache) dims merge into one without a copy."""
     return cache.shape[0] < 2 or cache.stride(0) == cache.shape[1] * cache.stride(1)
@@ -126,15 +164,16 @@ def prefill_over_cache(q, k_cache, v_cache, block_table, seqlens_k, max_seqlen_k
         out like q, lse (batch, heads_q, seqlen_q) (a transposed view).
     """
     batch, seqlen_q, heads_q, _ = q.shape
-    rows = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
     if block_table is None:
         capacity = k_cache.shape[1]
-        cu_seqlens_q, cu_seqlens_k, _ = without_unused_keys(k_cache, rows * seqlen_q, rows * capacity, seqlens_k,
-                                                            None, False, False)
+        cu_seqlens_q, first_keys = size_index(_row_pair_offsets, batch, seqlen_q, capacity, device=q.device)
+        cu_seqlens_k = first_keys.clone()
+        cu_seqlens_k[1::2].add_(seqlens_k)  # row b's used keys end sequence 2b (in place: no copy back)
         out, lse = triton_attention(q.flatten(0, 1), k_cache.flatten(0, 1), v_cache.flatten(0, 1), cu_seqlens_q,
                                     cu_seqlens_k, None, None, seqlen_q, capacity, softmax_scale, window_left,
                                     window_right, softcap, 0.0, True)
     else:
-        out, lse = paged_attention(q.flatten(0, 1), k_cache, v_cache, rows * seqlen_q, seqlens_k, block_table,
+        cu_seqlens_q = size_index(multiples, batch + 1, seqlen_q, device=q.device)
+        out, lse = paged_attention(q.flatten(0, 1), k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
                                    seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, True)
     return out.view(q.shape), lse.view(heads_q, batch, seqlen_q).transpose(0, 1)

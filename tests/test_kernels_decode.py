@@ -281,6 +281,25 @@ def test_packed_queries_compile_full_graph(device, triton_path):
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
 
 
+def test_prompts_over_tensor_lengths_leave_the_kept_index_tensors_as_built(device, triton_path, monkeypatch):
+    """The per-sequence and paged prompt routes keep their size-only offsets and positions between calls
+    (kvcache_packed.size_index); calls at other lengths write none of them, and each call's output and append
+    are its own."""
+    from flashformer.kernels import kvcache_packed
+
+    monkeypatch.setattr(decode, "DEFAULT_SMS", 4)
+    monkeypatch.setattr(kvcache_packed, "_SIZE_INDICES", {})
+    seqlen_q = DENSE_QUERY_TILE
+    for cached, page_size in ((9, None), (30, None), (9, 16), (30, 16)):
+        case = Case((cached, cached // 3), seqlen_q, seqlen_q, (4, 2), 64, torch.float16, page_size, device)
+        out, lse = case.run(causal=True)
+        case.assert_cache_appended()
+        _check_against_reference(case, out, lse, True, (-1, -1), 0.0)
+    assert kvcache_packed._SIZE_INDICES
+    for (build, index_device, *sizes), kept in kvcache_packed._SIZE_INDICES.items():
+        assert torch.equal(kept, build(*sizes, index_device)), build.__name__
+
+
 def test_dense_forward_pays_where_its_tiles_fill_the_gpu():
     cpu = torch.device("cpu")  # DEFAULT_SMS: the H200's 132
     assert decode.dense_forward_pays(1, 32, 8192, cpu)  # a long prompt
