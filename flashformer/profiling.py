@@ -3,8 +3,10 @@ sleep), the provenance every benchmark's JSON carries and its command-line check
 
 from __future__ import annotations
 
+import cProfile
 import datetime
 import os
+import pstats
 import subprocess
 import sys
 import time
@@ -104,6 +106,19 @@ def host_ms_per_call(fn):
     rounds = [queued_behind_sleep(fn) * 1e3 / HOST_CALLS for _ in range(HOST_ROUNDS)]
     torch.cuda.synchronize()
     return sorted(rounds)[len(rounds) // 2]
+
+
+def host_profile(fn, top):
+    """The ``top`` functions of most own host time in ``fn`` (cProfile over HOST_ROUNDS rounds of HOST_CALLS
+    calls, queued behind a GPU sleep), as [name, calls per fn call, own ms per fn call, cumulative ms per fn call]."""
+    profiler = cProfile.Profile()
+    for _ in range(HOST_ROUNDS):
+        profiler.runcall(queued_behind_sleep, fn, HOST_CALLS)
+    torch.cuda.synchronize()
+    calls = HOST_ROUNDS * HOST_CALLS
+    rows = sorted(pstats.Stats(profiler).stats.items(), key=lambda item: -item[1][2])[:top]
+    return [[f"{os.path.basename(file)}:{line}({name})", round(n_calls / calls, 2), round(own * 1e3 / calls, 4),
+             round(cumulative * 1e3 / calls, 4)] for (file, line, name), (_, n_calls, own, cumulative, _) in rows]
 
 
 def capture_cuda_graph(fn, warmups=1):

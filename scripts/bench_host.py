@@ -17,17 +17,14 @@ behind a GPU sleep as above) and prints its N functions of most own time, per ca
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
 import os
-import pstats
 import subprocess
 import sys
 
 import torch
 
-from flashformer.profiling import (HOST_CALLS, HOST_ROUNDS, check_specs, host_ms_per_call,
-                                   queued_behind_sleep)
+from flashformer.profiling import HOST_CALLS, HOST_ROUNDS, check_specs, host_ms_per_call, host_profile
 
 DEFAULT_SHAPES = ["15x1024x16x128", "16x1024x32x64"]  # beside the 704-token shape's tuned one; gpt2's heads
 MODES = {"direct": "1", "Triton's launch path": "0"}
@@ -43,23 +40,6 @@ def parse_shape(spec):
     if mask not in ("", "full", "causal") or min(batch, seqlen, heads, head_dim) < 1:
         raise ValueError(f"--shapes: {spec!r} needs sizes >= 1 and the mask full or causal")
     return batch, seqlen, heads, head_dim, mask != "full"
-
-
-def host_profile(fn, top):
-    """The ``top`` functions of most own host time in ``fn`` (cProfile over HOST_ROUNDS rounds of HOST_CALLS
-    calls), as [name, calls per fn call, own ms per fn call, cumulative ms per fn call]."""
-    profiler = cProfile.Profile()
-    for _ in range(HOST_ROUNDS):
-        profiler.runcall(queued_behind_sleep, fn, HOST_CALLS)
-    torch.cuda.synchronize()
-    return top_functions(profiler, HOST_ROUNDS * HOST_CALLS, top)
-
-
-def top_functions(profiler, calls, top):
-    """The ``top`` functions of most own time in a cProfile run over ``calls`` calls, per call."""
-    rows = sorted(pstats.Stats(profiler).stats.items(), key=lambda item: -item[1][2])[:top]
-    return [[f"{os.path.basename(file)}:{line}({name})", round(n_calls / calls, 2), round(own * 1e3 / calls, 4),
-             round(cumulative * 1e3 / calls, 4)] for (file, line, name), (_, n_calls, own, cumulative, _) in rows]
 
 
 def host_and_device_ms(fn):

@@ -20,7 +20,7 @@ TFLOP/s counts each query's visible keys (cached + its position + 1): 4 * pairs 
 Each cell records the API calls' and the decode kernel's largest difference from ours dense, and each of our
 calls' host time (flashformer.profiling.host_ms_per_call: calls queued behind a GPU sleep), which bounds a call
 from below wherever it exceeds the kernels' time. Prints two markdown tables last (TFLOP/s; host against timed
-µs per call); writes JSON to --out after every cell.
+µs per call), after --profile's per-call host profiles; writes JSON to --out after every cell.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from flashformer.kernels import flash_attn_func, flash_attn_with_kvcache
 from flashformer.kernels.decode import decode_attention
-from flashformer.profiling import benchmark_provenance, host_ms_per_call
+from flashformer.profiling import benchmark_provenance, host_ms_per_call, host_profile
 
 DTYPE = torch.bfloat16
 METHODS = ("ours API", "ours API, tensor lengths", "ours API, paged", "ours decode kernel", "ours decode kernel, paged",
@@ -97,7 +97,7 @@ def paged_copy(k_cache, v_cache, page_size):
     return *pools, order.view(batch, pages).int()
 
 
-def run_cell(batch, heads_q, heads_kv, head_dim, cached, new, page_size):
+def run_cell(batch, heads_q, heads_kv, head_dim, cached, new, page_size, profile_top=0):
     device = torch.device("cuda")
     end = cached + new
     k_cache, v_cache = (torch.randn(batch, end, heads_kv, head_dim, device=device, dtype=DTYPE) for _ in range(2))
@@ -127,6 +127,7 @@ def run_cell(batch, heads_q, heads_kv, head_dim, cached, new, page_size):
     }
     ms = {name: _time(fn) for name, fn in calls.items()}
     host_ms = {name: host_ms_per_call(fn) for name, fn in calls.items()}
+    profiles = {name: host_profile(fn, profile_top) for name, fn in calls.items() if profile_top}
     for name, backend in (("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION), ("SDPA flash", SDPBackend.FLASH_ATTENTION)):
         ms[name] = _time_sdpa(sdpa, backend)
     dense = calls["ours dense"]().float()
@@ -134,7 +135,12 @@ def run_cell(batch, heads_q, heads_kv, head_dim, cached, new, page_size):
     flops = 4 * batch * heads_q * head_dim * causal_pairs(cached, new)
     return {"batch": batch, "heads_q": heads_q, "heads_kv": heads_kv, "head_dim": head_dim, "cached": cached,
             "new": new, "page_size": page_size, "ms": ms, "tflops": {name: None if t is None else flops / t / 1e9 for name, t in ms.items()},
-            "max_diff_from_dense": diffs, "host_ms": host_ms}
+            "max_diff_from_dense": diffs, "host_ms": host_ms, "host_profiles": profiles}
+
+
+def cell_columns(c):
+    """A cell's leading table columns: batch, heads, head_dim, cached, new."""
+    return f"| {c['batch']} | {c['heads_q']}:{c['heads_kv']} | {c['head_dim']} | {c['cached']} | {c['new']} | "
 
 
 def markdown(cells):
@@ -149,8 +155,7 @@ def markdown(cells):
     for c in cells:
         t = c["tflops"]
         ratios = [t[a] / t[b] if t[a] and t[b] else None for a, b in pairs]
-        lines.append(f"| {c['batch']} | {c['heads_q']}:{c['heads_kv']} | {c['head_dim']} | {c['cached']} | {c['new']} | "
-                     + " | ".join(fmt(t[m]) for m in METHODS) + " | "
+        lines.append(cell_columns(c) + " | ".join(fmt(t[m]) for m in METHODS) + " | "
                      + " | ".join("-" if r is None else f"{r:.2f}" for r in ratios) + " |")
     return "\n".join(lines)
 
@@ -161,8 +166,8 @@ def host_markdown(cells):
     lines = ["| batch | heads | head_dim | cached | new | " + " | ".join(f"{m}: host / timed µs" for m in ours) + " |",
              "|" + "---|" * (len(ours) + 5)]
     for c in cells:
-        lines.append(f"| {c['batch']} | {c['heads_q']}:{c['heads_kv']} | {c['head_dim']} | {c['cached']} | {c['new']} | "
-                     + " | ".join(f"{c['host_ms'][m] * 1e3:.0f} / {c['ms'][m] * 1e3:.0f}" for m in ours) + " |")
+        lines.append(cell_columns(c) + " | ".join(f"{c['host_ms'][m] * 1e3:.0f} / {c['ms'][m] * 1e3:.0f}" for m in ours)
+                     + " |")
     return "\n".join(lines)
 
 
@@ -172,6 +177,8 @@ def main():
                         metavar="BxHQ:HKVxDxCACHEDxNEW")
     parser.add_argument("--page-size", type=int, default=16, help="entries per page of the paged column (vLLM's "
                         "16 by default: each key tile then spans pages)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also print, per cell and call, the N functions of most own host time (cProfile)")
     parser.add_argument("--out", default="runs/bench_prefill.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -179,10 +186,15 @@ def main():
     cells = []
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     for cell in tqdm(args.cells, desc="prefill cells"):
-        cells.append(run_cell(*cell, args.page_size))
+        cells.append(run_cell(*cell, args.page_size, args.profile))
         torch.cuda.empty_cache()
         with open(args.out, "w") as f:  # after every cell: a run cut short keeps what it measured
             json.dump({**benchmark_provenance(), "dtype": str(DTYPE), "cells": cells}, f, indent=2)
+    for c in cells:
+        for name, rows in c["host_profiles"].items():
+            print(f"\nhost profile, {cell_columns(c)}{name}: function | calls | own ms | cumulative ms")
+            for function, calls, own, cumulative in rows:
+                print(f"  {function} | {calls} | {own:.4f} | {cumulative:.4f}")
     print(markdown(cells))
     print(host_markdown(cells))
 
