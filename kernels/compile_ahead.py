@@ -16,6 +16,7 @@ be autotuned (compile-only never times configs: the job stops there, launch.Woul
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import logging
@@ -56,8 +57,9 @@ def _executor(name, workers):
         if not _exit_hooked:
             # Python joins pool threads at exit only after they drain their queues: a process that ran forwards at
             # many shapes and never their backwards would compile every one of those backwards before exiting.
-            # Hooks registered later run earlier, so this one cancels the queued work before that join.
-            threading._register_atexit(cancel_pending)
+            # Hooks registered later run earlier, so this one cancels the queued work before that join. The hook
+            # is CPython's (3.9 on); without it atexit's would run only after the join.
+            getattr(threading, "_register_atexit", atexit.register)(cancel_pending)
             _exit_hooked = True
         if name not in _executors:
             _executors[name] = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=f"flashformer-{name}")
