@@ -113,15 +113,16 @@ MAX_SIZE_INDICES = 256
 
 def size_index(build, *sizes, device):
     """``build(*sizes, device)``, built once per (build, sizes, device); read it, never write it."""
+    # A traced or captured graph makes its own: a kept tensor could be evicted (freed) while a CUDA graph still
+    # reads it, and one made while tracing could be a graph output whose memory a replay reuses.
+    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return build(*sizes, device)
     key = (build, device, *sizes)
     index = _SIZE_INDICES.get(key)
     if index is None:
-        index = build(*sizes, device)
-        # A tensor made during a CUDA-graph capture belongs to that graph's memory pool: not kept.
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            if len(_SIZE_INDICES) >= MAX_SIZE_INDICES:
-                _SIZE_INDICES.clear()
-            _SIZE_INDICES[key] = index
+        if len(_SIZE_INDICES) >= MAX_SIZE_INDICES:
+            _SIZE_INDICES.clear()
+        index = _SIZE_INDICES[key] = build(*sizes, device)
     return index
 
 

@@ -300,6 +300,20 @@ def test_prompts_over_tensor_lengths_leave_the_kept_index_tensors_as_built(devic
         assert torch.equal(kept, build(*sizes, index_device)), build.__name__
 
 
+def test_traced_calls_make_their_own_index_tensors(monkeypatch):
+    """Under torch.compile the size-only index tensors are the graph's own, never kept (a kept one could be freed
+    while a CUDA graph reads it)."""
+    from flashformer.kernels import kvcache_packed
+
+    monkeypatch.setattr(kvcache_packed, "_SIZE_INDICES", {})
+    cpu = torch.device("cpu")
+    traced = torch.compile(lambda: kvcache_packed.size_index(kvcache_packed.arange, 5, device=cpu) * 2,
+                           fullgraph=True, backend="aot_eager")
+    assert torch.equal(traced(), torch.arange(5) * 2) and not kvcache_packed._SIZE_INDICES
+    assert torch.equal(kvcache_packed.size_index(kvcache_packed.arange, 5, device=cpu), torch.arange(5))
+    assert len(kvcache_packed._SIZE_INDICES) == 1
+
+
 def test_dense_forward_pays_where_its_tiles_fill_the_gpu():
     cpu = torch.device("cpu")  # DEFAULT_SMS: the H200's 132
     assert decode.dense_forward_pays(1, 32, 8192, cpu)  # a long prompt
