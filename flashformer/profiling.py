@@ -115,7 +115,11 @@ def host_profile(fn, top):
     for _ in range(HOST_ROUNDS):
         profiler.runcall(queued_behind_sleep, fn, HOST_CALLS)
     torch.cuda.synchronize()
-    calls = HOST_ROUNDS * HOST_CALLS
+    return top_functions(profiler, HOST_ROUNDS * HOST_CALLS, top)
+
+
+def top_functions(profiler, calls, top):
+    """The ``top`` functions of most own time in a cProfile run over ``calls`` calls, per call."""
     rows = sorted(pstats.Stats(profiler).stats.items(), key=lambda item: -item[1][2])[:top]
     return [[f"{os.path.basename(file)}:{line}({name})", round(n_calls / calls, 2), round(own * 1e3 / calls, 4),
              round(cumulative * 1e3 / calls, 4)] for (file, line, name), (_, n_calls, own, cumulative, _) in rows]

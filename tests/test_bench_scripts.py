@@ -580,7 +580,7 @@ def test_host_bench_shapes_parse_and_its_table_shows_host_over_device():
 
 
 def test_host_profile_names_the_functions_of_most_own_time_per_call():
-    host = _load_script("bench_host")
+    from flashformer.profiling import top_functions
 
     def busy(n):
         return sum(i * i for i in range(n))
@@ -592,7 +592,7 @@ def test_host_profile_names_the_functions_of_most_own_time_per_call():
     profiler = cProfile.Profile()
     for _ in range(4):
         profiler.runcall(call)
-    rows = host.top_functions(profiler, 4, 3)
+    rows = top_functions(profiler, 4, 3)
     assert len(rows) == 3 and all(own <= cumulative for _, _, own, cumulative in rows)
     names = [name for name, *_ in rows]
     assert any("(busy)" in name or "(<genexpr>)" in name for name in names), names
@@ -715,3 +715,17 @@ def test_prefill_pages_hold_the_cache_in_the_block_tables_order():
     assert sorted(block_table.flatten().tolist()) == list(range(9))
     for pool, cache in ((k_pool, k_cache), (v_pool, v_cache)):
         assert torch.equal(pool[block_table.long()].flatten(1, 2)[:, :37], cache)
+
+
+def test_prefill_tables_have_a_column_per_call():
+    prefill = _load_script("bench_prefill")
+    cell = {"batch": 2, "heads_q": 32, "heads_kv": 8, "head_dim": 128, "cached": 0, "new": 512,
+            "ms": {m: 0.25 for m in prefill.METHODS}, "tflops": {m: 100.0 for m in prefill.METHODS},
+            "host_ms": {m: 0.04 for m in prefill.METHODS[:6]}}
+    cell["tflops"]["SDPA flash"] = None  # a backend that refused the shape
+    header, rule, line = prefill.markdown([cell]).splitlines()
+    assert header.count("|") == rule.count("|") == line.count("|")
+    assert line.startswith("| 2 | 32:8 | 128 | 0 | 512 | 100 |") and "| - |" in line
+    header, rule, line = prefill.host_markdown([cell]).splitlines()
+    assert header.count("|") == rule.count("|") == line.count("|") == 5 + 6 + 1
+    assert line.endswith("| 40 / 250 | 40 / 250 |")
