@@ -105,19 +105,22 @@ def _cache_positions(starts, cu_seqlens, total, within=True):
     return seq, starts[seq].long() + (token - cu_seqlens[seq].long() if within else 0)
 
 
-# Index tensors fixed by sizes alone, kept per device and never written: a short prompt's time is host time, and
-# each tensor built per call is a launch or more.
+# Index tensors fixed by sizes alone, kept per device and stream and never written: a short prompt's time is host
+# time, and each tensor built per call is a launch or more. Per stream, because a tensor is built on the stream that
+# first asks for it: read from another stream it could still be unwritten, and evicted it returns to its stream's
+# pool while another stream's kernels may still read it.
 _SIZE_INDICES: dict[tuple, torch.Tensor] = {}
 MAX_SIZE_INDICES = 256
 
 
 def size_index(build, *sizes, device):
-    """``build(*sizes, device)``, built once per (build, sizes, device); read it, never write it."""
+    """``build(*sizes, device)``, built once per (build, sizes, device, current stream); read it, never write it."""
     # A traced or captured graph makes its own: a kept tensor could be evicted (freed) while a CUDA graph still
     # reads it, and one made while tracing could be a graph output whose memory a replay reuses.
     if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return build(*sizes, device)
-    key = (build, device, *sizes)
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None
+    key = (build, device, stream, *sizes)
     index = _SIZE_INDICES.get(key)
     if index is None:
         if len(_SIZE_INDICES) >= MAX_SIZE_INDICES:

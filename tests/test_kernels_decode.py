@@ -296,7 +296,7 @@ def test_prompts_over_tensor_lengths_leave_the_kept_index_tensors_as_built(devic
         case.assert_cache_appended()
         _check_against_reference(case, out, lse, True, (-1, -1), 0.0)
     assert kvcache_packed._SIZE_INDICES
-    for (build, index_device, *sizes), kept in kvcache_packed._SIZE_INDICES.items():
+    for (build, index_device, _stream, *sizes), kept in kvcache_packed._SIZE_INDICES.items():
         assert torch.equal(kept, build(*sizes, index_device)), build.__name__
 
 
@@ -312,6 +312,24 @@ def test_traced_calls_make_their_own_index_tensors(monkeypatch):
     assert torch.equal(traced(), torch.arange(5) * 2) and not kvcache_packed._SIZE_INDICES
     assert torch.equal(kvcache_packed.size_index(kvcache_packed.arange, 5, device=cpu), torch.arange(5))
     assert len(kvcache_packed._SIZE_INDICES) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams")
+def test_each_stream_keeps_its_own_index_tensors(monkeypatch):
+    """A kept index tensor is read only on the stream it was built on: built there, its values are written
+    before any kernel of that stream reads them."""
+    from flashformer.kernels import kvcache_packed
+
+    monkeypatch.setattr(kvcache_packed, "_SIZE_INDICES", {})
+    cuda = torch.device("cuda")
+    first = kvcache_packed.size_index(kvcache_packed.arange, 7, device=cuda)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        on_side = kvcache_packed.size_index(kvcache_packed.arange, 7, device=cuda)
+        assert kvcache_packed.size_index(kvcache_packed.arange, 7, device=cuda) is on_side
+    assert on_side is not first and kvcache_packed.size_index(kvcache_packed.arange, 7, device=cuda) is first
+    side.synchronize()
+    assert torch.equal(on_side, first)
 
 
 def test_dense_forward_pays_where_its_tiles_fill_the_gpu():
