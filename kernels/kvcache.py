@@ -1,8 +1,8 @@
 """``flash_attn_with_kvcache``: decoding attention against a KV cache, flash-attn's API.
 
-Argument checks, the append of new keys/values into the cache (torch index_put, one implementation
-for both paths and both cache layouts), and the path choice of interface.kernel_impl: the split-KV
-Triton kernel of decode.py, or a PyTorch loop over sequences on the tiled reference.
+Argument checks, the append of new keys/values into the cache (cache_append.py), and the path choice of
+interface.kernel_impl: the split-KV Triton kernel of decode.py, or a PyTorch loop over sequences on the tiled
+reference.
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ from typing import Optional
 
 import torch
 
+from .cache_append import append
 from .cache_pages import PAGE_MULTIPLE, check_rotary, count_bad_pages, raise_for_bad_pages, rotate
 from .checks import autocast_inputs, check_attention_args, describe, kernel_head_dim
 from .interface import kernel_impl, triton_attention
-from .kvcache_packed import arange, kvcache_packed_queries, prefill_over_cache, rows_flatten, size_index
+from .kvcache_packed import kvcache_packed_queries, prefill_over_cache, rows_flatten
 from .masking import normalize_window
 from .reference import attention_tiled
 from .sizes import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, MIN_HEAD_DIM
@@ -107,26 +108,6 @@ def _rows_as_pages(k_cache, v_cache, cache_batch_idx, cache_leftpad, batch):
     first = rows * sequence_entries + (cache_leftpad.long() if cache_leftpad is not None else 0)
     pages = torch.arange(0, capacity, page_size, device=k_cache.device)
     return pool(k_cache), pool(v_cache), (first[:, None] + pages).int()
-
-
-def _append(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx):
-    """Write k, v (batch, seqlen_new, heads_kv, head_dim) into the caches at positions
-    cache_seqlens[b] + i, of cache row cache_batch_idx[b] (b if None) for a contiguous cache, through
-    block_table (batch, max_blocks) for a paged one."""
-    if isinstance(cache_seqlens, int):  # one position for every sequence of a contiguous cache
-        k_cache[:, cache_seqlens:cache_seqlens + k.shape[1]] = k
-        v_cache[:, cache_seqlens:cache_seqlens + v.shape[1]] = v
-        return
-    positions = cache_seqlens[:, None] + size_index(arange, k.shape[1], device=k.device)  # int64
-    if block_table is None:
-        rows = cache_batch_idx.long() if cache_batch_idx is not None else size_index(arange, k.shape[0],
-                                                                                     device=k.device)
-        index = (rows[:, None], positions)  # broadcast against each other
-    else:
-        page_size = k_cache.shape[1]
-        index = (block_table.long().gather(1, positions // page_size), positions % page_size)
-    k_cache.index_put_(index, k)
-    v_cache.index_put_(index, v)
 
 
 def _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
@@ -365,7 +346,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q_positions = first + torch.arange(q.shape[1], device=q.device) if windowed else first
         q = rotate(q, rotary_cos, rotary_sin, q_positions, rotary_interleaved)
     if seqlen_new:
-        _append(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx)
+        append(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, triton_path)
     window_left, window_right = normalize_window(causal, window_size)
     return_lse = return_lse or return_softmax_lse
     if not triton_path:

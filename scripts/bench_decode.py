@@ -35,6 +35,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
 from flashformer.kernels import decode
+from flashformer.kernels.cache_append import append, append_reference
 from flashformer.kernels.decode import choose_num_splits, decode_attention
 from flashformer.kernels.kvcache import flash_attn_with_kvcache
 from flashformer.profiling import benchmark_provenance, capture_cuda_graph
@@ -286,6 +287,8 @@ def host_breakdown(length=4096):
     q = torch.randn(1, 1, HEADS_Q, HEAD_DIM, device="cuda", dtype=DTYPE)
     k_cache, v_cache = (torch.randn(1, length, HEADS_KV, HEAD_DIM, device="cuda", dtype=DTYPE) for _ in range(2))
     seqlens = torch.full((1,), length, dtype=torch.int32, device="cuda")
+    before_new = seqlens - 1  # the step's token rewrites the cache's last entry
+    k_new, v_new = (torch.randn(1, 1, HEADS_KV, HEAD_DIM, device="cuda", dtype=DTYPE) for _ in range(2))
     splits = choose_num_splits(HEADS_KV, length, q.device)
     q_sdpa = q.transpose(1, 2)
     k_sdpa, v_sdpa = k_cache.transpose(1, 2).contiguous(), v_cache.transpose(1, 2).contiguous()
@@ -307,6 +310,12 @@ def host_breakdown(length=4096):
             q, k_cache, v_cache, length, None, length, scale, -1, 0, 0.0),
         "flash_attn_with_kvcache (int cache_seqlens)": lambda: flash_attn_with_kvcache(
             q, k_cache, v_cache, cache_seqlens=length),
+        "flash_attn_with_kvcache (tensor cache_seqlens, one token appended)": lambda: flash_attn_with_kvcache(
+            q, k_cache, v_cache, k_new, v_new, cache_seqlens=before_new),
+        "the append alone: cache_append's kernel": lambda: append(k_cache, v_cache, k_new, v_new, before_new, None,
+                                                                   None, triton_path=True),
+        "the append alone: PyTorch (add, two index_put_)": lambda: append_reference(
+            k_cache, v_cache, k_new, v_new, before_new, None, None),
         "4 x torch.empty (outputs and partials)": lambda: [torch.empty(shape, device="cuda") for shape in (
             q.shape, (1, HEADS_Q, 1), (1, 1, HEADS_Q, splits, HEAD_DIM), (1, 1, HEADS_Q, splits))],
         "SDPA cuDNN (sdpa_kernel + call)": cudnn,

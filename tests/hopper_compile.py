@@ -19,8 +19,8 @@ from triton.compiler import ASTSource
 
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from flashformer.kernels import (bwd_stats, cross_entropy, decode_kernels, flash_bwd, flash_bwd_dq_hopper,
-                                 flash_bwd_hopper, flash_fwd, flash_fwd_hopper, tuning)
+from flashformer.kernels import (bwd_stats, cache_append, cross_entropy, decode_kernels, flash_bwd,
+                                 flash_bwd_dq_hopper, flash_bwd_hopper, flash_fwd, flash_fwd_hopper, tuning)
 from flashformer.kernels.interface import GLUON_TRITON_VERSIONS
 from flashformer.kernels.sizes import pad_head_dim
 from flashformer.kernels.tile_schedule import q_buffers
@@ -28,7 +28,8 @@ from flashformer.kernels.tile_schedule import q_buffers
 FP32_POINTERS = {"LSE", "DELTA", "LSE_LOG2", "DLSE", "LSE_PART", "O_PART", "DQ_ACC", "LOSSES", "TOKEN_SCALE",
                  "ALIBI_SLOPES"}
 INT64_POINTERS = {"TARGETS", "DROPOUT_SEED"}
-INT32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K", "BLOCK_TABLE", "DQ_SEMAPHORES", "TILE_SCHEDULE"}
+INT32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K", "BLOCK_TABLE", "DQ_SEMAPHORES", "TILE_SCHEDULE",
+                  "CACHE_SEQLENS", "CACHE_BATCH_IDX"}
 TMA_LOAD = r"cp\.async\.bulk\.tensor\.\w+\.shared::cluster\.global"
 TMA_STORE = r"cp\.async\.bulk\.tensor\.\w+\.global\.shared"
 FLOAT_SCALARS = {"qk_scale", "softcap_log2", "softmax_scale", "softcap", "dropout_rescale"}
@@ -358,6 +359,9 @@ CASES = {
                                            HEAD_DIM_PAD=128, LEFT_BOUNDED=False, RIGHT_BOUNDED=True,
                                            HAS_SOFTCAP=False, SPLIT=True, PER_SEQUENCE_LENGTHS=True, VARLEN_Q=True,
                                            DOT_PRECISION="tf32", UPCAST_DOT=False), 4, 3),
+    "cache_append-d128-paged": (cache_append.append_kernel,
+                                dict(ROWS=cache_append.APPEND_ROWS, HEAD_DIM=128, HEAD_DIM_PAD=128, PAGED=True,
+                                     HAS_BATCH_IDX=False), 4, 1),
     "cross_entropy_fwd": (cross_entropy._ce_forward_kernel, dict(BLOCK_V=4096, HAS_BIAS=True, HAS_SOFTCAP=True), 8, 3),
     "cross_entropy_bwd": (cross_entropy._ce_backward_kernel, dict(BLOCK_V=4096, HAS_BIAS=True, HAS_SOFTCAP=True), 8, 3),
 }
