@@ -1,66 +1,130 @@
-"""The append of flash_attn_with_kvcache: new keys and values written into the cache at each sequence's
-cache length, before attention reads them.
+"""What flash_attn_with_kvcache does before attention: rotary embeddings on q and the new keys at their cache
+positions, and the append of the new keys and values into the cache.
 
-With per-sequence (tensor) lengths the positions live on the device. PyTorch's form (``append_reference``: one
-add and two index_put_ calls, ~30 µs of host time per call) is what a traced graph and the PyTorch path run; the
-Triton path launches ``append_kernel`` once for both caches instead, so that a decoding step in eager mode is not
-held up by its host.
+With per-sequence (tensor) lengths, or with rotary, PyTorch's form (``rotate_and_append_reference``: a gather of
+cos / sin rows and about ten elementwise ops per rotated tensor, an add and two index_put_ calls per append) costs
+one dispatcher trip per op, ~30 µs of host time for the append alone. The Triton path launches ``rows_kernel``
+instead: once for the keys and values (rotated and written into the cache), once for the queries where rotary
+applies, so that a decoding step in eager mode is not held up by its host. A traced graph, the PyTorch path and
+strided inputs keep PyTorch's form.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from .cache_pages import rotate
 from .kvcache_packed import arange, size_index
 from .launch import launcher
 from .sizes import cdiv, next_power_of_2
 
-APPEND_ROWS = 32  # (token, kv head) rows per program: 32 x head_dim 128 is 8 KB of each of k and v
+ROWS = 32  # (token, head) rows per program: 32 x head_dim 128 is 8 KB of each tensor
+NO_ROTARY, INTERLEAVED, HALVES = 0, 1, 2  # ROTARY: pairs (0, 1), (2, 3), ... or (i, i + rotary_dim / 2)
+
+
+class Rotary(NamedTuple):
+    """flash_attn_with_kvcache's rotary arguments: cos, sin (seqlen_ro, rotary_dim / 2); whether pairs are
+    interleaved; whether each query token turns by its own position (causal or windowed) or all by the first."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    interleaved: bool
+    per_query_token: bool
+
+
+@triton.jit
+def _rotated(x, src_rows, dims, mask, COS, SIN, angle_rows, rotary_half, ROTARY: tl.constexpr):
+    """x (rows, HEAD_DIM_PAD) with its first 2 * rotary_half dims rotated by the cos / sin rows at angle_rows
+    (offsets), in fp32 as cache_pages.rotate computes it; src_rows: x's row offsets in its source, which holds
+    each element's partner in the rotation."""
+    if ROTARY == 1:
+        first = dims % 2 == 0
+        partner = dims ^ 1
+        angle = dims // 2
+    else:
+        first = dims < rotary_half
+        partner = tl.where(first, dims + rotary_half, dims - rotary_half)
+        angle = tl.where(first, dims, dims - rotary_half)
+    rotary_mask = mask & (dims < 2 * rotary_half)[None, :]
+    other = tl.load(src_rows[:, None] + partner[None, :], mask=rotary_mask, other=0.0).to(tl.float32)
+    cos = tl.load(COS + angle_rows[:, None] + angle[None, :], mask=rotary_mask, other=1.0).to(tl.float32)
+    sin = tl.load(SIN + angle_rows[:, None] + angle[None, :], mask=rotary_mask, other=0.0).to(tl.float32)
+    x = x.to(tl.float32)
+    return tl.where(first[None, :], x * cos - other * sin, x * cos + other * sin)
 
 
 # Launched through launch.CompiledLaunch. The strides stay specialised: a row stride divisible by 16 lets each
 # thread move 16 bytes at once. The sizes need no specialisation, and the index tensors may be unaligned.
-@triton.jit(do_not_specialize=["stride_bt", "seqlen_new", "heads_kv", "capacity", "page_size"],
-            do_not_specialize_on_alignment=["CACHE_SEQLENS", "BLOCK_TABLE", "CACHE_BATCH_IDX"])
-def append_kernel(K, V, K_CACHE, V_CACHE, CACHE_SEQLENS, BLOCK_TABLE, CACHE_BATCH_IDX,
-                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                  stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch, stride_bt,
-                  seqlen_new, heads_kv, capacity, page_size,
-                  ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGED: tl.constexpr,
-                  HAS_BATCH_IDX: tl.constexpr):
-    # Program (r, b): sequence b's (token, kv head) rows [r * ROWS, (r + 1) * ROWS), token t at cache
-    # position CACHE_SEQLENS[b] + t. A position past the cache's capacity (a length the caller did not have
-    # checked) is skipped rather than written past the cache.
+@triton.jit(do_not_specialize=["stride_bt", "stride_ro", "start", "seqlen", "heads", "capacity", "page_size",
+                               "rotary_half", "seqlen_ro"],
+            do_not_specialize_on_alignment=["STARTS", "BLOCK_TABLE", "CACHE_BATCH_IDX", "COS", "SIN"])
+def rows_kernel(SRC, DST, SRC2, DST2, STARTS, BLOCK_TABLE, CACHE_BATCH_IDX, COS, SIN,
+                stride_sb, stride_ss, stride_sh, stride_s2b, stride_s2s, stride_s2h,
+                stride_dp, stride_ds, stride_dh, stride_d2p, stride_d2s, stride_d2h, stride_bt, stride_ro,
+                start, seqlen, heads, capacity, page_size, rotary_half, seqlen_ro,
+                ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGED: tl.constexpr,
+                HAS_BATCH_IDX: tl.constexpr, PER_SEQUENCE_START: tl.constexpr, HAS_SECOND: tl.constexpr,
+                ROTARY: tl.constexpr, AT_CACHE_POSITION: tl.constexpr, ROTATE_PER_TOKEN: tl.constexpr):
+    # Program (r, b): sequence b's (token, head) rows [r * ROWS, (r + 1) * ROWS) of SRC (batch, seqlen, heads,
+    # head_dim), token t at cache position STARTS[b] (or start) + t. Written to DST at that position
+    # (AT_CACHE_POSITION: a cache, through block_table where PAGED) or at t (a tensor like SRC); SRC2 likewise
+    # into DST2, unrotated (the values beside the keys). Rows whose entry passes capacity (a length the caller
+    # did not have checked) are skipped rather than written past the cache; so are rotations past cos's rows.
     batch = tl.program_id(1)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    token = rows // heads_kv
-    head = rows % heads_kv
-    position = tl.load(CACHE_SEQLENS + batch).to(tl.int64) + token
-    row_ok = (token < seqlen_new) & (position < capacity)
-    if PAGED:  # a page pool: the page from block_table, the entry within it
-        page = tl.load(BLOCK_TABLE + batch * stride_bt + position // page_size, mask=row_ok, other=0).to(tl.int64)
-        entry = position % page_size
-    else:  # a contiguous cache: row b, or cache_batch_idx[b]
-        page = tl.load(CACHE_BATCH_IDX + batch).to(tl.int64) if HAS_BATCH_IDX else batch.to(tl.int64)
-        entry = position
+    token = rows // heads
+    head = rows % heads
+    if PER_SEQUENCE_START:
+        first = tl.load(STARTS + batch).to(tl.int64)
+    else:
+        first = start.to(tl.int64)
+    token = token.to(tl.int64)
+    position = first + token
+    entry = position if AT_CACHE_POSITION else token
+    row_ok = (token < seqlen) & (entry < capacity)
+    if PAGED:
+        page = tl.load(BLOCK_TABLE + batch * stride_bt + entry // page_size, mask=row_ok, other=0).to(tl.int64)
+        entry = entry % page_size
+    elif HAS_BATCH_IDX:
+        page = tl.load(CACHE_BATCH_IDX + batch).to(tl.int64)
+    else:
+        page = batch.to(tl.int64)
+    batch = batch.to(tl.int64)
     dims = tl.arange(0, HEAD_DIM_PAD)
     mask = row_ok[:, None] & (dims[None, :] < HEAD_DIM)
-    batch = batch.to(tl.int64)
-    token = token.to(tl.int64)
-    k = tl.load(K + (batch * stride_kb + token * stride_ks + head * stride_kh)[:, None] + dims[None, :], mask=mask)
-    v = tl.load(V + (batch * stride_vb + token * stride_vs + head * stride_vh)[:, None] + dims[None, :], mask=mask)
-    tl.store(K_CACHE + (page * stride_kcp + entry * stride_kcs + head * stride_kch)[:, None] + dims[None, :], k,
-             mask=mask)
-    tl.store(V_CACHE + (page * stride_vcp + entry * stride_vcs + head * stride_vch)[:, None] + dims[None, :], v,
-             mask=mask)
+    src_rows = SRC + batch * stride_sb + token * stride_ss + head * stride_sh
+    x = tl.load(src_rows[:, None] + dims[None, :], mask=mask)
+    if ROTARY != 0:
+        angle_position = position if ROTATE_PER_TOKEN else first + token * 0
+        rotate_ok = row_ok & (angle_position < seqlen_ro)
+        x = _rotated(x, src_rows, dims, rotate_ok[:, None] & mask, COS, SIN, angle_position * stride_ro,
+                     rotary_half, ROTARY)
+    dst_rows = DST + page * stride_dp + entry * stride_ds + head * stride_dh
+    tl.store(dst_rows[:, None] + dims[None, :], x.to(DST.dtype.element_ty), mask=mask)
+    if HAS_SECOND:
+        second = tl.load((SRC2 + batch * stride_s2b + token * stride_s2s + head * stride_s2h)[:, None] + dims[None, :],
+                         mask=mask)
+        tl.store((DST2 + page * stride_d2p + entry * stride_d2s + head * stride_d2h)[:, None] + dims[None, :], second,
+                 mask=mask)
 
 
-def append_reference(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx):
-    """PyTorch's append of k, v (batch, seqlen_new, heads_kv, head_dim) at positions cache_seqlens[b] + i (an int32
-    tensor), of cache row cache_batch_idx[b] (b if None) for a contiguous cache, through block_table
-    (batch, max_blocks) for a paged one."""
+def rotate_and_append_reference(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary):
+    """PyTorch's form of rotate_and_append (same arguments and result)."""
+    if rotary is not None:
+        first = (torch.full((1, 1), cache_seqlens, device=q.device) if isinstance(cache_seqlens, int)
+                 else cache_seqlens[:, None].long())  # (batch or 1, 1)
+        k = rotate(k, rotary.cos, rotary.sin, first + torch.arange(k.shape[1], device=q.device), rotary.interleaved)
+        q_positions = first + torch.arange(q.shape[1], device=q.device) if rotary.per_query_token else first
+        q = rotate(q, rotary.cos, rotary.sin, q_positions, rotary.interleaved)
+    if k is None or not k.shape[1]:
+        return q
+    if isinstance(cache_seqlens, int):  # one position for every sequence of a contiguous cache
+        k_cache[:, cache_seqlens:cache_seqlens + k.shape[1]] = k
+        v_cache[:, cache_seqlens:cache_seqlens + v.shape[1]] = v
+        return q
     positions = cache_seqlens[:, None] + size_index(arange, k.shape[1], device=k.device)  # int64
     if block_table is None:
         rows = cache_batch_idx.long() if cache_batch_idx is not None else size_index(arange, k.shape[0],
@@ -71,35 +135,55 @@ def append_reference(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_b
         index = (block_table.long().gather(1, positions // page_size), positions % page_size)
     k_cache.index_put_(index, k)
     v_cache.index_put_(index, v)
+    return q
 
 
-def append(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, triton_path):
-    """Write k, v (batch, seqlen_new, heads_kv, head_dim) into the caches at positions cache_seqlens[b] + i.
+def rotate_and_append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary, triton_path):
+    """Rotate q and k (rotary) and write k, v into the caches at positions cache_seqlens[b] + i.
 
     Args:
+        q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_new, heads_kv, head_dim) or None.
         cache_seqlens: an int (one position for every sequence of a contiguous cache) or int32 (batch,).
         block_table: int32 (batch, max_blocks) for a paged cache (num_pages, page_size, heads_kv, head_dim), or None.
         cache_batch_idx: int32 (batch,), the cache row of each sequence (a contiguous cache), or None.
-        triton_path: whether the Triton kernels serve the call; otherwise, and in a traced graph or where a
-            tensor's last dim is strided, PyTorch's form runs.
+        rotary: a Rotary, or None.
+        triton_path: whether the Triton kernels serve the call; otherwise, in a traced graph and where a tensor's
+            last dim is strided, PyTorch's form runs.
+    Returns:
+        q, rotated where rotary applies (a new tensor), else q itself.
     """
-    if isinstance(cache_seqlens, int):
-        k_cache[:, cache_seqlens:cache_seqlens + k.shape[1]] = k
-        v_cache[:, cache_seqlens:cache_seqlens + v.shape[1]] = v
-        return
-    if (not triton_path or torch.compiler.is_compiling()
-            or any(t.stride(-1) != 1 for t in (k_cache, v_cache, k, v))):
-        append_reference(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx)
-        return
-    batch, seqlen_new, heads_kv, head_dim = k.shape
-    paged = block_table is not None
-    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    grid = (cdiv(seqlen_new * heads_kv, APPEND_ROWS), batch)
-    # Unused pointer arguments take cache_seqlens, which the kernel never reads through them.
-    launcher(append_kernel, grid)(
-        k, v, k_cache, v_cache, cache_seqlens, block_table if paged else cache_seqlens,
-        cache_batch_idx if cache_batch_idx is not None else cache_seqlens,
-        *k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
-        block_table.stride(0) if paged else 0, seqlen_new, heads_kv, capacity, k_cache.shape[1] if paged else 1,
-        ROWS=APPEND_ROWS, HEAD_DIM=head_dim, HEAD_DIM_PAD=next_power_of_2(head_dim), PAGED=paged,
-        HAS_BATCH_IDX=cache_batch_idx is not None, num_warps=4)
+    tensors = (q, k_cache, v_cache, k, v) + (() if rotary is None else (rotary.cos, rotary.sin))
+    if (not triton_path or torch.compiler.is_compiling() or any(t.stride(-1) != 1 for t in tensors if t is not None)
+            or rotary is None and isinstance(cache_seqlens, int)):  # then the append is two slice copies
+        return rotate_and_append_reference(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,
+                                           rotary)
+    layout = NO_ROTARY if rotary is None else INTERLEAVED if rotary.interleaved else HALVES
+    cos_sin = (rotary.cos, rotary.sin) if rotary is not None else (q, q)  # unread without rotary
+    rotary_args = (rotary.cos.stride(0), rotary.cos.shape[1], rotary.cos.shape[0]) if rotary is not None else (0, 0, 0)
+    per_sequence = isinstance(cache_seqlens, torch.Tensor)
+    starts = cache_seqlens if per_sequence else q  # unread with one start for all
+    start = 0 if per_sequence else cache_seqlens
+    head_dim = q.shape[-1]
+    meta = dict(ROWS=ROWS, HEAD_DIM=head_dim, HEAD_DIM_PAD=next_power_of_2(head_dim), PER_SEQUENCE_START=per_sequence,
+                ROTARY=layout, num_warps=4)
+    if k is not None and k.shape[1]:
+        paged = block_table is not None
+        batch, seqlen_new, heads_kv, _ = k.shape
+        launcher(rows_kernel, (cdiv(seqlen_new * heads_kv, ROWS), batch))(
+            k, k_cache, v, v_cache, starts, block_table if paged else starts,
+            cache_batch_idx if cache_batch_idx is not None else starts, *cos_sin,
+            *k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+            block_table.stride(0) if paged else 0, rotary_args[0], start, seqlen_new, heads_kv,
+            block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1], k_cache.shape[1] if paged else 1,
+            *rotary_args[1:], PAGED=paged, HAS_BATCH_IDX=cache_batch_idx is not None, HAS_SECOND=True,
+            AT_CACHE_POSITION=True, ROTATE_PER_TOKEN=True, **meta)
+    if rotary is None:
+        return q
+    batch, seqlen_q, heads_q, _ = q.shape
+    rotated = torch.empty_like(q, memory_format=torch.contiguous_format)
+    launcher(rows_kernel, (cdiv(seqlen_q * heads_q, ROWS), batch))(
+        q, rotated, q, rotated, starts, starts, starts, *cos_sin, *q.stride()[:3], *q.stride()[:3],
+        *rotated.stride()[:3], *rotated.stride()[:3], 0, rotary_args[0], start, seqlen_q, heads_q, seqlen_q, 1,
+        *rotary_args[1:], PAGED=False, HAS_BATCH_IDX=False, HAS_SECOND=False, AT_CACHE_POSITION=False,
+        ROTATE_PER_TOKEN=rotary.per_query_token, **meta)
+    return rotated

@@ -1,6 +1,6 @@
 """``flash_attn_with_kvcache``: decoding attention against a KV cache, flash-attn's API.
 
-Argument checks, the append of new keys/values into the cache (cache_append.py), and the path choice of
+Argument checks, rotary and the append of new keys/values into the cache (cache_append.py), and the path choice of
 interface.kernel_impl: the split-KV Triton kernel of decode.py, or a PyTorch loop over sequences on the tiled
 reference.
 """
@@ -11,8 +11,8 @@ from typing import Optional
 
 import torch
 
-from .cache_append import append
-from .cache_pages import PAGE_MULTIPLE, check_rotary, count_bad_pages, raise_for_bad_pages, rotate
+from .cache_append import Rotary, rotate_and_append
+from .cache_pages import PAGE_MULTIPLE, check_rotary, count_bad_pages, raise_for_bad_pages
 from .checks import autocast_inputs, check_attention_args, describe, kernel_head_dim
 from .interface import kernel_impl, triton_attention
 from .kvcache_packed import kvcache_packed_queries, prefill_over_cache, rows_flatten
@@ -337,16 +337,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                  cache_leftpad, q.shape[0],
                                  read_device=check_lengths or (check_lengths is None and not triton_path))
     max_seqlen_k = _capacity(k_cache, block_table) if ends is None else max(ends, default=0)
-    if rotary_cos is not None:
-        first = (torch.full((1, 1), cache_seqlens, device=q.device) if isinstance(cache_seqlens, int)
-                 else cache_seqlens[:, None].long())  # (batch or 1, 1)
-        positions = first + torch.arange(seqlen_new, device=q.device)
-        k = rotate(k, rotary_cos, rotary_sin, positions, rotary_interleaved)
-        windowed = causal or window_size != (-1, -1)
-        q_positions = first + torch.arange(q.shape[1], device=q.device) if windowed else first
-        q = rotate(q, rotary_cos, rotary_sin, q_positions, rotary_interleaved)
-    if seqlen_new:
-        append(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, triton_path)
+    rotary = None if rotary_cos is None else Rotary(rotary_cos, rotary_sin, rotary_interleaved,
+                                                    per_query_token=causal or window_size != (-1, -1))
+    q = rotate_and_append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary, triton_path)
     window_left, window_right = normalize_window(causal, window_size)
     return_lse = return_lse or return_softmax_lse
     if not triton_path:

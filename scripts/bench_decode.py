@@ -35,7 +35,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
 from flashformer.kernels import decode
-from flashformer.kernels.cache_append import append, append_reference
+from flashformer.kernels.cache_append import rotate_and_append, rotate_and_append_reference
 from flashformer.kernels.decode import choose_num_splits, decode_attention
 from flashformer.kernels.kvcache import flash_attn_with_kvcache
 from flashformer.profiling import benchmark_provenance, capture_cuda_graph
@@ -312,10 +312,10 @@ def host_breakdown(length=4096):
             q, k_cache, v_cache, cache_seqlens=length),
         "flash_attn_with_kvcache (tensor cache_seqlens, one token appended)": lambda: flash_attn_with_kvcache(
             q, k_cache, v_cache, k_new, v_new, cache_seqlens=before_new),
-        "the append alone: cache_append's kernel": lambda: append(k_cache, v_cache, k_new, v_new, before_new, None,
-                                                                   None, triton_path=True),
-        "the append alone: PyTorch (add, two index_put_)": lambda: append_reference(
-            k_cache, v_cache, k_new, v_new, before_new, None, None),
+        "the append alone: cache_append's kernel": lambda: rotate_and_append(
+            q, k_cache, v_cache, k_new, v_new, before_new, None, None, None, triton_path=True),
+        "the append alone: PyTorch (add, two index_put_)": lambda: rotate_and_append_reference(
+            q, k_cache, v_cache, k_new, v_new, before_new, None, None, None),
         "4 x torch.empty (outputs and partials)": lambda: [torch.empty(shape, device="cuda") for shape in (
             q.shape, (1, HEADS_Q, 1), (1, 1, HEADS_Q, splits, HEAD_DIM), (1, 1, HEADS_Q, splits))],
         "SDPA cuDNN (sdpa_kernel + call)": cudnn,

@@ -26,10 +26,10 @@ from flashformer.kernels.sizes import pad_head_dim
 from flashformer.kernels.tile_schedule import q_buffers
 
 FP32_POINTERS = {"LSE", "DELTA", "LSE_LOG2", "DLSE", "LSE_PART", "O_PART", "DQ_ACC", "LOSSES", "TOKEN_SCALE",
-                 "ALIBI_SLOPES"}
+                 "ALIBI_SLOPES", "COS", "SIN"}
 INT64_POINTERS = {"TARGETS", "DROPOUT_SEED"}
 INT32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K", "BLOCK_TABLE", "DQ_SEMAPHORES", "TILE_SCHEDULE",
-                  "CACHE_SEQLENS", "CACHE_BATCH_IDX"}
+                  "STARTS", "CACHE_BATCH_IDX"}
 TMA_LOAD = r"cp\.async\.bulk\.tensor\.\w+\.shared::cluster\.global"
 TMA_STORE = r"cp\.async\.bulk\.tensor\.\w+\.global\.shared"
 FLOAT_SCALARS = {"qk_scale", "softcap_log2", "softmax_scale", "softcap", "dropout_rescale"}
@@ -359,9 +359,14 @@ CASES = {
                                            HEAD_DIM_PAD=128, LEFT_BOUNDED=False, RIGHT_BOUNDED=True,
                                            HAS_SOFTCAP=False, SPLIT=True, PER_SEQUENCE_LENGTHS=True, VARLEN_Q=True,
                                            DOT_PRECISION="tf32", UPCAST_DOT=False), 4, 3),
-    "cache_append-d128-paged": (cache_append.append_kernel,
-                                dict(ROWS=cache_append.APPEND_ROWS, HEAD_DIM=128, HEAD_DIM_PAD=128, PAGED=True,
-                                     HAS_BATCH_IDX=False), 4, 1),
+    "cache_append-d128-paged": (cache_append.rows_kernel,
+                                dict(ROWS=cache_append.ROWS, HEAD_DIM=128, HEAD_DIM_PAD=128, PAGED=True,
+                                     HAS_BATCH_IDX=False, PER_SEQUENCE_START=True, HAS_SECOND=True, ROTARY=0,
+                                     AT_CACHE_POSITION=True, ROTATE_PER_TOKEN=True), 4, 1),
+    "cache_append-d128-rotary": (cache_append.rows_kernel,
+                                 dict(ROWS=cache_append.ROWS, HEAD_DIM=128, HEAD_DIM_PAD=128, PAGED=False,
+                                      HAS_BATCH_IDX=False, PER_SEQUENCE_START=True, HAS_SECOND=True, ROTARY=2,
+                                      AT_CACHE_POSITION=True, ROTATE_PER_TOKEN=True), 4, 1),
     "cross_entropy_fwd": (cross_entropy._ce_forward_kernel, dict(BLOCK_V=4096, HAS_BIAS=True, HAS_SOFTCAP=True), 8, 3),
     "cross_entropy_bwd": (cross_entropy._ce_backward_kernel, dict(BLOCK_V=4096, HAS_BIAS=True, HAS_SOFTCAP=True), 8, 3),
 }

@@ -1,11 +1,11 @@
-"""The KV-cache append kernel (kernels/cache_append.py) against PyTorch's index_put_ form, over cache layouts,
-lengths, heads and head_dims: every cache entry bit for bit equal, written or not."""
+"""Rotary and the KV-cache append in one kernel (kernels/cache_append.py) against PyTorch's form, over cache layouts,
+lengths, heads, head_dims and rotary layouts: every cache entry checked, written or not."""
 
 import pytest
 import torch
 
 from flashformer.kernels import flash_attn_with_kvcache
-from flashformer.kernels.cache_append import APPEND_ROWS, append, append_reference
+from flashformer.kernels.cache_append import ROWS, Rotary, rotate_and_append, rotate_and_append_reference
 
 
 def _caches(layout, batch, capacity, heads_kv, head_dim, dtype, device, page_size=16):
@@ -22,57 +22,97 @@ def _caches(layout, batch, capacity, heads_kv, head_dim, dtype, device, page_siz
     return k_cache, v_cache, None, batch_idx
 
 
+def _both(q, caches, k, v, lengths, table, batch_idx, rotary):
+    """(q, k_cache, v_cache) after the kernel and after PyTorch's form, each on its own copy of the caches."""
+    expected = [c.clone() for c in caches]
+    q_expected = rotate_and_append_reference(q, *expected, k, v, lengths, table, batch_idx, rotary)
+    actual = [c.clone() for c in caches]
+    q_actual = rotate_and_append(q, *actual, k, v, lengths, table, batch_idx, rotary, triton_path=True)
+    return (q_actual, *actual), (q_expected, *expected)
+
+
+def _assert_rounding_apart(actual, expected):
+    """Equal but for the last bit of a rotated element: the kernel may fuse a product into an add that PyTorch
+    rounds on its own."""
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a.float(), e.float(), rtol=torch.finfo(a.dtype).eps, atol=1e-5)
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "batch_idx", "paged"])
 @pytest.mark.parametrize("batch, seqlen_new, heads_kv, head_dim", [
     (1, 1, 8, 128), (3, 1, 2, 64), (2, 5, 3, 80), (4, 17, 1, 256), (2, 40, 2, 16)])
-def test_append_kernel_writes_what_index_put_writes(device, layout, batch, seqlen_new, heads_kv, head_dim):
+def test_append_writes_what_index_put_writes(device, layout, batch, seqlen_new, heads_kv, head_dim):
     capacity = 48
     k_cache, v_cache, table, batch_idx = _caches(layout, batch, capacity, heads_kv, head_dim, torch.bfloat16, device)
     lengths = torch.randint(0, capacity - seqlen_new + 1, (batch,), dtype=torch.int32, device=device)
+    q = torch.randn(batch, 1, heads_kv, head_dim, dtype=torch.bfloat16, device=device)
     k, v = (torch.randn(batch, seqlen_new, heads_kv, head_dim, dtype=torch.bfloat16, device=device) for _ in range(2))
-    expected = [c.clone() for c in (k_cache, v_cache)]
-    append_reference(*expected, k, v, lengths, table, batch_idx)
-    append(k_cache, v_cache, k, v, lengths, table, batch_idx, triton_path=True)
-    assert torch.equal(k_cache, expected[0]) and torch.equal(v_cache, expected[1])
+    actual, expected = _both(q, (k_cache, v_cache), k, v, lengths, table, batch_idx, None)
+    assert actual[0] is q and all(torch.equal(a, e) for a, e in zip(actual, expected))
 
 
-def test_append_kernel_reads_strided_new_tokens_and_many_programs(device):
-    """k and v as views of a packed qkv tensor (strided rows), and more rows than one program holds."""
-    batch, seqlen_new, heads_kv, head_dim = 2, 3 * APPEND_ROWS // 4 + 1, 4, 32
+@pytest.mark.parametrize("layout, lengths_as", [("contiguous", "tensor"), ("contiguous", "int"), ("paged", "tensor")])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("per_query_token", [True, False])
+@pytest.mark.parametrize("head_dim, rotary_dim", [(64, 64), (80, 32)])
+def test_rotary_and_append_match_pytorch(device, layout, lengths_as, interleaved, per_query_token, head_dim,
+                                         rotary_dim):
+    """q and the new keys turned at their cache positions (all of head_dim, or its first rotary_dim dims), the keys
+    and values appended; an int length addresses a contiguous cache, as flash_attn_with_kvcache takes it."""
+    batch, seqlen_q, seqlen_new, heads_q, heads_kv, capacity = 3, 4, 3, 4, 2, 32
+    k_cache, v_cache, table, _ = _caches(layout, batch, capacity, heads_kv, head_dim, torch.float16, device)
+    lengths = (torch.tensor([0, 11, capacity - seqlen_new], dtype=torch.int32, device=device)
+               if lengths_as == "tensor" else 7)
+    q = torch.randn(batch, seqlen_q, heads_q, head_dim, dtype=torch.float16, device=device)
+    k, v = (torch.randn(batch, seqlen_new, heads_kv, head_dim, dtype=torch.float16, device=device) for _ in range(2))
+    angles = torch.rand(capacity + seqlen_q, rotary_dim // 2, device=device) * 6.3
+    rotary = Rotary(angles.cos(), angles.sin(), interleaved, per_query_token)
+    actual, expected = _both(q, (k_cache, v_cache), k, v, lengths, table, None, rotary)
+    assert not torch.equal(actual[0], q)  # the queries turned
+    _assert_rounding_apart(actual, expected)
+
+
+def test_append_reads_strided_new_tokens_and_many_programs(device):
+    """k and v as views of a packed kv tensor (strided rows), and more rows than one program holds."""
+    batch, seqlen_new, heads_kv, head_dim = 2, 3 * ROWS // 4 + 1, 4, 32
     k_cache, v_cache, _, _ = _caches("contiguous", batch, 128, heads_kv, head_dim, torch.float16, device)
     kv = torch.randn(batch, seqlen_new, 2, heads_kv, head_dim, dtype=torch.float16, device=device)
     k, v = kv.unbind(2)
     lengths = torch.tensor([0, 128 - seqlen_new], dtype=torch.int32, device=device)
-    expected = [c.clone() for c in (k_cache, v_cache)]
-    append_reference(*expected, k, v, lengths, None, None)
-    append(k_cache, v_cache, k, v, lengths, None, None, triton_path=True)
-    assert torch.equal(k_cache, expected[0]) and torch.equal(v_cache, expected[1])
+    q = torch.randn(batch, 1, heads_kv, head_dim, dtype=torch.float16, device=device)
+    actual, expected = _both(q, (k_cache, v_cache), k, v, lengths, None, None, None)
+    assert all(torch.equal(a, e) for a, e in zip(actual, expected))
 
 
-def test_append_kernel_skips_positions_past_the_cache(device):
+def test_append_skips_positions_past_the_cache(device):
     """An unchecked length that runs past the cache writes the entries that fit and nothing beyond: the caches'
     neighbouring memory (here the next sequence's row) keeps its values."""
     k_cache, v_cache, _, _ = _caches("contiguous", 2, 16, 2, 64, torch.float32, device)
     k, v = (torch.randn(2, 4, 2, 64, device=device) for _ in range(2))
     lengths = torch.tensor([14, 0], dtype=torch.int32, device=device)
     before = k_cache.clone()
-    append(k_cache, v_cache, k, v, lengths, None, None, triton_path=True)
+    rotate_and_append(k[:, :1], k_cache, v_cache, k, v, lengths, None, None, None, triton_path=True)
     assert torch.equal(k_cache[0, 14:], k[0, :2]) and torch.equal(k_cache[0, :14], before[0, :14])
     assert torch.equal(k_cache[1, :4], k[1]) and torch.equal(k_cache[1, 4:], before[1, 4:])
 
 
-def test_decoding_with_tensor_lengths_appends_as_the_pytorch_path(device, triton_path, monkeypatch):
+@pytest.mark.parametrize("rotary", [None, "interleaved", "halves"])
+def test_decoding_appends_as_the_pytorch_path(device, triton_path, monkeypatch, rotary):
     """flash_attn_with_kvcache with k, v and per-sequence lengths: the Triton path's cache after the call equals
-    the PyTorch path's, and so do the outputs within the kernels' rounding."""
+    the PyTorch path's (up to a rotated element's last bit), and so do the outputs within the kernels' rounding."""
     batch, heads_q, heads_kv, head_dim, capacity = 3, 4, 2, 64, 40
     k_cache, v_cache, _, _ = _caches("contiguous", batch, capacity, heads_kv, head_dim, torch.float16, device)
     q = torch.randn(batch, 2, heads_q, head_dim, dtype=torch.float16, device=device)
     k, v = (torch.randn(batch, 2, heads_kv, head_dim, dtype=torch.float16, device=device) for _ in range(2))
     lengths = torch.tensor([0, 17, 38], dtype=torch.int32, device=device)
+    rotary_args = {}
+    if rotary is not None:
+        angles = torch.rand(capacity, head_dim // 2, device=device) * 6.3
+        rotary_args = dict(rotary_cos=angles.cos(), rotary_sin=angles.sin(), rotary_interleaved=rotary == "interleaved")
     caches = [c.clone() for c in (k_cache, v_cache)]
-    out = flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=lengths)
+    out = flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=lengths, **rotary_args)
     monkeypatch.setenv("FLASHFORMER_KERNEL", "torch")
     torch_caches = [c.clone() for c in (k_cache, v_cache)]
-    torch_out = flash_attn_with_kvcache(q, *torch_caches, k, v, cache_seqlens=lengths)
-    assert torch.equal(caches[0], torch_caches[0]) and torch.equal(caches[1], torch_caches[1])
+    torch_out = flash_attn_with_kvcache(q, *torch_caches, k, v, cache_seqlens=lengths, **rotary_args)
+    _assert_rounding_apart(caches, torch_caches)
     torch.testing.assert_close(out, torch_out, atol=2e-3, rtol=0)

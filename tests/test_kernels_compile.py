@@ -283,3 +283,4 @@ def test_cache_append_moves_16_bytes_per_access(report):
     row the thread holds (13 in all). Element-wise copies would take 32 loads per tensor."""
     case = report["cache_append-d128-paged"]
     assert case["global_loads"] <= 16 and case["spill_bytes"] == 0, case
+    assert report["cache_append-d128-rotary"]["spill_bytes"] == 0, report["cache_append-d128-rotary"]
