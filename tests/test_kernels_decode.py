@@ -287,7 +287,7 @@ def test_prompts_over_tensor_lengths_leave_the_kept_index_tensors_as_built(devic
     are its own."""
     from flashformer.kernels import kvcache_packed
 
-    monkeypatch.setattr(decode, "DEFAULT_SMS", 4)
+    monkeypatch.setattr(decode, "device_sms", lambda device: 4)  # on a GPU too: its SMs would need long prompts
     monkeypatch.setattr(kvcache_packed, "_SIZE_INDICES", {})
     seqlen_q = DENSE_QUERY_TILE
     for cached, page_size in ((9, None), (30, None), (9, 16), (30, 16)):

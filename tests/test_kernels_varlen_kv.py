@@ -115,7 +115,7 @@ def test_paged_with_seqused_k_and_head_dim_v(device, triton_path):
 def test_paged_calls_compile_full_graph(queries, device, triton_path, monkeypatch):
     """Paged keys trace with no graph break (the kernels behind one torch.library op), on the decode kernel (a
     few queries) and on the dense forward (prompts filling a GPU of 4 SMs), and compute the eager result."""
-    monkeypatch.setattr(decode, "DEFAULT_SMS", 4)
+    monkeypatch.setattr(decode, "device_sms", lambda device: 4)  # on a GPU too: its SMs would need long prompts
     lengths_q = [3, 2] if queries == "decode" else [130, 140]
     batch = Batch(lengths_q, [150, 90], (2, 1), 32, torch.float16, 16, None, device)
 
