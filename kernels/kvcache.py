@@ -249,7 +249,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             (a paged cache: max_blocks * block_size) and rotary_dim <= head_dim; need k and v. The
             first rotary_dim dims of k are rotated at positions cache_seqlens[b] + i before the append;
             those of q likewise when causal or windowed, else every query token at cache_seqlens[b]
-            (flash-attn's rule). Computed in fp32 with PyTorch ops.
+            (flash-attn's rule). Computed in fp32, in the append's kernel on the Triton path.
         cache_seqlens: int32 (batch,) or an int: the end of the entries already in each cache (before
             the append), counted from the cache's first entry even with cache_leftpad; None = the
             whole cache.

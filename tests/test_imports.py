@@ -54,7 +54,7 @@ LAYERS = [
     ("kernels: public API", ["flashformer.kernels"]),
     ("kernels: entry points", ["flashformer.kernels.flash_attn", "flashformer.kernels.cross_entropy"]),
     ("kernels: the kv-cache entry point", ["flashformer.kernels.kvcache"]),
-    ("kernels: the kv-cache append", ["flashformer.kernels.cache_append"]),
+    ("kernels: rotary and the append at cache positions", ["flashformer.kernels.cache_append"]),
     ("kernels: packed queries over a kv cache", ["flashformer.kernels.kvcache_packed"]),
     ("kernels: varlen over paged k/v", ["flashformer.kernels.varlen_kv"]),
     ("kernels: path choice, autograd", ["flashformer.kernels.interface"]),
