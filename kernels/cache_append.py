@@ -17,8 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .cache_pages import rotate
-from .kvcache_packed import arange, size_index
+from .cache_pages import arange, rotate, size_index
 from .launch import launcher
 from .sizes import cdiv, next_power_of_2
 
@@ -56,35 +55,55 @@ def _rotated(x, src_rows, dims, mask, COS, SIN, angle_rows, rotary_half, ROTARY:
     return tl.where(first[None, :], x * cos - other * sin, x * cos + other * sin)
 
 
+@triton.jit
+def _sequence_of(CU_SEQLENS, token, sequences, search_steps):
+    """The sequence each packed token belongs to: the last b < sequences with CU_SEQLENS[b] <= token (so an empty
+    sequence never owns one), found in search_steps halvings (2 ** search_steps >= sequences)."""
+    sequence = token * 0
+    for i in range(search_steps):
+        candidate = sequence + (1 << (search_steps - 1 - i))
+        first = tl.load(CU_SEQLENS + tl.minimum(candidate, sequences - 1))
+        sequence = tl.where((candidate < sequences) & (first <= token), candidate, sequence)
+    return sequence
+
+
 # Launched through launch.CompiledLaunch. The strides stay specialised: a row stride divisible by 16 lets each
 # thread move 16 bytes at once. The sizes need no specialisation, and the index tensors may be unaligned.
 @triton.jit(do_not_specialize=["stride_bt", "stride_ro", "start", "seqlen", "heads", "capacity", "page_size",
-                               "rotary_half", "seqlen_ro"],
-            do_not_specialize_on_alignment=["STARTS", "BLOCK_TABLE", "CACHE_BATCH_IDX", "COS", "SIN"])
-def rows_kernel(SRC, DST, SRC2, DST2, STARTS, BLOCK_TABLE, CACHE_BATCH_IDX, COS, SIN,
+                               "rotary_half", "seqlen_ro", "sequences", "search_steps"],
+            do_not_specialize_on_alignment=["STARTS", "BLOCK_TABLE", "CACHE_BATCH_IDX", "CU_SEQLENS", "COS", "SIN"])
+def rows_kernel(SRC, DST, SRC2, DST2, STARTS, BLOCK_TABLE, CACHE_BATCH_IDX, CU_SEQLENS, COS, SIN,
                 stride_sb, stride_ss, stride_sh, stride_s2b, stride_s2s, stride_s2h,
                 stride_dp, stride_ds, stride_dh, stride_d2p, stride_d2s, stride_d2h, stride_bt, stride_ro,
-                start, seqlen, heads, capacity, page_size, rotary_half, seqlen_ro,
+                start, seqlen, heads, capacity, page_size, rotary_half, seqlen_ro, sequences, search_steps,
                 ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGED: tl.constexpr,
                 HAS_BATCH_IDX: tl.constexpr, PER_SEQUENCE_START: tl.constexpr, HAS_SECOND: tl.constexpr,
-                ROTARY: tl.constexpr, AT_CACHE_POSITION: tl.constexpr, ROTATE_PER_TOKEN: tl.constexpr):
+                ROTARY: tl.constexpr, AT_CACHE_POSITION: tl.constexpr, ROTATE_PER_TOKEN: tl.constexpr,
+                PACKED: tl.constexpr):
     # Program (r, b): sequence b's (token, head) rows [r * ROWS, (r + 1) * ROWS) of SRC (batch, seqlen, heads,
     # head_dim), token t at cache position STARTS[b] (or start) + t. Written to DST at that position
     # (AT_CACHE_POSITION: a cache, through block_table where PAGED) or at t (a tensor like SRC); SRC2 likewise
     # into DST2, unrotated (the values beside the keys). Rows whose entry passes capacity (a length the caller
     # did not have checked) are skipped rather than written past the cache; so are rotations past cos's rows.
-    batch = tl.program_id(1)
+    # PACKED: SRC holds every sequence's tokens along one dim (seqlen of them in all; batch strides 0), sequence
+    # b's from CU_SEQLENS[b]; program (r, 0) takes rows [r * ROWS, (r + 1) * ROWS) of them all, each row finding
+    # its sequence, and a DST like SRC is written at the packed token.
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    token = rows // heads
+    src_token = (rows // heads).to(tl.int64)
     head = rows % heads
+    if PACKED:
+        batch = _sequence_of(CU_SEQLENS, src_token, sequences, search_steps)
+        token = src_token - tl.load(CU_SEQLENS + batch)
+    else:
+        batch = tl.program_id(1)
+        token = src_token
     if PER_SEQUENCE_START:
         first = tl.load(STARTS + batch).to(tl.int64)
     else:
         first = start.to(tl.int64)
-    token = token.to(tl.int64)
     position = first + token
-    entry = position if AT_CACHE_POSITION else token
-    row_ok = (token < seqlen) & (entry < capacity)
+    entry = position if AT_CACHE_POSITION else src_token
+    row_ok = (src_token < seqlen) & (entry < capacity)
     if PAGED:
         page = tl.load(BLOCK_TABLE + batch * stride_bt + entry // page_size, mask=row_ok, other=0).to(tl.int64)
         entry = entry % page_size
@@ -95,7 +114,7 @@ def rows_kernel(SRC, DST, SRC2, DST2, STARTS, BLOCK_TABLE, CACHE_BATCH_IDX, COS,
     batch = batch.to(tl.int64)
     dims = tl.arange(0, HEAD_DIM_PAD)
     mask = row_ok[:, None] & (dims[None, :] < HEAD_DIM)
-    src_rows = SRC + batch * stride_sb + token * stride_ss + head * stride_sh
+    src_rows = SRC + batch * stride_sb + src_token * stride_ss + head * stride_sh
     x = tl.load(src_rows[:, None] + dims[None, :], mask=mask)
     if ROTARY != 0:
         angle_position = position if ROTATE_PER_TOKEN else first + token * 0
@@ -105,8 +124,8 @@ def rows_kernel(SRC, DST, SRC2, DST2, STARTS, BLOCK_TABLE, CACHE_BATCH_IDX, COS,
     dst_rows = DST + page * stride_dp + entry * stride_ds + head * stride_dh
     tl.store(dst_rows[:, None] + dims[None, :], x.to(DST.dtype.element_ty), mask=mask)
     if HAS_SECOND:
-        second = tl.load((SRC2 + batch * stride_s2b + token * stride_s2s + head * stride_s2h)[:, None] + dims[None, :],
-                         mask=mask)
+        second = tl.load((SRC2 + batch * stride_s2b + src_token * stride_s2s + head * stride_s2h)[:, None]
+                         + dims[None, :], mask=mask)
         tl.store((DST2 + page * stride_d2p + entry * stride_d2s + head * stride_d2h)[:, None] + dims[None, :], second,
                  mask=mask)
 
@@ -152,38 +171,114 @@ def rotate_and_append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cac
     Returns:
         q, rotated where rotary applies (a new tensor), else q itself.
     """
-    tensors = (q, k_cache, v_cache, k, v) + (() if rotary is None else (rotary.cos, rotary.sin))
-    if (not triton_path or torch.compiler.is_compiling() or any(t.stride(-1) != 1 for t in tensors if t is not None)
-            or rotary is None and isinstance(cache_seqlens, int)):  # then the append is two slice copies
+    if not _kernel_serves(triton_path, rotary, q, k_cache, v_cache, k, v) or rotary is None and isinstance(
+            cache_seqlens, int):  # then the append is two slice copies
         return rotate_and_append_reference(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,
                                            rotary)
-    layout = NO_ROTARY if rotary is None else INTERLEAVED if rotary.interleaved else HALVES
-    cos_sin = (rotary.cos, rotary.sin) if rotary is not None else (q, q)  # unread without rotary
-    rotary_args = (rotary.cos.stride(0), rotary.cos.shape[1], rotary.cos.shape[0]) if rotary is not None else (0, 0, 0)
-    per_sequence = isinstance(cache_seqlens, torch.Tensor)
-    starts = cache_seqlens if per_sequence else q  # unread with one start for all
-    start = 0 if per_sequence else cache_seqlens
-    head_dim = q.shape[-1]
-    meta = dict(ROWS=ROWS, HEAD_DIM=head_dim, HEAD_DIM_PAD=next_power_of_2(head_dim), PER_SEQUENCE_START=per_sequence,
-                ROTARY=layout, num_warps=4)
     if k is not None and k.shape[1]:
         paged = block_table is not None
-        batch, seqlen_new, heads_kv, _ = k.shape
-        launcher(rows_kernel, (cdiv(seqlen_new * heads_kv, ROWS), batch))(
-            k, k_cache, v, v_cache, starts, block_table if paged else starts,
-            cache_batch_idx if cache_batch_idx is not None else starts, *cos_sin,
-            *k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
-            block_table.stride(0) if paged else 0, rotary_args[0], start, seqlen_new, heads_kv,
-            block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1], k_cache.shape[1] if paged else 1,
-            *rotary_args[1:], PAGED=paged, HAS_BATCH_IDX=cache_batch_idx is not None, HAS_SECOND=True,
-            AT_CACHE_POSITION=True, ROTATE_PER_TOKEN=True, **meta)
+        _launch_rows(k, k_cache, v, v_cache, cache_seqlens, rotary, True,
+                     block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1],
+                     k_cache.shape[1] if paged else 1, block_table=block_table, cache_batch_idx=cache_batch_idx)
     if rotary is None:
         return q
-    batch, seqlen_q, heads_q, _ = q.shape
     rotated = torch.empty_like(q, memory_format=torch.contiguous_format)
-    launcher(rows_kernel, (cdiv(seqlen_q * heads_q, ROWS), batch))(
-        q, rotated, q, rotated, starts, starts, starts, *cos_sin, *q.stride()[:3], *q.stride()[:3],
-        *rotated.stride()[:3], *rotated.stride()[:3], 0, rotary_args[0], start, seqlen_q, heads_q, seqlen_q, 1,
-        *rotary_args[1:], PAGED=False, HAS_BATCH_IDX=False, HAS_SECOND=False, AT_CACHE_POSITION=False,
-        ROTATE_PER_TOKEN=rotary.per_query_token, **meta)
+    _launch_rows(q, rotated, None, None, cache_seqlens, rotary, rotary.per_query_token, q.shape[1],
+                 at_cache_position=False)
     return rotated
+
+
+def packed_positions(starts, cu_seqlens, total, within=True):
+    """(sequence, cache position) of each of ``total`` packed tokens, int64: sequence b's token i at
+    starts[b] + i, or at starts[b] itself where not ``within``."""
+    token = torch.arange(total, device=starts.device)
+    seq = torch.searchsorted(cu_seqlens[1:], token.to(torch.int32), right=True)
+    return seq, starts[seq].long() + (token - cu_seqlens[seq].long() if within else 0)
+
+
+def rotate_and_append_packed_reference(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cu_seqlens_q,
+                                       cu_seqlens_k_new, rotary):
+    """PyTorch's form of rotate_and_append_packed (same arguments and result)."""
+    starts = (cache_seqlens if isinstance(cache_seqlens, torch.Tensor)
+              else torch.full((cu_seqlens_q.numel() - 1,), cache_seqlens, dtype=torch.int32, device=q.device))
+    seq, positions = packed_positions(starts, cu_seqlens_k_new, k.shape[0])
+    if rotary is not None:
+        k = rotate(k[None], rotary.cos, rotary.sin, positions[None], rotary.interleaved)[0]
+        q_positions = packed_positions(starts, cu_seqlens_q, q.shape[0], within=rotary.per_query_token)[1]
+        q = rotate(q[None], rotary.cos, rotary.sin, q_positions[None], rotary.interleaved)[0]
+    index = (block_table.long()[seq, positions // k_cache.shape[1]], positions % k_cache.shape[1])
+    k_cache.index_put_(index, k)
+    v_cache.index_put_(index, v)
+    return q
+
+
+def rotate_and_append_packed(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cu_seqlens_q, cu_seqlens_k_new,
+                             rotary, triton_path):
+    """rotate_and_append for flash-attn 3's packed tokens: sequence b's new keys and values, rows
+    cu_seqlens_k_new[b]:cu_seqlens_k_new[b + 1], written at its cache positions cache_seqlens[b] + i (rotated
+    there first), its queries (from cu_seqlens_q[b]) rotated from cache_seqlens[b] on.
+
+    Args:
+        q: (total_q, heads_q, head_dim); k, v: (total_new, heads_kv, head_dim).
+        k_cache, v_cache: page pools (num_pages, page_size, heads_kv, head_dim) read through block_table (batch,
+            pages per sequence); a contiguous cache is one page per sequence.
+        cache_seqlens: an int (one start for all) or int32 (batch,).
+        rotary, triton_path: as rotate_and_append's.
+    Returns:
+        q, rotated where rotary applies (a new tensor), else q itself.
+    """
+    if not _kernel_serves(triton_path, rotary, q, k_cache, v_cache, k, v):
+        return rotate_and_append_packed_reference(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cu_seqlens_q,
+                                                  cu_seqlens_k_new, rotary)
+    if k.shape[0]:
+        _launch_rows(k, k_cache, v, v_cache, cache_seqlens, rotary, True, block_table.shape[1] * k_cache.shape[1],
+                     k_cache.shape[1], block_table=block_table, cu_seqlens=cu_seqlens_k_new)
+    if rotary is None or not q.shape[0]:
+        return q
+    rotated = torch.empty_like(q, memory_format=torch.contiguous_format)
+    _launch_rows(q, rotated, None, None, cache_seqlens, rotary, rotary.per_query_token, q.shape[0],
+                 at_cache_position=False, cu_seqlens=cu_seqlens_q)
+    return rotated
+
+
+def _kernel_serves(triton_path, rotary, *tensors):
+    """Whether rows_kernel serves a call: on the Triton path, outside a traced graph, every last dim dense."""
+    tensors += () if rotary is None else (rotary.cos, rotary.sin)
+    return (triton_path and not torch.compiler.is_compiling()
+            and all(t.stride(-1) == 1 for t in tensors if t is not None))
+
+
+def _row_strides(t):
+    """(batch, token, head) strides of a (batch, tokens, heads, head_dim) tensor or of packed (tokens, heads,
+    head_dim) rows (batch stride 0)."""
+    return t.stride()[:3] if t.dim() == 4 else (0, *t.stride()[:2])
+
+
+def _launch_rows(src, dst, src2, dst2, cache_seqlens, rotary, rotate_per_token, capacity, page_size=1,
+                 block_table=None, cache_batch_idx=None, cu_seqlens=None, at_cache_position=True):
+    """One rows_kernel launch over src's rows (and src2's, unrotated, into dst2); None leaves an option out.
+
+    Args:
+        src: (batch, seqlen, heads, head_dim), or packed (total, heads, head_dim) with cu_seqlens (batch + 1,).
+        dst: a cache (num_pages or rows, entries, heads, head_dim) where at_cache_position, else shaped like src.
+        cache_seqlens: each sequence's first cache position, an int or int32 (batch,).
+        capacity, page_size: entries per sequence (those past it are not written), per block_table page.
+    """
+    packed = cu_seqlens is not None
+    seqlen, heads, head_dim = src.shape[-3:]
+    batch = cu_seqlens.numel() - 1 if packed else src.shape[0]
+    per_sequence = isinstance(cache_seqlens, torch.Tensor)
+    unread = src  # pointer arguments the variant leaves unread
+    cos, sin, rotary_args = (unread, unread, (0, 0, 0)) if rotary is None else (
+        rotary.cos, rotary.sin, (rotary.cos.stride(0), rotary.cos.shape[1], rotary.cos.shape[0]))
+    src2, dst2 = (src2, dst2) if src2 is not None else (src, dst)
+    launcher(rows_kernel, (cdiv(seqlen * heads, ROWS), 1 if packed else batch))(
+        src, dst, src2, dst2, cache_seqlens if per_sequence else unread,
+        *(t if t is not None else unread for t in (block_table, cache_batch_idx, cu_seqlens)), cos, sin,
+        *_row_strides(src), *_row_strides(src2), *_row_strides(dst), *_row_strides(dst2),
+        block_table.stride(0) if block_table is not None else 0, rotary_args[0], 0 if per_sequence else cache_seqlens,
+        seqlen, heads, capacity, page_size, *rotary_args[1:], batch, (batch - 1).bit_length() if packed else 0,
+        ROWS=ROWS, HEAD_DIM=head_dim, HEAD_DIM_PAD=next_power_of_2(head_dim), PAGED=block_table is not None,
+        HAS_BATCH_IDX=cache_batch_idx is not None, PER_SEQUENCE_START=per_sequence, HAS_SECOND=src2 is not src,
+        ROTARY=NO_ROTARY if rotary is None else INTERLEAVED if rotary.interleaved else HALVES,
+        AT_CACHE_POSITION=at_cache_position, ROTATE_PER_TOKEN=rotate_per_token, PACKED=packed, num_warps=4)

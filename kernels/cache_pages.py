@@ -1,5 +1,6 @@
 """What flash_attn_with_kvcache and flash_attn_varlen_func's paged form share: the page rules of a paged
-cache, and rotary embeddings at each new token's cache position (PyTorch ops, before the append)."""
+cache, rotary embeddings at each new token's cache position (PyTorch ops, before the append), and the index
+tensors fixed by sizes alone that their host-bound calls keep (size_index)."""
 
 from __future__ import annotations
 
@@ -62,3 +63,32 @@ def check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k, capacity):
     if rotary_cos.shape[0] < capacity:
         raise ValueError(f"rotary_cos has {rotary_cos.shape[0]} positions but the cache holds {capacity} entries per "
                          "sequence (flash-attn's rule: seqlen_ro >= the cache's length)")
+
+
+# Index tensors fixed by sizes alone, kept per device and stream and never written: a short prompt's time is host
+# time, and each tensor built per call is a launch or more. Per stream, because a tensor is built on the stream that
+# first asks for it: read from another stream it could still be unwritten, and evicted it returns to its stream's
+# pool while another stream's kernels may still read it.
+_SIZE_INDICES: dict[tuple, torch.Tensor] = {}
+MAX_SIZE_INDICES = 256
+
+
+def size_index(build, *sizes, device):
+    """``build(*sizes, device)``, built once per (build, sizes, device, current stream); read it, never write it."""
+    # A traced or captured graph makes its own: a kept tensor could be evicted (freed) while a CUDA graph still
+    # reads it, and one made while tracing could be a graph output whose memory a replay reuses.
+    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return build(*sizes, device)
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None
+    key = (build, device, stream, *sizes)
+    index = _SIZE_INDICES.get(key)
+    if index is None:
+        if len(_SIZE_INDICES) >= MAX_SIZE_INDICES:
+            _SIZE_INDICES.clear()
+        index = _SIZE_INDICES[key] = build(*sizes, device)
+    return index
+
+
+def arange(n, device):
+    """0 .. n - 1, int64."""
+    return torch.arange(n, device=device)

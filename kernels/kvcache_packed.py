@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .cache_pages import PAGE_MULTIPLE, check_rotary, rotate
+from .cache_append import Rotary, rotate_and_append_packed
+from .cache_pages import PAGE_MULTIPLE, check_rotary, size_index
 from .checks import check_cu_seqlens, describe
 from .interface import kernel_impl, triton_attention
 from .varlen_kv import check_block_table, check_seqused_k, paged_attention, paged_varlen_attention
@@ -56,7 +57,7 @@ def kvcache_packed_queries(q, k_cache, v_cache, k, v, cache_seqlens, block_table
         if k_cache.shape[1] % PAGE_MULTIPLE:
             raise ValueError(f"k_cache: max_cache={k_cache.shape[1]} must be a multiple of {PAGE_MULTIPLE} with "
                              "cu_seqlens_q (the packed-query kernel reads a contiguous cache as one page per sequence)")
-        block_table = torch.arange(batch, dtype=torch.int32, device=device)[:, None]
+        block_table = size_index(multiples, batch, 1, device=device)[:, None]
     capacity = block_table.shape[1] * k_cache.shape[1]
     if isinstance(cache_seqlens, torch.Tensor):
         check_seqused_k(cache_seqlens, batch, device)
@@ -72,66 +73,22 @@ def kvcache_packed_queries(q, k_cache, v_cache, k, v, cache_seqlens, block_table
         if cu_seqlens_k_new.numel() != batch + 1:
             raise ValueError(f"cu_seqlens_k_new describes {cu_seqlens_k_new.numel() - 1} sequences, cu_seqlens_q "
                              f"{batch}")
-        starts = (cache_seqlens if isinstance(cache_seqlens, torch.Tensor)
-                  else torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device))
-        keys = starts + cu_seqlens_k_new.diff()
+        keys = cache_seqlens + cu_seqlens_k_new.diff()
         if read and bool((keys > capacity).any()):  # before anything is written
             raise ValueError(f"cache_seqlens + the new tokens of cu_seqlens_k_new pass the cache's {capacity} entries")
         check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k, capacity)
-        seq, positions = _cache_positions(starts, cu_seqlens_k_new, k.shape[0])
-        if rotary_cos is not None:
-            k = rotate(k[None], rotary_cos, rotary_sin, positions[None], rotary_interleaved)[0]
-            windowed = causal or tuple(window_size) != (-1, -1)
-            q_positions = _cache_positions(starts, cu_seqlens_q, q.shape[0], within=windowed)[1]
-            q = rotate(q[None], rotary_cos, rotary_sin, q_positions[None], rotary_interleaved)[0]
-        index = (block_table.long()[seq, positions // k_cache.shape[1]], positions % k_cache.shape[1])
-        k_cache.index_put_(index, k)
-        v_cache.index_put_(index, v)
+        rotary = None if rotary_cos is None else Rotary(rotary_cos, rotary_sin, rotary_interleaved,
+                                                        causal or tuple(window_size) != (-1, -1))
+        q = rotate_and_append_packed(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cu_seqlens_q,
+                                     cu_seqlens_k_new, rotary, kernel_impl(device) != "torch")
     else:
         check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k, capacity)
     seqused_k = keys if isinstance(keys, torch.Tensor) else None
     bound = capacity if seqused_k is not None else keys
-    cu_seqlens_k = torch.arange(batch + 1, dtype=torch.int32, device=device) * bound  # keys per sequence: the bound
+    cu_seqlens_k = size_index(multiples, batch + 1, bound, device=device)  # keys per sequence: the bound
     return paged_varlen_attention(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, bound, 0.0,
                                   softmax_scale, causal, window_size, softcap, None, False, block_table, seqused_k,
                                   check_lengths, kernel_impl(device) != "torch")
-
-
-def _cache_positions(starts, cu_seqlens, total, within=True):
-    """(sequence, cache position) of each of ``total`` packed tokens, int64: sequence b's token i at
-    starts[b] + i, or at starts[b] itself where not ``within``."""
-    token = torch.arange(total, device=starts.device)
-    seq = torch.searchsorted(cu_seqlens[1:], token.to(torch.int32), right=True)
-    return seq, starts[seq].long() + (token - cu_seqlens[seq].long() if within else 0)
-
-
-# Index tensors fixed by sizes alone, kept per device and stream and never written: a short prompt's time is host
-# time, and each tensor built per call is a launch or more. Per stream, because a tensor is built on the stream that
-# first asks for it: read from another stream it could still be unwritten, and evicted it returns to its stream's
-# pool while another stream's kernels may still read it.
-_SIZE_INDICES: dict[tuple, torch.Tensor] = {}
-MAX_SIZE_INDICES = 256
-
-
-def size_index(build, *sizes, device):
-    """``build(*sizes, device)``, built once per (build, sizes, device, current stream); read it, never write it."""
-    # A traced or captured graph makes its own: a kept tensor could be evicted (freed) while a CUDA graph still
-    # reads it, and one made while tracing could be a graph output whose memory a replay reuses.
-    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        return build(*sizes, device)
-    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None
-    key = (build, device, stream, *sizes)
-    index = _SIZE_INDICES.get(key)
-    if index is None:
-        if len(_SIZE_INDICES) >= MAX_SIZE_INDICES:
-            _SIZE_INDICES.clear()
-        index = _SIZE_INDICES[key] = build(*sizes, device)
-    return index
-
-
-def arange(n, device):
-    """0 .. n - 1, int64."""
-    return torch.arange(n, device=device)
 
 
 def multiples(n, step, device):

@@ -29,7 +29,7 @@ FP32_POINTERS = {"LSE", "DELTA", "LSE_LOG2", "DLSE", "LSE_PART", "O_PART", "DQ_A
                  "ALIBI_SLOPES", "COS", "SIN"}
 INT64_POINTERS = {"TARGETS", "DROPOUT_SEED"}
 INT32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K", "BLOCK_TABLE", "DQ_SEMAPHORES", "TILE_SCHEDULE",
-                  "STARTS", "CACHE_BATCH_IDX"}
+                  "STARTS", "CACHE_BATCH_IDX", "CU_SEQLENS"}
 TMA_LOAD = r"cp\.async\.bulk\.tensor\.\w+\.shared::cluster\.global"
 TMA_STORE = r"cp\.async\.bulk\.tensor\.\w+\.global\.shared"
 FLOAT_SCALARS = {"qk_scale", "softcap_log2", "softmax_scale", "softcap", "dropout_rescale"}
@@ -362,11 +362,15 @@ CASES = {
     "cache_append-d128-paged": (cache_append.rows_kernel,
                                 dict(ROWS=cache_append.ROWS, HEAD_DIM=128, HEAD_DIM_PAD=128, PAGED=True,
                                      HAS_BATCH_IDX=False, PER_SEQUENCE_START=True, HAS_SECOND=True, ROTARY=0,
-                                     AT_CACHE_POSITION=True, ROTATE_PER_TOKEN=True), 4, 1),
+                                     AT_CACHE_POSITION=True, ROTATE_PER_TOKEN=True, PACKED=False), 4, 1),
+    "cache_append-d128-packed": (cache_append.rows_kernel,
+                                 dict(ROWS=cache_append.ROWS, HEAD_DIM=128, HEAD_DIM_PAD=128, PAGED=True,
+                                      HAS_BATCH_IDX=False, PER_SEQUENCE_START=True, HAS_SECOND=True, ROTARY=0,
+                                      AT_CACHE_POSITION=True, ROTATE_PER_TOKEN=True, PACKED=True), 4, 1),
     "cache_append-d128-rotary": (cache_append.rows_kernel,
                                  dict(ROWS=cache_append.ROWS, HEAD_DIM=128, HEAD_DIM_PAD=128, PAGED=False,
                                       HAS_BATCH_IDX=False, PER_SEQUENCE_START=True, HAS_SECOND=True, ROTARY=2,
-                                      AT_CACHE_POSITION=True, ROTATE_PER_TOKEN=True), 4, 1),
+                                      AT_CACHE_POSITION=True, ROTATE_PER_TOKEN=True, PACKED=False), 4, 1),
     "cross_entropy_fwd": (cross_entropy._ce_forward_kernel, dict(BLOCK_V=4096, HAS_BIAS=True, HAS_SOFTCAP=True), 8, 3),
     "cross_entropy_bwd": (cross_entropy._ce_backward_kernel, dict(BLOCK_V=4096, HAS_BIAS=True, HAS_SOFTCAP=True), 8, 3),
 }

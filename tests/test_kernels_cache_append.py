@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from flashformer.kernels import flash_attn_with_kvcache
-from flashformer.kernels.cache_append import ROWS, Rotary, rotate_and_append, rotate_and_append_reference
+from flashformer.kernels.cache_append import (ROWS, Rotary, rotate_and_append, rotate_and_append_packed,
+                                              rotate_and_append_packed_reference, rotate_and_append_reference)
 
 
 def _caches(layout, batch, capacity, heads_kv, head_dim, dtype, device, page_size=16):
@@ -116,3 +117,37 @@ def test_decoding_appends_as_the_pytorch_path(device, triton_path, monkeypatch, 
     torch_out = flash_attn_with_kvcache(q, *torch_caches, k, v, cache_seqlens=lengths, **rotary_args)
     _assert_rounding_apart(caches, torch_caches)
     torch.testing.assert_close(out, torch_out, atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("new_tokens", [[3], [2, 0, 5], [0, 1, 0, 4, 2], [ROWS // 2 + 3, 1]],
+                         ids=["one", "three", "five-empty", "many-rows"])
+@pytest.mark.parametrize("layout", ["rows", "paged"])
+@pytest.mark.parametrize("rotary", [None, "interleaved", "halves", "halves-first"])
+@pytest.mark.parametrize("lengths_as", ["tensor", "int"])
+def test_packed_append_matches_pytorch(device, new_tokens, layout, rotary, lengths_as):
+    """flash-attn 3's packed tokens (cu_seqlens_k_new, cu_seqlens_q): each row finds its sequence in the kernel,
+    empty sequences own no row; the caches, written or not, and the rotated queries equal PyTorch's form."""
+    batch, heads_q, heads_kv, head_dim, capacity = len(new_tokens), 4, 2, 48, 64
+    if layout == "paged":
+        k_cache, v_cache, table, _ = _caches("paged", batch, capacity, heads_kv, head_dim, torch.float16, device)
+    else:  # a contiguous cache, one page per sequence, as kvcache_packed reads it
+        k_cache, v_cache, _, _ = _caches("contiguous", batch, capacity, heads_kv, head_dim, torch.float16, device)
+        table = torch.arange(batch, dtype=torch.int32, device=device)[:, None]
+    lengths = (torch.randint(0, capacity - max(new_tokens) + 1, (batch,), dtype=torch.int32, device=device)
+               if lengths_as == "tensor" else capacity - max(new_tokens))
+    queries = [n + 1 for n in new_tokens]
+    cu_k, cu_q = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=device)
+                  for n in (new_tokens, queries))
+    q = torch.randn(sum(queries), heads_q, head_dim, dtype=torch.float16, device=device)
+    k, v = (torch.randn(sum(new_tokens), heads_kv, head_dim, dtype=torch.float16, device=device) for _ in range(2))
+    turn = None
+    if rotary is not None:
+        angles = torch.rand(capacity + max(queries), 16, device=device) * 6.3
+        turn = Rotary(angles.cos(), angles.sin(), rotary == "interleaved", rotary != "halves-first")
+    expected = [c.clone() for c in (k_cache, v_cache)]
+    q_expected = rotate_and_append_packed_reference(q, *expected, k, v, lengths, table, cu_q, cu_k, turn)
+    actual = [c.clone() for c in (k_cache, v_cache)]
+    q_actual = rotate_and_append_packed(q, *actual, k, v, lengths, table, cu_q, cu_k, turn, triton_path=True)
+    assert (q_actual is q) == (rotary is None)
+    _assert_rounding_apart((q_actual, *actual), (q_expected, *expected))
+    assert not any(torch.equal(a, c) for a, c in zip(actual, (k_cache, v_cache))), "the append wrote nothing"

@@ -283,51 +283,51 @@ def test_packed_queries_compile_full_graph(device, triton_path):
 
 def test_prompts_over_tensor_lengths_leave_the_kept_index_tensors_as_built(device, triton_path, monkeypatch):
     """The per-sequence and paged prompt routes keep their size-only offsets and positions between calls
-    (kvcache_packed.size_index); calls at other lengths write none of them, and each call's output and append
+    (cache_pages.size_index); calls at other lengths write none of them, and each call's output and append
     are its own."""
-    from flashformer.kernels import kvcache_packed
+    from flashformer.kernels import cache_pages
 
     monkeypatch.setattr(decode, "device_sms", lambda device: 4)  # on a GPU too: its SMs would need long prompts
-    monkeypatch.setattr(kvcache_packed, "_SIZE_INDICES", {})
+    monkeypatch.setattr(cache_pages, "_SIZE_INDICES", {})
     seqlen_q = DENSE_QUERY_TILE
     for cached, page_size in ((9, None), (30, None), (9, 16), (30, 16)):
         case = Case((cached, cached // 3), seqlen_q, seqlen_q, (4, 2), 64, torch.float16, page_size, device)
         out, lse = case.run(causal=True)
         case.assert_cache_appended()
         _check_against_reference(case, out, lse, True, (-1, -1), 0.0)
-    assert kvcache_packed._SIZE_INDICES
-    for (build, index_device, _stream, *sizes), kept in kvcache_packed._SIZE_INDICES.items():
+    assert cache_pages._SIZE_INDICES
+    for (build, index_device, _stream, *sizes), kept in cache_pages._SIZE_INDICES.items():
         assert torch.equal(kept, build(*sizes, index_device)), build.__name__
 
 
 def test_traced_calls_make_their_own_index_tensors(monkeypatch):
     """Under torch.compile the size-only index tensors are the graph's own, never kept (a kept one could be freed
     while a CUDA graph reads it)."""
-    from flashformer.kernels import kvcache_packed
+    from flashformer.kernels import cache_pages
 
-    monkeypatch.setattr(kvcache_packed, "_SIZE_INDICES", {})
+    monkeypatch.setattr(cache_pages, "_SIZE_INDICES", {})
     cpu = torch.device("cpu")
-    traced = torch.compile(lambda: kvcache_packed.size_index(kvcache_packed.arange, 5, device=cpu) * 2,
+    traced = torch.compile(lambda: cache_pages.size_index(cache_pages.arange, 5, device=cpu) * 2,
                            fullgraph=True, backend="aot_eager")
-    assert torch.equal(traced(), torch.arange(5) * 2) and not kvcache_packed._SIZE_INDICES
-    assert torch.equal(kvcache_packed.size_index(kvcache_packed.arange, 5, device=cpu), torch.arange(5))
-    assert len(kvcache_packed._SIZE_INDICES) == 1
+    assert torch.equal(traced(), torch.arange(5) * 2) and not cache_pages._SIZE_INDICES
+    assert torch.equal(cache_pages.size_index(cache_pages.arange, 5, device=cpu), torch.arange(5))
+    assert len(cache_pages._SIZE_INDICES) == 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams")
 def test_each_stream_keeps_its_own_index_tensors(monkeypatch):
     """A kept index tensor is read only on the stream it was built on: built there, its values are written
     before any kernel of that stream reads them."""
-    from flashformer.kernels import kvcache_packed
+    from flashformer.kernels import cache_pages
 
-    monkeypatch.setattr(kvcache_packed, "_SIZE_INDICES", {})
+    monkeypatch.setattr(cache_pages, "_SIZE_INDICES", {})
     cuda = torch.device("cuda")
-    first = kvcache_packed.size_index(kvcache_packed.arange, 7, device=cuda)
+    first = cache_pages.size_index(cache_pages.arange, 7, device=cuda)
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
-        on_side = kvcache_packed.size_index(kvcache_packed.arange, 7, device=cuda)
-        assert kvcache_packed.size_index(kvcache_packed.arange, 7, device=cuda) is on_side
-    assert on_side is not first and kvcache_packed.size_index(kvcache_packed.arange, 7, device=cuda) is first
+        on_side = cache_pages.size_index(cache_pages.arange, 7, device=cuda)
+        assert cache_pages.size_index(cache_pages.arange, 7, device=cuda) is on_side
+    assert on_side is not first and cache_pages.size_index(cache_pages.arange, 7, device=cuda) is first
     side.synchronize()
     assert torch.equal(on_side, first)
 
