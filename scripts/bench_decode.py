@@ -35,7 +35,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
 from flashformer.kernels import decode
-from flashformer.kernels.cache_append import rotate_and_append, rotate_and_append_reference
+from flashformer.kernels.cache_append import (rotate_and_append, rotate_and_append_packed,
+                                              rotate_and_append_packed_reference, rotate_and_append_reference)
 from flashformer.kernels.decode import choose_num_splits, decode_attention
 from flashformer.kernels.kvcache import flash_attn_with_kvcache
 from flashformer.profiling import benchmark_provenance, capture_cuda_graph
@@ -290,6 +291,8 @@ def host_breakdown(length=4096):
     before_new = seqlens - 1  # the step's token rewrites the cache's last entry
     k_new, v_new = (torch.randn(1, 1, HEADS_KV, HEAD_DIM, device="cuda", dtype=DTYPE) for _ in range(2))
     splits = choose_num_splits(HEADS_KV, length, q.device)
+    one_each = torch.tensor([0, 1], dtype=torch.int32, device="cuda")  # cu_seqlens of the packed form
+    one_page = torch.zeros(1, 1, dtype=torch.int32, device="cuda")  # the contiguous cache as one page
     q_sdpa = q.transpose(1, 2)
     k_sdpa, v_sdpa = k_cache.transpose(1, 2).contiguous(), v_cache.transpose(1, 2).contiguous()
     scale = HEAD_DIM**-0.5
@@ -316,6 +319,15 @@ def host_breakdown(length=4096):
             q, k_cache, v_cache, k_new, v_new, before_new, None, None, None, triton_path=True),
         "the append alone: PyTorch (add, two index_put_)": lambda: rotate_and_append_reference(
             q, k_cache, v_cache, k_new, v_new, before_new, None, None, None),
+        "packed form (cu_seqlens_q, one token appended)": lambda: flash_attn_with_kvcache(
+            q[0], k_cache, v_cache, k_new[0], v_new[0], cache_seqlens=before_new, cu_seqlens_q=one_each,
+            cu_seqlens_k_new=one_each, max_seqlen_q=1),
+        "the packed append alone: cache_append's kernel": lambda: rotate_and_append_packed(
+            q[0], k_cache, v_cache, k_new[0], v_new[0], before_new, one_page, one_each, one_each, None,
+            triton_path=True),
+        "the packed append alone: PyTorch (searchsorted, gathers, two index_put_)": lambda: (
+            rotate_and_append_packed_reference(q[0], k_cache, v_cache, k_new[0], v_new[0], before_new, one_page,
+                                               one_each, one_each, None)),
         "4 x torch.empty (outputs and partials)": lambda: [torch.empty(shape, device="cuda") for shape in (
             q.shape, (1, HEADS_Q, 1), (1, 1, HEADS_Q, splits, HEAD_DIM), (1, 1, HEADS_Q, splits))],
         "SDPA cuDNN (sdpa_kernel + call)": cudnn,
