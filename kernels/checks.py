@@ -32,13 +32,14 @@ def _check_tensor(name, t, rank):
         raise ValueError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32")
 
 
-def check_attention_args(q, k, v, seq_dim, softmax_scale, window_size, softcap):
+def check_attention_args(q, k, v, seq_dim, softmax_scale, window_size, softcap, same_batch=True):
     """Validate q/k/v and options shared by every public function; return (scale, window_size).
 
     Args:
         q, k, v: attention inputs whose last two dims are (heads, head_dim); ``seq_dim`` is the
-            index of the sequence dim (dims before it must agree between q and k/v). q and k share
-            a head_dim; v's may differ. Any head_dim in [1, MAX_HEAD_DIM] passes: see kernel_inputs.
+            index of the sequence dim (dims before it must agree between q and k/v where
+            ``same_batch``; a paged cache's do not). q and k share a head_dim; v's may differ. Any
+            head_dim in [1, MAX_HEAD_DIM] passes: see kernel_inputs.
         softmax_scale: None defaults to q's head_dim ** -0.5.
     """
     rank = seq_dim + 3
@@ -49,7 +50,7 @@ def check_attention_args(q, k, v, seq_dim, softmax_scale, window_size, softcap):
                          f"{v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if q.shape[:seq_dim] != k.shape[:seq_dim]:
+    if same_batch and q.shape[:seq_dim] != k.shape[:seq_dim]:
         raise ValueError(f"q and k disagree in batch: {tuple(q.shape)} vs {tuple(k.shape)}")
     if k.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"k and v must have the same shape but for head_dim, got {tuple(k.shape)} and "
@@ -63,7 +64,8 @@ def check_attention_args(q, k, v, seq_dim, softmax_scale, window_size, softcap):
     heads_q, heads_kv = q.shape[-2], k.shape[-2]
     if heads_kv == 0 or heads_q % heads_kv:
         raise ValueError(f"heads of q ({heads_q}) must be a multiple of heads of k/v ({heads_kv})")
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+    if window_size != (-1, -1) and (  # the common case first: a decoding step's host time is this function's too
+            not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)):
         raise ValueError(f"window_size must be a pair of ints >= -1 (-1 = unbounded), got {window_size!r}")
     if not isinstance(softcap, (int, float)) or not 0 <= softcap < math.inf:

@@ -73,7 +73,8 @@ def kernel_impl(device: torch.device | str | None = None) -> str:
     "gluon", "triton" or "torch"."""
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(device)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
     forced = _forced_impl or settings.forced_kernel()
     if forced in KERNEL_IMPLS:
         if forced == "gluon" and not (device.type == "cuda" and hopper_gluon_available(

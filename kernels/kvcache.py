@@ -14,6 +14,7 @@ import torch
 from .cache_append import Rotary, rotate_and_append
 from .cache_pages import PAGE_MULTIPLE, check_rotary, count_bad_pages, raise_for_bad_pages
 from .checks import autocast_inputs, check_attention_args, describe, kernel_head_dim
+from .decode import decode_attention, dense_forward_pays
 from .interface import kernel_impl, triton_attention
 from .kvcache_packed import kvcache_packed_queries, prefill_over_cache, rows_flatten
 from .masking import normalize_window
@@ -23,8 +24,6 @@ from .sizes import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, MIN_HEAD_DIM
 def _kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens_k: torch.Tensor,
                   block_table: Optional[torch.Tensor], max_seqlen_k: int, softmax_scale: float, window_left: int,
                   window_right: int, softcap: float, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from .decode import decode_attention
-
     return decode_attention(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, softmax_scale,
                             window_left, window_right, softcap, num_splits)
 
@@ -144,10 +143,17 @@ def _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_id
         if k_cache.shape[1] % PAGE_MULTIPLE:
             raise ValueError(f"k_cache block_size={k_cache.shape[1]} (dim 1 of a paged cache) must be a multiple "
                              f"of {PAGE_MULTIPLE}")
-    for name, t in (("k", k), ("v", v)):
-        if t is not None and t.shape[2:] != k_cache.shape[2:]:
-            raise ValueError(f"{name} has (heads_kv, head_dim) = {tuple(t.shape[2:])} but the caches have "
-                             f"{tuple(k_cache.shape[2:])}")
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            if t.shape[2:] != k_cache.shape[2:]:
+                raise ValueError(f"{name} has (heads_kv, head_dim) = {tuple(t.shape[2:])} but the caches have "
+                                 f"{tuple(k_cache.shape[2:])}")
+        if k.shape != v.shape or k.shape[0] != batch:
+            raise ValueError(f"k and v must have the same shape (batch={batch}, seqlen_new, heads_kv, head_dim), got "
+                             f"{tuple(k.shape)} and {tuple(v.shape)}")
+        if not k.dtype == v.dtype == q.dtype or not k.device == v.device == q.device:
+            raise ValueError(f"k and v must share q's dtype and device ({q.dtype} on {q.device}), got {describe(k)} "
+                             f"and {describe(v)}")
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = automatic), got {num_splits!r}")
     if cache_seqlens is None:  # as flash-attn: the whole cache is valid
@@ -312,11 +318,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         (q,) = autocast_inputs(q)
     else:
         q, k, v = autocast_inputs(q, k, v)
-        check_attention_args(q, k, v, 1, softmax_scale, window_size, softcap)
-    # The dense checks (dtypes, device, head_dim, GQA heads, options) on one-sequence views: a paged
-    # cache's first dim is not the batch, and a slice costs no copy.
-    softmax_scale, window_size = check_attention_args(q[:1], k_cache[:1], v_cache[:1], 1, softmax_scale,
-                                                      window_size, softcap)
+    # The dense checks (dtypes, device, head_dim, GQA heads, options); a paged cache's first dim is not the batch.
+    softmax_scale, window_size = check_attention_args(q, k_cache, v_cache, 1, softmax_scale, window_size, softcap,
+                                                      same_batch=False)
     head_dim = k_cache.shape[-1]
     if kernel_head_dim(head_dim) != head_dim:
         raise ValueError(f"head_dim={head_dim}: flash_attn_with_kvcache reads the caches in place, so head_dim must "
@@ -346,8 +350,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out, lse = _kvcache_torch(q, k_cache, v_cache, spans, block_table, softmax_scale, window_left,
                                   window_right, float(softcap))
         return (out, lse) if return_lse else out
-    from .decode import decode_attention, dense_forward_pays
-
     # A prompt, or a long chunk of one, runs on a dense forward over the cache's entries in use where that pays:
     # an int is one length shared by all rows of a contiguous cache (_check_kvcache_args), a tensor one per row
     # (or per sequence of a paged cache).

@@ -573,6 +573,8 @@ def test_device_values_are_unread_by_default(paged, change, device, triton_path)
     (False, lambda a: dict(v=None), "k and v must be given together"),
     (False, lambda a: dict(k=a["k"][:, :, :1], v=a["v"][:, :, :1]), "k has \\(heads_kv, head_dim\\)"),
     (False, lambda a: dict(v=torch.cat([a["v"], a["v"]], 1)), "k and v must have the same shape"),
+    (False, lambda a: dict(k=a["k"][:1], v=a["v"][:1]), "k and v must have the same shape \\(batch=2"),
+    (False, lambda a: dict(k=a["k"].float(), v=a["v"].float()), "k and v must share q's dtype"),
     (False, lambda a: dict(k_cache=a["k_cache"][:1], v_cache=a["v_cache"][:1]), "needs block_table"),
     (True, lambda a: dict(k_cache=a["k_cache"][:, :8], v_cache=a["v_cache"][:, :8]), "multiple of 16"),
     (False, lambda a: dict(k_cache=a["k_cache"][0]), "k_cache must be a 4-D"),
