@@ -196,7 +196,8 @@ def _readable(q, k_cache, v_cache, block_table):
 
 
 def decode_attention(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, softmax_scale, window_left,
-                     window_right, softcap, num_splits=0, return_lse=True, cu_seqlens_q=None, max_seqlen_q=0):
+                     window_right, softcap, num_splits=0, return_lse=True, cu_seqlens_q=None, max_seqlen_q=0,
+                     keys_appended=0):
     """Attention of a few query tokens over KV caches, on validated inputs (k/v already appended).
 
     Args:
@@ -208,6 +209,8 @@ def decode_attention(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, 
             max_seqlen_k: their maximum.
         window_left, window_right: -1 = unbounded; causal is window_right = 0 (bottom-right aligned).
         num_splits: chunks of the cache per (sequence, kv head); 0 = choose_num_splits.
+        keys_appended: added to each of seqlens_k's entries (a tensor) in the kernel: the keys an append just
+            wrote, without a launch of their own to add them.
         return_lse: False returns None for lse, whose buffer is then reused between calls on CUDA.
     Returns:
         out like q (contiguous), lse fp32 (batch, heads_q, seqlen_q) or (heads_q, total_q), or None.
@@ -246,7 +249,8 @@ def decode_attention(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, 
     # tensor and a block table are int32; a cache length fits int32) and every constexpr.
     _decode_launch.launch_keyed(
         ("decode", key), plan.grid, q, k_cache, v_cache, out, lse, out_part, lse_part,
-        seqlens_k if per_sequence else None, block_table, cu_seqlens_q, *plan.ints, 0 if per_sequence else seqlens_k,
+        seqlens_k if per_sequence else None, block_table, cu_seqlens_q, *plan.ints,
+        keys_appended if per_sequence else seqlens_k,
         *plan.scalars, **plan.meta)
     if plan.partial_shapes:
         _combine_launch.launch_keyed(("combine", key), plan.combine_grid, out_part, lse_part, out, lse,

@@ -125,8 +125,8 @@ def decode_kernel(
     batch = pid_bh // heads_kv
     kv_head = pid_bh % heads_kv
     heads_q = heads_kv * GROUP
-    if PER_SEQUENCE_LENGTHS:
-        seqlen_k = tl.load(SEQLENS_K + batch)
+    if PER_SEQUENCE_LENGTHS:  # cache_len: the keys an append just wrote past each length (no launch to add them)
+        seqlen_k = tl.load(SEQLENS_K + batch) + cache_len
     else:  # every sequence holds cache_len entries (the model's decoding loop): no lengths tensor to fill
         seqlen_k = cache_len
 

@@ -364,13 +364,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out, lse = prefill_over_cache(q, k_cache, v_cache, block_table, cache_seqlens + seqlen_new, max_seqlen_k,
                                       softmax_scale, window_left, window_right, float(softcap))
         return (out, lse.contiguous()) if return_lse else out
-    compiling = torch.compiler.is_compiling()
+    compiling, keys_appended = torch.compiler.is_compiling(), 0
     if isinstance(cache_seqlens, int):  # eagerly the launcher takes the shared length as an int
         seqlens_k = cache_seqlens + seqlen_new
         if compiling:  # the op's schema wants a tensor
             seqlens_k = torch.full((q.shape[0],), seqlens_k, dtype=torch.int32, device=q.device)
-    else:
+    elif compiling or cache_leftpad is not None:
         seqlens_k = cache_seqlens + seqlen_new if seqlen_new else cache_seqlens
+    else:  # eagerly the kernel adds the new keys to each length
+        seqlens_k, keys_appended = cache_seqlens, seqlen_new
     if cache_batch_idx is not None or cache_leftpad is not None:
         k_cache, v_cache, block_table = _rows_as_pages(k_cache, v_cache, cache_batch_idx, cache_leftpad, q.shape[0])
         if cache_leftpad is not None:
@@ -380,5 +382,5 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if compiling:
         out, lse = _kvcache_fwd(*args)
     else:  # eagerly straight to the launcher, which then needs no lse buffer unless one is asked for
-        out, lse = decode_attention(*args, return_lse=return_lse)
+        out, lse = decode_attention(*args, return_lse=return_lse, keys_appended=keys_appended)
     return (out, lse) if return_lse else out
