@@ -35,24 +35,41 @@ class Rotary(NamedTuple):
 
 
 @triton.jit
-def _rotated(x, src_rows, dims, mask, COS, SIN, angle_rows, rotary_half, ROTARY: tl.constexpr):
-    """x (rows, HEAD_DIM_PAD) with its first 2 * rotary_half dims rotated by the cos / sin rows at angle_rows
-    (offsets), in fp32 as cache_pages.rotate computes it; src_rows: x's row offsets in its source, which holds
-    each element's partner in the rotation."""
-    if ROTARY == 1:
-        first = dims % 2 == 0
-        partner = dims ^ 1
-        angle = dims // 2
+def _copy_rows(src_rows, dst_rows, row_ok, COS, SIN, angle_rows, rotate_ok, HEAD_DIM: tl.constexpr,
+               HEAD_DIM_PAD: tl.constexpr, ROTARY: tl.constexpr, ROTARY_HALF: tl.constexpr,
+               ROTARY_HALF_PAD: tl.constexpr):
+    """Each row's HEAD_DIM elements from src_rows to dst_rows (offsets), its first 2 * ROTARY_HALF dims turned by
+    the cos / sin row at angle_rows (offsets) where rotate_ok (ROTARY), in fp32 as cache_pages.rotate computes it.
+    Every access moves contiguous runs of a row, so that a thread moves 16 bytes at once."""
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
+    if ROTARY == 1:  # pairs (2j, 2j + 1): the row split into its even and odd elements
+        x = tl.load(src_rows[:, None] + dims[None, :], mask=mask).to(tl.float32)
+        even, odd = tl.split(tl.reshape(x, (x.shape[0], HEAD_DIM_PAD // 2, 2)))
+        pair = tl.arange(0, HEAD_DIM_PAD // 2)
+        turn = rotate_ok[:, None] & (pair < ROTARY_HALF)[None, :]
+        cos = tl.load(COS + angle_rows[:, None] + pair[None, :], mask=turn, other=1.0).to(tl.float32)
+        sin = tl.load(SIN + angle_rows[:, None] + pair[None, :], mask=turn, other=0.0).to(tl.float32)
+        x = tl.reshape(tl.join(even * cos - odd * sin, odd * cos + even * sin), (x.shape[0], HEAD_DIM_PAD))
+        tl.store(dst_rows[:, None] + dims[None, :], x.to(dst_rows.dtype.element_ty), mask=mask)
+    elif ROTARY == 2:  # pairs (j, j + ROTARY_HALF): the two halves loaded apart, the dims past them as they are
+        half = tl.arange(0, ROTARY_HALF_PAD)
+        in_half = row_ok[:, None] & (half < ROTARY_HALF)[None, :]
+        first = src_rows[:, None] + half[None, :]
+        x1 = tl.load(first, mask=in_half).to(tl.float32)
+        x2 = tl.load(first + ROTARY_HALF, mask=in_half).to(tl.float32)
+        turn = in_half & rotate_ok[:, None]
+        cos = tl.load(COS + angle_rows[:, None] + half[None, :], mask=turn, other=1.0).to(tl.float32)
+        sin = tl.load(SIN + angle_rows[:, None] + half[None, :], mask=turn, other=0.0).to(tl.float32)
+        out = dst_rows[:, None] + half[None, :]
+        tl.store(out, (x1 * cos - x2 * sin).to(dst_rows.dtype.element_ty), mask=in_half)
+        tl.store(out + ROTARY_HALF, (x2 * cos + x1 * sin).to(dst_rows.dtype.element_ty), mask=in_half)
+        if 2 * ROTARY_HALF < HEAD_DIM:
+            tail = mask & (dims >= 2 * ROTARY_HALF)[None, :]
+            tl.store(dst_rows[:, None] + dims[None, :], tl.load(src_rows[:, None] + dims[None, :], mask=tail),
+                     mask=tail)
     else:
-        first = dims < rotary_half
-        partner = tl.where(first, dims + rotary_half, dims - rotary_half)
-        angle = tl.where(first, dims, dims - rotary_half)
-    rotary_mask = mask & (dims < 2 * rotary_half)[None, :]
-    other = tl.load(src_rows[:, None] + partner[None, :], mask=rotary_mask, other=0.0).to(tl.float32)
-    cos = tl.load(COS + angle_rows[:, None] + angle[None, :], mask=rotary_mask, other=1.0).to(tl.float32)
-    sin = tl.load(SIN + angle_rows[:, None] + angle[None, :], mask=rotary_mask, other=0.0).to(tl.float32)
-    x = x.to(tl.float32)
-    return tl.where(first[None, :], x * cos - other * sin, x * cos + other * sin)
+        tl.store(dst_rows[:, None] + dims[None, :], tl.load(src_rows[:, None] + dims[None, :], mask=mask), mask=mask)
 
 
 @triton.jit
@@ -67,19 +84,20 @@ def _sequence_of(CU_SEQLENS, token, sequences, search_steps):
     return sequence
 
 
-# Launched through launch.CompiledLaunch. The strides stay specialised: a row stride divisible by 16 lets each
-# thread move 16 bytes at once. The sizes need no specialisation, and the index tensors may be unaligned.
-@triton.jit(do_not_specialize=["stride_bt", "stride_ro", "start", "seqlen", "heads", "capacity", "page_size",
-                               "rotary_half", "seqlen_ro", "sequences", "search_steps"],
-            do_not_specialize_on_alignment=["STARTS", "BLOCK_TABLE", "CACHE_BATCH_IDX", "CU_SEQLENS", "COS", "SIN"])
+# Launched through launch.CompiledLaunch. The strides stay specialised, cos / sin's too: a row stride divisible by
+# 16 lets each thread move 16 bytes at once. The sizes need no specialisation, and the index tensors may be
+# unaligned.
+@triton.jit(do_not_specialize=["stride_bt", "start", "seqlen", "heads", "capacity", "page_size", "seqlen_ro",
+                               "sequences", "search_steps"],
+            do_not_specialize_on_alignment=["STARTS", "BLOCK_TABLE", "CACHE_BATCH_IDX", "CU_SEQLENS"])
 def rows_kernel(SRC, DST, SRC2, DST2, STARTS, BLOCK_TABLE, CACHE_BATCH_IDX, CU_SEQLENS, COS, SIN,
                 stride_sb, stride_ss, stride_sh, stride_s2b, stride_s2s, stride_s2h,
                 stride_dp, stride_ds, stride_dh, stride_d2p, stride_d2s, stride_d2h, stride_bt, stride_ro,
-                start, seqlen, heads, capacity, page_size, rotary_half, seqlen_ro, sequences, search_steps,
+                start, seqlen, heads, capacity, page_size, seqlen_ro, sequences, search_steps,
                 ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGED: tl.constexpr,
                 HAS_BATCH_IDX: tl.constexpr, PER_SEQUENCE_START: tl.constexpr, HAS_SECOND: tl.constexpr,
-                ROTARY: tl.constexpr, AT_CACHE_POSITION: tl.constexpr, ROTATE_PER_TOKEN: tl.constexpr,
-                PACKED: tl.constexpr):
+                ROTARY: tl.constexpr, ROTARY_HALF: tl.constexpr, ROTARY_HALF_PAD: tl.constexpr,
+                AT_CACHE_POSITION: tl.constexpr, ROTATE_PER_TOKEN: tl.constexpr, PACKED: tl.constexpr):
     # Program (r, b): sequence b's (token, head) rows [r * ROWS, (r + 1) * ROWS) of SRC (batch, seqlen, heads,
     # head_dim), token t at cache position STARTS[b] (or start) + t. Written to DST at that position
     # (AT_CACHE_POSITION: a cache, through block_table where PAGED) or at t (a tensor like SRC); SRC2 likewise
@@ -112,22 +130,15 @@ def rows_kernel(SRC, DST, SRC2, DST2, STARTS, BLOCK_TABLE, CACHE_BATCH_IDX, CU_S
     else:
         page = batch.to(tl.int64)
     batch = batch.to(tl.int64)
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    mask = row_ok[:, None] & (dims[None, :] < HEAD_DIM)
+    angle_position = position if ROTATE_PER_TOKEN else first + token * 0
     src_rows = SRC + batch * stride_sb + src_token * stride_ss + head * stride_sh
-    x = tl.load(src_rows[:, None] + dims[None, :], mask=mask)
-    if ROTARY != 0:
-        angle_position = position if ROTATE_PER_TOKEN else first + token * 0
-        rotate_ok = row_ok & (angle_position < seqlen_ro)
-        x = _rotated(x, src_rows, dims, rotate_ok[:, None] & mask, COS, SIN, angle_position * stride_ro,
-                     rotary_half, ROTARY)
     dst_rows = DST + page * stride_dp + entry * stride_ds + head * stride_dh
-    tl.store(dst_rows[:, None] + dims[None, :], x.to(DST.dtype.element_ty), mask=mask)
+    _copy_rows(src_rows, dst_rows, row_ok, COS, SIN, angle_position * stride_ro, angle_position < seqlen_ro, HEAD_DIM,
+               HEAD_DIM_PAD, ROTARY, ROTARY_HALF, ROTARY_HALF_PAD)
     if HAS_SECOND:
-        second = tl.load((SRC2 + batch * stride_s2b + src_token * stride_s2s + head * stride_s2h)[:, None]
-                         + dims[None, :], mask=mask)
-        tl.store((DST2 + page * stride_d2p + entry * stride_d2s + head * stride_d2h)[:, None] + dims[None, :], second,
-                 mask=mask)
+        _copy_rows(SRC2 + batch * stride_s2b + src_token * stride_s2s + head * stride_s2h,
+                   DST2 + page * stride_d2p + entry * stride_d2s + head * stride_d2h, row_ok, COS, SIN, 0, row_ok,
+                   HEAD_DIM, HEAD_DIM_PAD, 0, 0, 1)
 
 
 def rotate_and_append_reference(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary):
@@ -270,15 +281,16 @@ def _launch_rows(src, dst, src2, dst2, cache_seqlens, rotary, rotate_per_token, 
     per_sequence = isinstance(cache_seqlens, torch.Tensor)
     unread = src  # pointer arguments the variant leaves unread
     cos, sin, rotary_args = (unread, unread, (0, 0, 0)) if rotary is None else (
-        rotary.cos, rotary.sin, (rotary.cos.stride(0), rotary.cos.shape[1], rotary.cos.shape[0]))
+        rotary.cos, rotary.sin, (rotary.cos.stride(0), rotary.cos.shape[0], rotary.cos.shape[1]))
     src2, dst2 = (src2, dst2) if src2 is not None else (src, dst)
     launcher(rows_kernel, (cdiv(seqlen * heads, ROWS), 1 if packed else batch))(
         src, dst, src2, dst2, cache_seqlens if per_sequence else unread,
         *(t if t is not None else unread for t in (block_table, cache_batch_idx, cu_seqlens)), cos, sin,
         *_row_strides(src), *_row_strides(src2), *_row_strides(dst), *_row_strides(dst2),
         block_table.stride(0) if block_table is not None else 0, rotary_args[0], 0 if per_sequence else cache_seqlens,
-        seqlen, heads, capacity, page_size, *rotary_args[1:], batch, (batch - 1).bit_length() if packed else 0,
+        seqlen, heads, capacity, page_size, rotary_args[1], batch, (batch - 1).bit_length() if packed else 0,
         ROWS=ROWS, HEAD_DIM=head_dim, HEAD_DIM_PAD=next_power_of_2(head_dim), PAGED=block_table is not None,
         HAS_BATCH_IDX=cache_batch_idx is not None, PER_SEQUENCE_START=per_sequence, HAS_SECOND=src2 is not src,
         ROTARY=NO_ROTARY if rotary is None else INTERLEAVED if rotary.interleaved else HALVES,
+        ROTARY_HALF=rotary_args[2], ROTARY_HALF_PAD=next_power_of_2(max(1, rotary_args[2])),
         AT_CACHE_POSITION=at_cache_position, ROTATE_PER_TOKEN=rotate_per_token, PACKED=packed, num_warps=4)

@@ -131,6 +131,13 @@ def attention_constexprs(head_dim, block_m, block_n, causal=True, window=False, 
                 HAS_ALIBI=alibi, HAS_DROPOUT=dropout, IS_PAGED=paged)
 
 
+def append_constexprs(paged=False, packed=False, rotary=0):
+    """rows_kernel's constexprs at head_dim 128 for k and v (per-sequence starts), rotated over all of head_dim."""
+    return dict(ROWS=cache_append.ROWS, HEAD_DIM=128, HEAD_DIM_PAD=128, PAGED=paged, HAS_BATCH_IDX=False,
+                PER_SEQUENCE_START=True, HAS_SECOND=True, ROTARY=rotary, ROTARY_HALF=64 if rotary else 0,
+                ROTARY_HALF_PAD=64 if rotary else 1, AT_CACHE_POSITION=True, ROTATE_PER_TOKEN=True, PACKED=packed)
+
+
 def gluon_forward_constexprs(head_dim, causal=True, window=False, softcap=False, group=1, config=None,
                              persistent=False, overlap_tiles=True, turns=None, varlen=False):
     """config: (BLOCK_N, NUM_STAGES, CONSUMERS), tuning.GLUON_FORWARD_CONFIGS' by default; persistent: one program
@@ -359,18 +366,11 @@ CASES = {
                                            HEAD_DIM_PAD=128, LEFT_BOUNDED=False, RIGHT_BOUNDED=True,
                                            HAS_SOFTCAP=False, SPLIT=True, PER_SEQUENCE_LENGTHS=True, VARLEN_Q=True,
                                            DOT_PRECISION="tf32", UPCAST_DOT=False), 4, 3),
-    "cache_append-d128-paged": (cache_append.rows_kernel,
-                                dict(ROWS=cache_append.ROWS, HEAD_DIM=128, HEAD_DIM_PAD=128, PAGED=True,
-                                     HAS_BATCH_IDX=False, PER_SEQUENCE_START=True, HAS_SECOND=True, ROTARY=0,
-                                     AT_CACHE_POSITION=True, ROTATE_PER_TOKEN=True, PACKED=False), 4, 1),
-    "cache_append-d128-packed": (cache_append.rows_kernel,
-                                 dict(ROWS=cache_append.ROWS, HEAD_DIM=128, HEAD_DIM_PAD=128, PAGED=True,
-                                      HAS_BATCH_IDX=False, PER_SEQUENCE_START=True, HAS_SECOND=True, ROTARY=0,
-                                      AT_CACHE_POSITION=True, ROTATE_PER_TOKEN=True, PACKED=True), 4, 1),
-    "cache_append-d128-rotary": (cache_append.rows_kernel,
-                                 dict(ROWS=cache_append.ROWS, HEAD_DIM=128, HEAD_DIM_PAD=128, PAGED=False,
-                                      HAS_BATCH_IDX=False, PER_SEQUENCE_START=True, HAS_SECOND=True, ROTARY=2,
-                                      AT_CACHE_POSITION=True, ROTATE_PER_TOKEN=True, PACKED=False), 4, 1),
+    "cache_append-d128-paged": (cache_append.rows_kernel, append_constexprs(paged=True), 4, 1),
+    "cache_append-d128-packed": (cache_append.rows_kernel, append_constexprs(paged=True, packed=True), 4, 1),
+    "cache_append-d128-rotary": (cache_append.rows_kernel, append_constexprs(rotary=cache_append.HALVES), 4, 1),
+    "cache_append-d128-rotary-interleaved": (cache_append.rows_kernel,
+                                             append_constexprs(rotary=cache_append.INTERLEAVED), 4, 1),
     "cross_entropy_fwd": (cross_entropy._ce_forward_kernel, dict(BLOCK_V=4096, HAS_BIAS=True, HAS_SOFTCAP=True), 8, 3),
     "cross_entropy_bwd": (cross_entropy._ce_backward_kernel, dict(BLOCK_V=4096, HAS_BIAS=True, HAS_SOFTCAP=True), 8, 3),
 }

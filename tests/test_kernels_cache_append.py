@@ -73,6 +73,23 @@ def test_rotary_and_append_match_pytorch(device, layout, lengths_as, interleaved
     _assert_rounding_apart(actual, expected)
 
 
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_rotary_reads_cos_and_sin_through_their_strides(device, interleaved):
+    """cos / sin as views into a wider table, from its second row on (unaligned, a row stride of 24): the kernel
+    turns by the same angles as PyTorch's form."""
+    batch, heads_kv, head_dim, capacity = 2, 2, 64, 32
+    k_cache, v_cache, _, _ = _caches("contiguous", batch, capacity, heads_kv, head_dim, torch.float16, device)
+    table = torch.rand(capacity + 2, 24, device=device) * 6.3
+    rotary = Rotary(table.cos()[1:, 4:20], table.sin()[1:, 4:20], interleaved, True)  # rotary_dim 32 of 64
+    q = torch.randn(batch, 3, 4, head_dim, dtype=torch.float16, device=device)
+    k, v = (torch.randn(batch, 3, heads_kv, head_dim, dtype=torch.float16, device=device) for _ in range(2))
+    lengths = torch.tensor([5, 29], dtype=torch.int32, device=device)
+    assert rotary.cos.stride(0) == 24 and not rotary.cos.is_contiguous()
+    actual, expected = _both(q, (k_cache, v_cache), k, v, lengths, None, None, rotary)
+    assert not torch.equal(actual[0], q)
+    _assert_rounding_apart(actual, expected)
+
+
 def test_append_reads_strided_new_tokens_and_many_programs(device):
     """k and v as views of a packed kv tensor (strided rows), and more rows than one program holds."""
     batch, seqlen_new, heads_kv, head_dim = 2, 3 * ROWS // 4 + 1, 4, 32
