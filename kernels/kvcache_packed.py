@@ -48,7 +48,8 @@ def kvcache_packed_queries(q, k_cache, v_cache, k, v, cache_seqlens, block_table
     if check_lengths is not None and not isinstance(check_lengths, bool):
         raise ValueError(f"check_lengths must be a bool or None, got {check_lengths!r}")
     batch, device = cu_seqlens_q.numel() - 1, q.device
-    read = check_lengths or (check_lengths is None and kernel_impl(device) == "torch")
+    triton_path = kernel_impl(device) != "torch"
+    read = check_lengths or (check_lengths is None and not triton_path)
     if block_table is not None:
         check_block_table(block_table, batch, device)
     else:  # each cache row is its sequence's one page
@@ -57,7 +58,7 @@ def kvcache_packed_queries(q, k_cache, v_cache, k, v, cache_seqlens, block_table
         if k_cache.shape[1] % PAGE_MULTIPLE:
             raise ValueError(f"k_cache: max_cache={k_cache.shape[1]} must be a multiple of {PAGE_MULTIPLE} with "
                              "cu_seqlens_q (the packed-query kernel reads a contiguous cache as one page per sequence)")
-        block_table = size_index(multiples, batch, 1, device=device)[:, None]
+        block_table = size_index(one_page_per_row, batch, device=device)
     capacity = block_table.shape[1] * k_cache.shape[1]
     if isinstance(cache_seqlens, torch.Tensor):
         check_seqused_k(cache_seqlens, batch, device)
@@ -80,7 +81,7 @@ def kvcache_packed_queries(q, k_cache, v_cache, k, v, cache_seqlens, block_table
         rotary = None if rotary_cos is None else Rotary(rotary_cos, rotary_sin, rotary_interleaved,
                                                         causal or tuple(window_size) != (-1, -1))
         q = rotate_and_append_packed(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cu_seqlens_q,
-                                     cu_seqlens_k_new, rotary, kernel_impl(device) != "torch")
+                                     cu_seqlens_k_new, rotary, triton_path)
     else:
         check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k, capacity)
     seqused_k = keys if isinstance(keys, torch.Tensor) else None
@@ -88,7 +89,12 @@ def kvcache_packed_queries(q, k_cache, v_cache, k, v, cache_seqlens, block_table
     cu_seqlens_k = size_index(multiples, batch + 1, bound, device=device)  # keys per sequence: the bound
     return paged_varlen_attention(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, bound, 0.0,
                                   softmax_scale, causal, window_size, softcap, None, False, block_table, seqused_k,
-                                  check_lengths, kernel_impl(device) != "torch")
+                                  check_lengths, triton_path)
+
+
+def one_page_per_row(batch, device):
+    """The block table (batch, 1) int32 that reads a contiguous cache's row b as sequence b's one page."""
+    return torch.arange(batch, dtype=torch.int32, device=device)[:, None]
 
 
 def multiples(n, step, device):
