@@ -1,7 +1,6 @@
 """Ring attention across real processes (gloo, CPU) against flash_attn_func on the full sequence."""
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -272,13 +271,11 @@ def test_ring_needs_an_initialized_group():
 def test_context_parallel_step_script(tmp_path):
     """scripts/context_parallel_step.py under torchrun (2 gloo processes): its --check is exact against the
     whole sequence, and its timed steps train (the loss falls)."""
-    from test_train import SUBPROCESS_ENV
+    from test_distributed import launch
 
     def torchrun(*args):
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-                   "scripts/context_parallel_step.py", "configs/models/tiny-llama.yaml", "--device", "cpu", *args]
-        result = subprocess.run(command, capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=300)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                "scripts/context_parallel_step.py", "configs/models/tiny-llama.yaml", "--device", "cpu", *args], True)
 
     torchrun("--seqlen", "64", "--check", "--out", str(tmp_path / "check.json"))
     check = json.loads((tmp_path / "check.json").read_text())

@@ -20,7 +20,7 @@ from flashformer.train import NonFiniteLossError, latest_checkpoint, load_train_
 from test_train import SUBPROCESS_ENV, data_cache, one_thread, tiny_recipe, write_recipe  # noqa: F401 (fixtures)
 from test_train_reliability import file_size_limit, resource
 from session_cache import built_once
-from train_runs_worker import LORA_REPORT, rewind_args
+from train_runs_worker import LAUNCH_TIMEOUT_S, LORA_REPORT, rewind_args
 
 TOLERANCE = 1e-5  # fp32: the two runs sum the same numbers in a different order
 # Every run here trains on the CPU over gloo, as the tolerance above assumes: device "auto" would put
@@ -33,8 +33,24 @@ def recipe_file(recipe: dict, tmp_path) -> str:
     return write_recipe(tmp_path / f"{len(list(tmp_path.glob('*.yaml')))}.yaml", recipe)
 
 
-def launch(command: list[str], succeed: bool, timeout: int = 300) -> subprocess.CompletedProcess:
-    result = subprocess.run(command, capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=timeout)
+def launch(command: list[str], succeed: bool, timeout: int = 300, **popen) -> subprocess.CompletedProcess:
+    """Run ``command`` (a torchrun launch) to its end, asserting its exit code is 0 exactly when ``succeed``;
+    ``popen``: more subprocess.Popen arguments."""
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=SUBPROCESS_ENV,
+                          **popen) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # SIGTERM, not SIGKILL: torchrun then stops its workers, which live in sessions of their own and would
+            # outlive it. The output's end names where the ranks waited (train_runs_worker prints their stacks).
+            process.terminate()
+            try:
+                stdout, stderr = process.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                stdout, stderr = process.communicate()
+            raise AssertionError(f"the launch ran past {timeout} s; its stderr ends:\n{stderr[-8000:]}") from None
+    result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     assert (result.returncode == 0) == succeed, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
@@ -55,7 +71,7 @@ def torchrun_each(runs: list, tmp_path, succeed: bool = True) -> subprocess.Comp
     for run in runs:
         args += [*([SEPARATOR] if args else []), *([recipe_file(run, tmp_path)] if isinstance(run, dict) else run)]
     return launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", worker,
-                   *args], succeed, timeout=600)
+                   *args], succeed, timeout=LAUNCH_TIMEOUT_S)
 
 
 def assert_same_losses(run_dir, reference_dir):
@@ -188,9 +204,7 @@ def test_a_checkpoint_rank_0_cannot_write_stops_every_rank_and_keeps_the_previou
     # The limit holds for torchrun and both workers; only rank 0 writes, and ckpt-8's weights outgrow it.
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
                "-m", "flashformer.cli", "train", "--resume", str(run), "steps=8", "parallel.mode=ddp"]
-    failed = subprocess.run(command, capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=180,
-                            preexec_fn=file_size_limit(weights // 2))
-    assert failed.returncode != 0, failed.stderr[-3000:]
+    failed = launch(command, succeed=False, timeout=180, preexec_fn=file_size_limit(weights // 2))
     # Each rank ends with its own error: none hangs. Both ranks write to one pipe, so rank 1's may follow rank
     # 0's progress bar or its error on one line: each error ends where the next begins or at its line's end.
     errors = re.findall(r"flashformer train: error: .*?(?=flashformer train: error: |$)", failed.stderr, re.M)

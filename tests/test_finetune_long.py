@@ -277,8 +277,7 @@ def test_bad_input_fails_before_anything_is_written(base_run, tmp_path, capsys):
 def test_context_parallel_fine_tuning_under_torchrun_matches_one_process(base_run, tmp_path):
     """Two torchrun ranks share every packed 128-token row (ring attention); rank 0 evaluates and reports.
     Losses, gradient norms and the fine-tuned model's perplexities equal one process's run."""
-    from test_distributed import assert_same_losses
-    from test_train import SUBPROCESS_ENV
+    from test_distributed import assert_same_losses, launch
 
     def args(out_dir, *overrides):
         return ["finetune-long", str(base_run / "base"), "--target-len", "128", "--steps", "2", "--eval-windows", "1",
@@ -291,8 +290,7 @@ def test_context_parallel_fine_tuning_under_torchrun_matches_one_process(base_ru
     cp = tmp_path / "cp"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
                "-m", "flashformer.cli", *args(cp, "parallel.context_parallel=2")]
-    result = subprocess.run(command, capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = launch(command, True)
     assert "(1 data- x 2 context-parallel)" in result.stdout
     assert result.stdout.count("report: ") == 1  # rank 0's
     assert_same_losses(cp, one)

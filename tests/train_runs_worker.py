@@ -9,6 +9,7 @@ REPORT`` (tests/lora_fsdp_worker.py's run and report). One launch and its proces
 then serve several runs. The exit code is the first failing run's (the later runs are not started), else 0.
 """
 
+import faulthandler
 import json
 import shutil
 import sys
@@ -19,6 +20,10 @@ import torch.distributed as dist
 from flashformer.cli import main
 
 SEPARATOR = "--then"
+# A launch that hangs is killed by its test at LAUNCH_TIMEOUT_S: each rank prints every thread's stack to stderr a
+# minute before, so that the test's failure shows where the ranks waited.
+LAUNCH_TIMEOUT_S = 600
+STACKS_AFTER_S = LAUNCH_TIMEOUT_S - 60
 REWIND = "--rewind"
 LORA_REPORT = "--lora-report"
 
@@ -80,4 +85,5 @@ def train_each(args: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    faulthandler.dump_traceback_later(STACKS_AFTER_S)
     sys.exit(train_each(sys.argv[1:]))
