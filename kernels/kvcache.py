@@ -321,6 +321,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # The dense checks (dtypes, device, head_dim, GQA heads, options); a paged cache's first dim is not the batch.
     softmax_scale, window_size = check_attention_args(q, k_cache, v_cache, 1, softmax_scale, window_size, softcap,
                                                       same_batch=False)
+    if k_cache.dtype != q.dtype:  # torch.autocast cast q (and k, v); the caches, written in place, stay as they are
+        raise ValueError(f"k_cache and v_cache hold {k_cache.dtype} but q runs in {q.dtype} under torch.autocast: "
+                         f"allocate the caches in {q.dtype} (they are read and appended to in place)")
     head_dim = k_cache.shape[-1]
     if kernel_head_dim(head_dim) != head_dim:
         raise ValueError(f"head_dim={head_dim}: flash_attn_with_kvcache reads the caches in place, so head_dim must "

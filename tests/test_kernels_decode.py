@@ -595,6 +595,19 @@ def test_bad_inputs_name_the_argument(paged, change, match, device, triton_path)
     assert torch.equal(args["k_cache"], caches[0]) and torch.equal(args["v_cache"], caches[1]), "cache modified"
 
 
+def test_caches_of_another_dtype_than_autocast_are_refused(device, triton_path):
+    """torch.autocast casts q, k and v, never the caches (they are appended to in place): caches in another dtype
+    raise, naming them, instead of reaching the kernels beside queries of another dtype."""
+    args, _ = _bad_inputs(device)
+    args = {**args, **{name: args[name].float() for name in ("q", "k", "v", "k_cache", "v_cache")}}
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16), pytest.raises(ValueError, match="k_cache"):
+        flash_attn_with_kvcache(**args)
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        for name in ("k_cache", "v_cache"):
+            args[name] = args[name].bfloat16()
+        assert flash_attn_with_kvcache(**args).dtype == torch.bfloat16
+
+
 def test_grad_mode_off_allows_leaf_inputs(device, triton_path):
     args, _ = _bad_inputs(device)
     args["q"].requires_grad_()
