@@ -242,7 +242,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Inference only: raises if an input requires grad while grad mode is on.
 
     Args:
-        q: (batch, seqlen_q, heads_q, head_dim); fp16, bf16 or fp32, the caches' dtype. seqlen_q may
+        q: (batch, seqlen_q, heads_q, head_dim); fp16, bf16 or fp32, the caches' dtype (under
+            torch.autocast q, k, v are cast and the caches must hold the autocast dtype). seqlen_q may
             exceed 1 (speculative tokens, a prefill chunk), usually with k/v of as many tokens.
         k_cache, v_cache: (batch_cache, max_cache, heads_kv, head_dim), or paged (num_blocks,
             block_size, heads_kv, head_dim) with block_size a multiple of 16, addressed through
