@@ -233,11 +233,11 @@ def _capacity(k_cache, block_table):
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
-                            causal=True, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
                             num_splits=0, return_softmax_lse=False, return_lse=False, check_lengths=None,
                             cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None):
     """Attention of new query tokens over a KV cache, appending new keys/values first (flash-attn's API,
-    its arguments in its order; causal defaults to True here, False there).
+    its arguments, order and defaults).
 
     Inference only: raises if an input requires grad while grad mode is on.
 
@@ -268,7 +268,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             not: they stay cache_seqlens[b] + i, as in flash-attn.
         block_table: int32 (batch, max_blocks): page j of sequence b is k_cache[block_table[b, j]].
         causal: bottom-right aligned: query i sees cache positions j <= i + total_len - seqlen_q,
-            where total_len = cache_seqlens[b] + seqlen_new.
+            where total_len = cache_seqlens[b] + seqlen_new. False (flash-attn's default): every query
+            token sees every entry in use, which for one token per sequence is the same attention.
         softmax_scale, window_size, softcap, return_lse: as flash_attn_func.
         rotary_interleaved: True (flash-attn's default) rotates dims (0, 1), (2, 3), ...; False rotates
             (i, i + rotary_dim / 2), GPT-NeoX style.

@@ -62,14 +62,15 @@ def decode_step_host_rows():
     cos, sin = angles.cos(), angles.sin()
     one_each = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
     calls = {
-        "int cache_seqlens, no append": lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=CAPACITY),
+        "int cache_seqlens, no append": lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=CAPACITY,
+                                                                          causal=True),
         "tensor cache_seqlens, one token appended": lambda: flash_attn_with_kvcache(
-            q, k_cache, v_cache, k, v, cache_seqlens=before),
+            q, k_cache, v_cache, k, v, cache_seqlens=before, causal=True),
         "tensor cache_seqlens, appended with rotary": lambda: flash_attn_with_kvcache(
-            q, k_cache, v_cache, k, v, cos, sin, cache_seqlens=before),
+            q, k_cache, v_cache, k, v, cos, sin, cache_seqlens=before, causal=True),
         "packed (cu_seqlens_q), one token appended": lambda: flash_attn_with_kvcache(
             q[0], k_cache, v_cache, k[0], v[0], cache_seqlens=before, cu_seqlens_q=one_each,
-            cu_seqlens_k_new=one_each, max_seqlen_q=1),
+            cu_seqlens_k_new=one_each, max_seqlen_q=1, causal=True),
     }
     rows = []
     for name, call in calls.items():

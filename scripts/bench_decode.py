@@ -135,7 +135,8 @@ def run_cell(batch, length, split_sweep=(), launch_configs=()):
         times["ours"], outs["ours"] = _time(ours)
         times["ours graph"], outs["ours graph"] = _time_graphed(ours)
         host_us = _median_host_us(ours)
-        times["ours API"], _ = _time(lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=length))
+        times["ours API"], _ = _time(lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=length,
+                                                                     causal=True))
         sweep_ms = {splits: _time_graphed(lambda s=splits: decode_attention(
             q, k_cache, v_cache, seqlens, None, length, scale, -1, 0, 0.0, s)[0])[0] for splits in split_sweep}
         config_ms, config_diffs = {}, {}
@@ -312,16 +313,16 @@ def host_breakdown(length=4096):
         "launcher, int cache length (no lengths tensor)": lambda: decode_attention(
             q, k_cache, v_cache, length, None, length, scale, -1, 0, 0.0),
         "flash_attn_with_kvcache (int cache_seqlens)": lambda: flash_attn_with_kvcache(
-            q, k_cache, v_cache, cache_seqlens=length),
+            q, k_cache, v_cache, cache_seqlens=length, causal=True),
         "flash_attn_with_kvcache (tensor cache_seqlens, one token appended)": lambda: flash_attn_with_kvcache(
-            q, k_cache, v_cache, k_new, v_new, cache_seqlens=before_new),
+            q, k_cache, v_cache, k_new, v_new, cache_seqlens=before_new, causal=True),
         "the append alone: cache_append's kernel": lambda: rotate_and_append(
             q, k_cache, v_cache, k_new, v_new, before_new, None, None, None, triton_path=True),
         "the append alone: PyTorch (add, two index_put_)": lambda: rotate_and_append_reference(
             q, k_cache, v_cache, k_new, v_new, before_new, None, None, None),
         "packed form (cu_seqlens_q, one token appended)": lambda: flash_attn_with_kvcache(
             q[0], k_cache, v_cache, k_new[0], v_new[0], cache_seqlens=before_new, cu_seqlens_q=one_each,
-            cu_seqlens_k_new=one_each, max_seqlen_q=1),
+            cu_seqlens_k_new=one_each, max_seqlen_q=1, causal=True),
         "the packed append alone: cache_append's kernel": lambda: rotate_and_append_packed(
             q[0], k_cache, v_cache, k_new[0], v_new[0], before_new, one_page, one_each, one_each, None,
             triton_path=True),

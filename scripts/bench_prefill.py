@@ -114,11 +114,13 @@ def run_cell(batch, heads_q, heads_kv, head_dim, cached, new, page_size, profile
                                                                 enable_gqa=heads_q != heads_kv)
 
     calls = {
-        "ours API": lambda: flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cached),
+        "ours API": lambda: flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cached,
+                                                    causal=True),
         "ours API, tensor lengths": lambda: flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
-                                                                    cache_seqlens=cached_per_row),
-        "ours API, paged": lambda: flash_attn_with_kvcache(q, k_pool, v_pool, k_new, v_new, cache_seqlens=cached_per_row,
-                                                           block_table=block_table),
+                                                                    cache_seqlens=cached_per_row, causal=True),
+        "ours API, paged": lambda: flash_attn_with_kvcache(q, k_pool, v_pool, k_new, v_new,
+                                                           cache_seqlens=cached_per_row, block_table=block_table,
+                                                           causal=True),
         "ours decode kernel": lambda: decode_attention(q, k_cache, v_cache, end, None, end, head_dim ** -0.5, -1, 0,
                                                        0.0, return_lse=False)[0],
         "ours decode kernel, paged": lambda: decode_attention(q, k_pool, v_pool, end, block_table, end,

@@ -128,10 +128,10 @@ def test_decoding_appends_as_the_pytorch_path(device, triton_path, monkeypatch, 
         angles = torch.rand(capacity, head_dim // 2, device=device) * 6.3
         rotary_args = dict(rotary_cos=angles.cos(), rotary_sin=angles.sin(), rotary_interleaved=rotary == "interleaved")
     caches = [c.clone() for c in (k_cache, v_cache)]
-    out = flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=lengths, **rotary_args)
+    out = flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=lengths, causal=True, **rotary_args)
     monkeypatch.setenv("FLASHFORMER_KERNEL", "torch")
     torch_caches = [c.clone() for c in (k_cache, v_cache)]
-    torch_out = flash_attn_with_kvcache(q, *torch_caches, k, v, cache_seqlens=lengths, **rotary_args)
+    torch_out = flash_attn_with_kvcache(q, *torch_caches, k, v, cache_seqlens=lengths, causal=True, **rotary_args)
     _assert_rounding_apart(caches, torch_caches)
     torch.testing.assert_close(out, torch_out, atol=2e-3, rtol=0)
 

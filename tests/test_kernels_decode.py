@@ -72,8 +72,11 @@ class Case:
             self.logical_k[b, n:n + seqlen_new] = self.k[b]
             self.logical_v[b, n:n + seqlen_new] = self.v[b]
 
-    def run(self, **opts):
+    def run(self, causal=True, **opts):
+        """(out, lse) of flash_attn_with_kvcache, causal unless asked (as ``reference``); None leaves it to the
+        API's default."""
         new = dict(k=self.k, v=self.v) if self.k.shape[1] else {}
+        new.update({} if causal is None else dict(causal=causal))
         return flash_attn_with_kvcache(self.q, self.k_cache, self.v_cache, cache_seqlens=self.cache_seqlens,
                                        block_table=self.block_table, return_lse=True, **new, **opts)
 
@@ -253,7 +256,7 @@ def test_a_paged_prompt_compiles_full_graph(device, triton_path, monkeypatch):
 
     def step(k_cache, v_cache):
         return flash_attn_with_kvcache(case.q, k_cache, v_cache, case.k, case.v, cache_seqlens=case.cache_seqlens,
-                                       block_table=case.block_table, return_lse=True)
+                                       block_table=case.block_table, causal=True, return_lse=True)
 
     eager = step(case.k_cache.clone(), case.v_cache.clone())
     torch._dynamo.reset()
@@ -272,7 +275,7 @@ def test_packed_queries_compile_full_graph(device, triton_path):
 
     def step(k_cache, v_cache):
         out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, cu_seqlens_q=cu_seqlens,
-                                      cu_seqlens_k_new=cu_seqlens, max_seqlen_q=3)
+                                      cu_seqlens_k_new=cu_seqlens, max_seqlen_q=3, causal=True)
         return out, k_cache, v_cache
 
     eager = step(*(c.clone() for c in caches))
@@ -388,6 +391,16 @@ def test_split_heuristic():
         # 17 splits, 136 programs: four SMs would run two)
         for wave in (DEFAULT_SMS, slots):
             assert programs <= DEFAULT_SMS or programs / (-(-programs // wave) * wave) >= 0.95, (batch, keys)
+
+
+def test_causal_defaults_to_false_as_in_flash_attn(device, triton_path):
+    """A call written for flash-attn that leaves causal out gets flash-attn's default: several query tokens each
+    see every entry in use, appended ones included."""
+    case = Case((9, 30), 3, 3, (4, 2), 32, torch.float16, None, device)
+    out, lse = case.run(causal=None)
+    _check_against_reference(case, out, lse, False, (-1, -1), 0.0)
+    causal_out, _ = case.reference(True, causal=True)
+    assert (out.double() - causal_out).abs().max() > 0.05, "the earlier query tokens must see the later entries"
 
 
 def test_int_and_default_cache_seqlens(device, triton_path):
