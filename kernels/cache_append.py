@@ -89,15 +89,16 @@ def _sequence_of(CU_SEQLENS, token, sequences, search_steps):
 # unaligned.
 @triton.jit(do_not_specialize=["stride_bt", "start", "seqlen", "heads", "capacity", "page_size", "seqlen_ro",
                                "sequences", "search_steps"],
-            do_not_specialize_on_alignment=["STARTS", "BLOCK_TABLE", "CACHE_BATCH_IDX", "CU_SEQLENS"])
-def rows_kernel(SRC, DST, SRC2, DST2, STARTS, BLOCK_TABLE, CACHE_BATCH_IDX, CU_SEQLENS, COS, SIN,
+            do_not_specialize_on_alignment=["STARTS", "BLOCK_TABLE", "CACHE_BATCH_IDX", "CU_SEQLENS", "SEQLENS_OUT"])
+def rows_kernel(SRC, DST, SRC2, DST2, STARTS, BLOCK_TABLE, CACHE_BATCH_IDX, CU_SEQLENS, SEQLENS_OUT, COS, SIN,
                 stride_sb, stride_ss, stride_sh, stride_s2b, stride_s2s, stride_s2h,
                 stride_dp, stride_ds, stride_dh, stride_d2p, stride_d2s, stride_d2h, stride_bt, stride_ro,
                 start, seqlen, heads, capacity, page_size, seqlen_ro, sequences, search_steps,
                 ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGED: tl.constexpr,
                 HAS_BATCH_IDX: tl.constexpr, PER_SEQUENCE_START: tl.constexpr, HAS_SECOND: tl.constexpr,
                 ROTARY: tl.constexpr, ROTARY_HALF: tl.constexpr, ROTARY_HALF_PAD: tl.constexpr,
-                AT_CACHE_POSITION: tl.constexpr, ROTATE_PER_TOKEN: tl.constexpr, PACKED: tl.constexpr):
+                AT_CACHE_POSITION: tl.constexpr, ROTATE_PER_TOKEN: tl.constexpr, PACKED: tl.constexpr,
+                WRITE_SEQLENS: tl.constexpr):
     # Program (r, b): sequence b's (token, head) rows [r * ROWS, (r + 1) * ROWS) of SRC (batch, seqlen, heads,
     # head_dim), token t at cache position STARTS[b] (or start) + t. Written to DST at that position
     # (AT_CACHE_POSITION: a cache, through block_table where PAGED) or at t (a tensor like SRC); SRC2 likewise
@@ -105,7 +106,8 @@ def rows_kernel(SRC, DST, SRC2, DST2, STARTS, BLOCK_TABLE, CACHE_BATCH_IDX, CU_S
     # did not have checked) are skipped rather than written past the cache; so are rotations past cos's rows.
     # PACKED: SRC holds every sequence's tokens along one dim (seqlen of them in all; batch strides 0), sequence
     # b's from CU_SEQLENS[b]; program (r, 0) takes rows [r * ROWS, (r + 1) * ROWS) of them all, each row finding
-    # its sequence, and a DST like SRC is written at the packed token.
+    # its sequence, and a DST like SRC is written at the packed token. WRITE_SEQLENS (PACKED): program 0 also
+    # writes each sequence's length after the append to SEQLENS_OUT, which attention then reads: no extra launch.
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     src_token = (rows // heads).to(tl.int64)
     head = rows % heads
@@ -139,6 +141,13 @@ def rows_kernel(SRC, DST, SRC2, DST2, STARTS, BLOCK_TABLE, CACHE_BATCH_IDX, CU_S
         _copy_rows(SRC2 + batch * stride_s2b + src_token * stride_s2s + head * stride_s2h,
                    DST2 + page * stride_d2p + entry * stride_d2s + head * stride_d2h, row_ok, COS, SIN, 0, row_ok,
                    HEAD_DIM, HEAD_DIM_PAD, 0, 0, 1)
+    if WRITE_SEQLENS and tl.program_id(0) == 0:
+        for first_sequence in range(0, sequences, ROWS):
+            sequence = first_sequence + tl.arange(0, ROWS)
+            in_batch = sequence < sequences
+            appended = tl.load(CU_SEQLENS + sequence + 1, mask=in_batch) - tl.load(CU_SEQLENS + sequence, mask=in_batch)
+            before = tl.load(STARTS + sequence, mask=in_batch) if PER_SEQUENCE_START else start
+            tl.store(SEQLENS_OUT + sequence, before + appended, mask=in_batch)
 
 
 def rotate_and_append_reference(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary):
@@ -209,9 +218,10 @@ def packed_positions(starts, cu_seqlens, total, within=True):
 
 def rotate_and_append_packed_reference(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cu_seqlens_q,
                                        cu_seqlens_k_new, rotary):
-    """PyTorch's form of rotate_and_append_packed (same arguments and result)."""
+    """PyTorch's form of rotate_and_append_packed (same arguments and results)."""
     starts = (cache_seqlens if isinstance(cache_seqlens, torch.Tensor)
               else torch.full((cu_seqlens_q.numel() - 1,), cache_seqlens, dtype=torch.int32, device=q.device))
+    seqlens = starts + cu_seqlens_k_new.diff()
     seq, positions = packed_positions(starts, cu_seqlens_k_new, k.shape[0])
     if rotary is not None:
         k = rotate(k[None], rotary.cos, rotary.sin, positions[None], rotary.interleaved)[0]
@@ -220,7 +230,7 @@ def rotate_and_append_packed_reference(q, k_cache, v_cache, k, v, cache_seqlens,
     index = (block_table.long()[seq, positions // k_cache.shape[1]], positions % k_cache.shape[1])
     k_cache.index_put_(index, k)
     v_cache.index_put_(index, v)
-    return q
+    return q, seqlens
 
 
 def rotate_and_append_packed(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cu_seqlens_q, cu_seqlens_k_new,
@@ -236,20 +246,23 @@ def rotate_and_append_packed(q, k_cache, v_cache, k, v, cache_seqlens, block_tab
         cache_seqlens: an int (one start for all) or int32 (batch,).
         rotary, triton_path: as rotate_and_append's.
     Returns:
-        q, rotated where rotary applies (a new tensor), else q itself.
+        q, rotated where rotary applies (a new tensor), else q itself; each sequence's entries after the append,
+        int32 (batch,) (cache_seqlens itself where nothing is appended).
     """
     if not _kernel_serves(triton_path, rotary, q, k_cache, v_cache, k, v):
         return rotate_and_append_packed_reference(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cu_seqlens_q,
                                                   cu_seqlens_k_new, rotary)
+    seqlens = cache_seqlens
     if k.shape[0]:
+        seqlens = torch.empty(cu_seqlens_k_new.numel() - 1, dtype=torch.int32, device=k.device)
         _launch_rows(k, k_cache, v, v_cache, cache_seqlens, rotary, True, block_table.shape[1] * k_cache.shape[1],
-                     k_cache.shape[1], block_table=block_table, cu_seqlens=cu_seqlens_k_new)
+                     k_cache.shape[1], block_table=block_table, cu_seqlens=cu_seqlens_k_new, seqlens_out=seqlens)
     if rotary is None or not q.shape[0]:
-        return q
+        return q, seqlens
     rotated = torch.empty_like(q, memory_format=torch.contiguous_format)
     _launch_rows(q, rotated, None, None, cache_seqlens, rotary, rotary.per_query_token, q.shape[0],
                  at_cache_position=False, cu_seqlens=cu_seqlens_q)
-    return rotated
+    return rotated, seqlens
 
 
 def _kernel_serves(triton_path, rotary, *tensors):
@@ -266,7 +279,7 @@ def _row_strides(t):
 
 
 def _launch_rows(src, dst, src2, dst2, cache_seqlens, rotary, rotate_per_token, capacity, page_size=1,
-                 block_table=None, cache_batch_idx=None, cu_seqlens=None, at_cache_position=True):
+                 block_table=None, cache_batch_idx=None, cu_seqlens=None, at_cache_position=True, seqlens_out=None):
     """One rows_kernel launch over src's rows (and src2's, unrotated, into dst2); None leaves an option out.
 
     Args:
@@ -274,6 +287,7 @@ def _launch_rows(src, dst, src2, dst2, cache_seqlens, rotary, rotate_per_token, 
         dst: a cache (num_pages or rows, entries, heads, head_dim) where at_cache_position, else shaped like src.
         cache_seqlens: each sequence's first cache position, an int or int32 (batch,).
         capacity, page_size: entries per sequence (those past it are not written), per block_table page.
+        seqlens_out: int32 (batch,) to receive each sequence's first position plus its tokens (packed src only).
     """
     packed = cu_seqlens is not None
     seqlen, heads, head_dim = src.shape[-3:]
@@ -285,7 +299,7 @@ def _launch_rows(src, dst, src2, dst2, cache_seqlens, rotary, rotate_per_token, 
     src2, dst2 = (src2, dst2) if src2 is not None else (src, dst)
     launcher(rows_kernel, (cdiv(seqlen * heads, ROWS), 1 if packed else batch))(
         src, dst, src2, dst2, cache_seqlens if per_sequence else unread,
-        *(t if t is not None else unread for t in (block_table, cache_batch_idx, cu_seqlens)), cos, sin,
+        *(t if t is not None else unread for t in (block_table, cache_batch_idx, cu_seqlens, seqlens_out)), cos, sin,
         *_row_strides(src), *_row_strides(src2), *_row_strides(dst), *_row_strides(dst2),
         block_table.stride(0) if block_table is not None else 0, rotary_args[0], 0 if per_sequence else cache_seqlens,
         seqlen, heads, capacity, page_size, rotary_args[1], batch, (batch - 1).bit_length() if packed else 0,
@@ -293,4 +307,5 @@ def _launch_rows(src, dst, src2, dst2, cache_seqlens, rotary, rotate_per_token, 
         HAS_BATCH_IDX=cache_batch_idx is not None, PER_SEQUENCE_START=per_sequence, HAS_SECOND=src2 is not src,
         ROTARY=NO_ROTARY if rotary is None else INTERLEAVED if rotary.interleaved else HALVES,
         ROTARY_HALF=rotary_args[2], ROTARY_HALF_PAD=next_power_of_2(max(1, rotary_args[2])),
-        AT_CACHE_POSITION=at_cache_position, ROTATE_PER_TOKEN=rotate_per_token, PACKED=packed, num_warps=4)
+        AT_CACHE_POSITION=at_cache_position, ROTATE_PER_TOKEN=rotate_per_token, PACKED=packed,
+        WRITE_SEQLENS=seqlens_out is not None, num_warps=4)

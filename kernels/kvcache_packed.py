@@ -74,14 +74,13 @@ def kvcache_packed_queries(q, k_cache, v_cache, k, v, cache_seqlens, block_table
         if cu_seqlens_k_new.numel() != batch + 1:
             raise ValueError(f"cu_seqlens_k_new describes {cu_seqlens_k_new.numel() - 1} sequences, cu_seqlens_q "
                              f"{batch}")
-        keys = cache_seqlens + cu_seqlens_k_new.diff()
-        if read and bool((keys > capacity).any()):  # before anything is written
+        if read and bool((cache_seqlens + cu_seqlens_k_new.diff() > capacity).any()):  # before anything is written
             raise ValueError(f"cache_seqlens + the new tokens of cu_seqlens_k_new pass the cache's {capacity} entries")
         check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k, capacity)
         rotary = None if rotary_cos is None else Rotary(rotary_cos, rotary_sin, rotary_interleaved,
                                                         causal or tuple(window_size) != (-1, -1))
-        q = rotate_and_append_packed(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cu_seqlens_q,
-                                     cu_seqlens_k_new, rotary, triton_path)
+        q, keys = rotate_and_append_packed(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cu_seqlens_q,
+                                           cu_seqlens_k_new, rotary, triton_path)
     else:
         check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k, capacity)
     seqused_k = keys if isinstance(keys, torch.Tensor) else None

@@ -29,7 +29,7 @@ FP32_POINTERS = {"LSE", "DELTA", "LSE_LOG2", "DLSE", "LSE_PART", "O_PART", "DQ_A
                  "ALIBI_SLOPES", "COS", "SIN"}
 INT64_POINTERS = {"TARGETS", "DROPOUT_SEED"}
 INT32_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K", "BLOCK_TABLE", "DQ_SEMAPHORES", "TILE_SCHEDULE",
-                  "STARTS", "CACHE_BATCH_IDX", "CU_SEQLENS"}
+                  "STARTS", "CACHE_BATCH_IDX", "CU_SEQLENS", "SEQLENS_OUT"}
 TMA_LOAD = r"cp\.async\.bulk\.tensor\.\w+\.shared::cluster\.global"
 TMA_STORE = r"cp\.async\.bulk\.tensor\.\w+\.global\.shared"
 FLOAT_SCALARS = {"qk_scale", "softcap_log2", "softmax_scale", "softcap", "dropout_rescale"}
@@ -135,7 +135,8 @@ def append_constexprs(paged=False, packed=False, rotary=0):
     """rows_kernel's constexprs at head_dim 128 for k and v (per-sequence starts), rotated over all of head_dim."""
     return dict(ROWS=cache_append.ROWS, HEAD_DIM=128, HEAD_DIM_PAD=128, PAGED=paged, HAS_BATCH_IDX=False,
                 PER_SEQUENCE_START=True, HAS_SECOND=True, ROTARY=rotary, ROTARY_HALF=64 if rotary else 0,
-                ROTARY_HALF_PAD=64 if rotary else 1, AT_CACHE_POSITION=True, ROTATE_PER_TOKEN=True, PACKED=packed)
+                ROTARY_HALF_PAD=64 if rotary else 1, AT_CACHE_POSITION=True, ROTATE_PER_TOKEN=True, PACKED=packed,
+                WRITE_SEQLENS=packed)
 
 
 def gluon_forward_constexprs(head_dim, causal=True, window=False, softcap=False, group=1, config=None,

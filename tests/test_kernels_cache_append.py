@@ -162,9 +162,13 @@ def test_packed_append_matches_pytorch(device, new_tokens, layout, rotary, lengt
         angles = torch.rand(capacity + max(queries), 16, device=device) * 6.3
         turn = Rotary(angles.cos(), angles.sin(), rotary == "interleaved", rotary != "halves-first")
     expected = [c.clone() for c in (k_cache, v_cache)]
-    q_expected = rotate_and_append_packed_reference(q, *expected, k, v, lengths, table, cu_q, cu_k, turn)
+    q_expected, seqlens_expected = rotate_and_append_packed_reference(q, *expected, k, v, lengths, table, cu_q, cu_k,
+                                                                      turn)
     actual = [c.clone() for c in (k_cache, v_cache)]
-    q_actual = rotate_and_append_packed(q, *actual, k, v, lengths, table, cu_q, cu_k, turn, triton_path=True)
+    q_actual, seqlens = rotate_and_append_packed(q, *actual, k, v, lengths, table, cu_q, cu_k, turn, triton_path=True)
     assert (q_actual is q) == (rotary is None)
+    assert seqlens.dtype == torch.int32 and torch.equal(seqlens, seqlens_expected)
+    assert torch.equal(seqlens_expected.cpu(), torch.tensor(new_tokens) + (lengths.cpu() if lengths_as == "tensor"
+                                                                           else lengths)), "lengths after the append"
     _assert_rounding_apart((q_actual, *actual), (q_expected, *expected))
     assert not any(torch.equal(a, c) for a, c in zip(actual, (k_cache, v_cache))), "the append wrote nothing"
