@@ -234,7 +234,7 @@ def _capacity(k_cache, block_table):
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
-                            num_splits=0, return_softmax_lse=False, return_lse=False, check_lengths=None,
+                            num_splits=0, return_softmax_lse=False, *, return_lse=False, check_lengths=None,
                             cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None):
     """Attention of new query tokens over a KV cache, appending new keys/values first (flash-attn's API,
     its arguments, order and defaults).
