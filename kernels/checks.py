@@ -107,20 +107,26 @@ def check_dropout_and_alibi(q, batch, dropout_p, alibi_slopes, softcap, return_a
         raise ValueError(f"dropout_p must be a float in [0, 1) (0.0 in eval), got {dropout_p!r}")
     if dropout_p > 0.0 and softcap > 0.0:
         raise ValueError("dropout_p > 0 with softcap > 0: softcap does not support dropout (as in flash-attn)")
-    if alibi_slopes is not None:
-        heads_q = q.shape[-2]
-        if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
-            got = alibi_slopes.dtype if isinstance(alibi_slopes, torch.Tensor) else type(alibi_slopes).__name__
-            raise ValueError(f"alibi_slopes must be an fp32 tensor, got {got}")
-        if tuple(alibi_slopes.shape) not in ((heads_q,), (batch, heads_q)):
-            raise ValueError(f"alibi_slopes must have shape (heads_q,) = ({heads_q},) or (batch, heads_q) = "
-                             f"({batch}, {heads_q}), got {tuple(alibi_slopes.shape)}")
-        if alibi_slopes.device != q.device:
-            raise ValueError(f"alibi_slopes is on {alibi_slopes.device}, q on {q.device}")
-        alibi_slopes = alibi_slopes.contiguous()
     if not isinstance(return_attn_probs, bool):
         raise ValueError(f"return_attn_probs must be a bool, got {return_attn_probs!r}")
-    return float(dropout_p), alibi_slopes
+    return float(dropout_p), check_alibi(q, batch, alibi_slopes)
+
+
+def check_alibi(q, batch, alibi_slopes):
+    """Validate flash-attn's alibi_slopes (None, or fp32 (heads_q,) / (batch, heads_q) on q's device); returns
+    them contiguous, as the kernels index them."""
+    if alibi_slopes is None:
+        return None
+    heads_q = q.shape[-2]
+    if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
+        got = alibi_slopes.dtype if isinstance(alibi_slopes, torch.Tensor) else type(alibi_slopes).__name__
+        raise ValueError(f"alibi_slopes must be an fp32 tensor, got {got}")
+    if tuple(alibi_slopes.shape) not in ((heads_q,), (batch, heads_q)):
+        raise ValueError(f"alibi_slopes must have shape (heads_q,) = ({heads_q},) or (batch, heads_q) = "
+                         f"({batch}, {heads_q}), got {tuple(alibi_slopes.shape)}")
+    if alibi_slopes.device != q.device:
+        raise ValueError(f"alibi_slopes is on {alibi_slopes.device}, q on {q.device}")
+    return alibi_slopes.contiguous()
 
 
 def draw_dropout_seed(device):

@@ -131,19 +131,20 @@ MAX_PLANS = 256  # a model decodes with a handful; a long-lived server must not 
 
 
 def _plan_key(q, k_cache, v_cache, block_table, per_sequence, max_seqlen_k, softmax_scale, window_left,
-              window_right, softcap, num_splits, packed_q):
+              window_right, softcap, num_splits, packed_q, alibi_dims):
     # Automatic splits depend on the cache length only through keys // MIN_KEYS_PER_SPLIT (capped), so a
     # growing cache changes the plan every MIN_KEYS_PER_SPLIT steps at most.
     budget = min(max_seqlen_k // MIN_KEYS_PER_SPLIT, MAX_SPLITS) if num_splits == 0 else 0
     return (q.shape, q.stride(), q.dtype, k_cache.dtype, q.device, k_cache.shape, k_cache.stride(), v_cache.shape,
             v_cache.stride(), None if block_table is None else block_table.stride(), per_sequence, softmax_scale,
-            window_left, window_right, softcap, num_splits, budget, packed_q)
+            window_left, window_right, softcap, num_splits, budget, packed_q, alibi_dims)
 
 
 def _build_plan(q, k_cache, v_cache, block_table, per_sequence, max_seqlen_k, softmax_scale, window_left,
-                window_right, softcap, num_splits, packed_q):
+                window_right, softcap, num_splits, packed_q, alibi_dims):
     """The _Plan of tensors the kernels can read as they are (see _readable); packed_q: (batch,
-    max_seqlen_q) of packed queries (total_q, heads_q, head_dim), None for (batch, seqlen_q, ...)."""
+    max_seqlen_q) of packed queries (total_q, heads_q, head_dim), None for (batch, seqlen_q, ...); alibi_dims:
+    None, or 1 / 2 for ALiBi slopes (heads_q,) / (batch, heads_q)."""
     *rows, heads_q, head_dim = q.shape
     if packed_q is None:
         (batch, seqlen_q), q_strides, lse_head_stride = rows, q.stride()[:3], rows[1]
@@ -170,11 +171,13 @@ def _build_plan(q, k_cache, v_cache, block_table, per_sequence, max_seqlen_k, so
         grid=(token_blocks * batch * heads_kv, num_splits),
         ints=(*q_strides, *k_cache.stride()[1:3], *v_cache.stride()[1:3],
               block_table.stride(0) if block_table is not None else 0, lse_head_stride,
-              seqlen_q, heads_kv, num_splits, k_page_rows, v_page_rows, k_rows, v_rows),
+              heads_q if alibi_dims == 2 else 0, seqlen_q, heads_kv, num_splits, k_page_rows, v_page_rows, k_rows,
+              v_rows),
         scalars=(qk_scale, softcap_log2, window_left, window_right),
         meta=dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_N=block_n, PAGE_SIZE=page_size,
                   HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, LEFT_BOUNDED=window_left >= 0,
-                  RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0, SPLIT=split,
+                  RIGHT_BOUNDED=window_right >= 0, HAS_SOFTCAP=softcap > 0.0, HAS_ALIBI=alibi_dims is not None,
+                  SPLIT=split,
                   PER_SEQUENCE_LENGTHS=per_sequence, VARLEN_Q=packed_q is not None,
                   DOT_PRECISION=dot_precision(q.dtype), UPCAST_DOT=upcast_dot(q.dtype), num_warps=num_warps,
                   num_stages=num_stages),
@@ -197,7 +200,7 @@ def _readable(q, k_cache, v_cache, block_table):
 
 def decode_attention(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, softmax_scale, window_left,
                      window_right, softcap, num_splits=0, return_lse=True, cu_seqlens_q=None, max_seqlen_q=0,
-                     keys_appended=0):
+                     keys_appended=0, alibi_slopes=None):
     """Attention of a few query tokens over KV caches, on validated inputs (k/v already appended).
 
     Args:
@@ -211,6 +214,7 @@ def decode_attention(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, 
         num_splits: chunks of the cache per (sequence, kv head); 0 = choose_num_splits.
         keys_appended: added to each of seqlens_k's entries (a tensor) in the kernel: the keys an append just
             wrote, without a launch of their own to add them.
+        alibi_slopes: None, or fp32 contiguous (heads_q,) / (batch, heads_q): ALiBi's bias, bottom-right aligned.
         return_lse: False returns None for lse, whose buffer is then reused between calls on CUDA.
     Returns:
         out like q (contiguous), lse fp32 (batch, heads_q, seqlen_q) or (heads_q, total_q), or None.
@@ -227,7 +231,8 @@ def decode_attention(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, 
         return out.zero_(), lse.fill_(-math.inf) if return_lse else None
     per_sequence = isinstance(seqlens_k, torch.Tensor)
     packed_q = None if cu_seqlens_q is None else (cu_seqlens_q.numel() - 1, max_seqlen_q)
-    options = (per_sequence, max_seqlen_k, softmax_scale, window_left, window_right, softcap, num_splits, packed_q)
+    options = (per_sequence, max_seqlen_k, softmax_scale, window_left, window_right, softcap, num_splits, packed_q,
+               None if alibi_slopes is None else alibi_slopes.dim())
     key = _plan_key(q, k_cache, v_cache, block_table, *options)
     plan = _PLANS.get(key)
     # A plan exists only for layouts the kernels read as they are; the base addresses change per call.
@@ -246,10 +251,10 @@ def decode_attention(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, 
                               else [new_output(q, shape, torch.float32) for shape in plan.partial_shapes])
     ensure_allocator(q.device)
     # The plan's key fixes every argument type (the caches' dtype is q's, checked by the API; a lengths
-    # tensor and a block table are int32; a cache length fits int32) and every constexpr.
+    # tensor and a block table are int32, ALiBi's slopes fp32; a cache length fits int32) and every constexpr.
     _decode_launch.launch_keyed(
         ("decode", key), plan.grid, q, k_cache, v_cache, out, lse, out_part, lse_part,
-        seqlens_k if per_sequence else None, block_table, cu_seqlens_q, *plan.ints,
+        seqlens_k if per_sequence else None, block_table, cu_seqlens_q, alibi_slopes, *plan.ints,
         keys_appended if per_sequence else seqlens_k,
         *plan.scalars, **plan.meta)
     if plan.partial_shapes:

@@ -15,17 +15,19 @@ import math
 import triton
 import triton.language as tl
 
-from .tile_ops import attention_logits, key_range, logit_scale, narrow, online_softmax_step
+from .tile_ops import alibi_bias, attention_logits, key_range, logit_scale, narrow, online_softmax_step
 
 LN2 = tl.constexpr(math.log(2.0))
+LOG2E = tl.constexpr(1.0 / math.log(2.0))
 
 
 @triton.jit
 def _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch, tokens, start, end,
                   qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right, k_page_rows, v_page_rows,
-                  BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                  MASKED: tl.constexpr, LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                  slopes_log2, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                  HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr, LEFT_BOUNDED: tl.constexpr,
+                  RIGHT_BOUNDED: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  UPCAST_DOT: tl.constexpr):
     for n0 in tl.range(start, end, BLOCK_N):
         if PAGE_SIZE > 0:
             page = tl.load(BLOCK_TABLE + batch * stride_bt + n0 // PAGE_SIZE)
@@ -38,12 +40,16 @@ def _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_
         cols = n0 + tl.arange(0, BLOCK_N)
         s = attention_logits(q, k, tokens, cols, qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right,
                              HAS_SOFTCAP, MASKED, LEFT_BOUNDED, RIGHT_BOUNDED, DOT_PRECISION, UPCAST_DOT)
+        scale = logit_scale(qk_scale, HAS_SOFTCAP)
+        if HAS_ALIBI:  # each row's slope (its query head's) in log2 units, where the logits go first
+            s = s * scale + alibi_bias(tokens[:, None], cols[None, :], slopes_log2[:, None], seqlen_q, seqlen_k)
+            scale = 1.0
         if MASKED:
             # Past the sequence's end a cache holds stale entries (NaN in a fresh torch.empty cache):
             # p = 0 there, but 0 * NaN would still poison the product, so zero those rows of V.
             v = tl.where((cols < seqlen_k)[:, None], v, 0.0)
-        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, s, logit_scale(qk_scale, HAS_SOFTCAP), v,
-                                                    MASKED, DOT_PRECISION, UPCAST_DOT)
+        acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, s, scale, v, MASKED, DOT_PRECISION,
+                                                    UPCAST_DOT)
     return acc, row_max, row_sum
 
 
@@ -66,9 +72,9 @@ def _query_rows(q_base, t0, kv_head, seqlen_q, stride_qs, stride_qh, GROUP: tl.c
 @triton.jit
 def _attend(q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch, tokens, lo, hi, un_lo, un_hi,
             qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right, k_page_rows, v_page_rows,
-            BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-            LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-            UPCAST_DOT: tl.constexpr):
+            slopes_log2, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+            HAS_SOFTCAP: tl.constexpr, LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr,
+            HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
     """Attention of the rows to keys [lo, hi) (tile aligned, inside key_range's span, whose [un_lo, un_hi)
     needs no mask): the normalised output and lse per row; a row that sees no key gets 0 and -inf."""
     un_lo = tl.minimum(tl.maximum(un_lo, lo), hi)
@@ -78,19 +84,19 @@ def _attend(q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch, tokens, lo, hi, un
     acc = tl.zeros([q.shape[0], HEAD_DIM_PAD], dtype=tl.float32)
     acc, row_max, row_sum = _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch,
                                           tokens, lo, un_lo, qk_scale, softcap_log2, seqlen_q, seqlen_k,
-                                          window_left, window_right, k_page_rows, v_page_rows, BLOCK_N, PAGE_SIZE,
-                                          HEAD_DIM_PAD, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED,
-                                          DOT_PRECISION, UPCAST_DOT)
+                                          window_left, window_right, k_page_rows, v_page_rows, slopes_log2,
+                                          BLOCK_N, PAGE_SIZE, HEAD_DIM_PAD, HAS_SOFTCAP, True, LEFT_BOUNDED,
+                                          RIGHT_BOUNDED, HAS_ALIBI, DOT_PRECISION, UPCAST_DOT)
     acc, row_max, row_sum = _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch,
                                           tokens, un_lo, un_hi, qk_scale, softcap_log2, seqlen_q, seqlen_k,
-                                          window_left, window_right, k_page_rows, v_page_rows, BLOCK_N, PAGE_SIZE,
-                                          HEAD_DIM_PAD, HAS_SOFTCAP, False, LEFT_BOUNDED, RIGHT_BOUNDED,
-                                          DOT_PRECISION, UPCAST_DOT)
+                                          window_left, window_right, k_page_rows, v_page_rows, slopes_log2,
+                                          BLOCK_N, PAGE_SIZE, HEAD_DIM_PAD, HAS_SOFTCAP, False, LEFT_BOUNDED,
+                                          RIGHT_BOUNDED, HAS_ALIBI, DOT_PRECISION, UPCAST_DOT)
     acc, row_max, row_sum = _decode_tiles(acc, row_max, row_sum, q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch,
                                           tokens, un_hi, hi, qk_scale, softcap_log2, seqlen_q, seqlen_k,
-                                          window_left, window_right, k_page_rows, v_page_rows, BLOCK_N, PAGE_SIZE,
-                                          HEAD_DIM_PAD, HAS_SOFTCAP, True, LEFT_BOUNDED, RIGHT_BOUNDED,
-                                          DOT_PRECISION, UPCAST_DOT)
+                                          window_left, window_right, k_page_rows, v_page_rows, slopes_log2,
+                                          BLOCK_N, PAGE_SIZE, HEAD_DIM_PAD, HAS_SOFTCAP, True, LEFT_BOUNDED,
+                                          RIGHT_BOUNDED, HAS_ALIBI, DOT_PRECISION, UPCAST_DOT)
     # A row that saw no key: output 0 and lse = -inf (log of an empty sum).
     empty = row_sum == 0.0
     acc = acc / tl.where(empty, 1.0, row_sum)[:, None]
@@ -99,21 +105,23 @@ def _attend(q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch, tokens, lo, hi, un
 
 
 # Launched through launch.CompiledLaunch: no int is specialised, and of the pointers only the caller's
-# SEQLENS_K, BLOCK_TABLE and CU_SEQLENS_Q may be unaligned (q and the caches pass as_descriptor_compatible;
-# the outputs and partials are fresh allocations).
+# SEQLENS_K, BLOCK_TABLE, CU_SEQLENS_Q and ALIBI_SLOPES may be unaligned (q and the caches pass
+# as_descriptor_compatible; the outputs and partials are fresh allocations).
 @triton.jit(do_not_specialize=["stride_qb", "stride_qs", "stride_qh", "stride_ks", "stride_kh", "stride_vs",
                                "stride_vh", "stride_bt", "stride_lse_h", "seqlen_q", "heads_kv", "num_splits",
                                "k_page_rows", "v_page_rows", "k_rows", "v_rows", "cache_len", "window_left",
-                               "window_right"],
-            do_not_specialize_on_alignment=["SEQLENS_K", "BLOCK_TABLE", "CU_SEQLENS_Q"])
+                               "window_right", "stride_alibi_b"],
+            do_not_specialize_on_alignment=["SEQLENS_K", "BLOCK_TABLE", "CU_SEQLENS_Q", "ALIBI_SLOPES"])
 def decode_kernel(
-    Q, K, V, O, LSE, O_PART, LSE_PART, SEQLENS_K, BLOCK_TABLE, CU_SEQLENS_Q,
+    Q, K, V, O, LSE, O_PART, LSE_PART, SEQLENS_K, BLOCK_TABLE, CU_SEQLENS_Q, ALIBI_SLOPES,
     stride_qb, stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, stride_lse_h,
+    stride_alibi_b,
     seqlen_q, heads_kv, num_splits, k_page_rows, v_page_rows, k_rows, v_rows, cache_len,
     qk_scale, softcap_log2, window_left, window_right,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr,
+    LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    SPLIT: tl.constexpr,
     PER_SEQUENCE_LENGTHS: tl.constexpr, VARLEN_Q: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
@@ -158,10 +166,13 @@ def decode_kernel(
     split_tiles = tl.cdiv((end - start) // BLOCK_N, num_splits)
     lo = tl.minimum(start + split * split_tiles * BLOCK_N, end)
     hi = tl.minimum(lo + split_tiles * BLOCK_N, end)
+    slopes_log2 = tl.zeros([q.shape[0]], dtype=tl.float32)
+    if HAS_ALIBI:  # ALiBi's slope of each row's query head, (heads_q,) or per sequence (batch, heads_q)
+        slopes_log2 = tl.load(ALIBI_SLOPES + batch * stride_alibi_b + heads, mask=row_ok, other=0.0) * LOG2E
     acc, lse = _attend(q, k_desc, v_desc, BLOCK_TABLE, stride_bt, batch, tokens, lo, hi, un_lo, un_hi,
                        qk_scale, softcap_log2, seqlen_q, seqlen_k, window_left, window_right, k_page_rows,
-                       v_page_rows, BLOCK_N, PAGE_SIZE, HEAD_DIM_PAD, HAS_SOFTCAP, LEFT_BOUNDED, RIGHT_BOUNDED,
-                       DOT_PRECISION, UPCAST_DOT)
+                       v_page_rows, slopes_log2, BLOCK_N, PAGE_SIZE, HEAD_DIM_PAD, HAS_SOFTCAP, LEFT_BOUNDED,
+                       RIGHT_BOUNDED, HAS_ALIBI, DOT_PRECISION, UPCAST_DOT)
     dims = tl.arange(0, HEAD_DIM_PAD)
     # out and the partials are contiguous (batch, seqlen_q or total_q, heads_q[, splits], head_dim): one flat
     # row index; lse is (batch, heads_q, seqlen_q), or (heads_q, total_q) with stride_lse_h = total_q.

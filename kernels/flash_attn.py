@@ -47,7 +47,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
             (flash-attn's: of 256), and sequence b's keys are pages block_table[b, :ceil(len_b /
             page_block_size)], len_b from cu_seqlens_k (whose last entry is then no token count).
             Forward only (an error if an input requires grad under grad mode), as in flash-attn; no
-            dropout_p, alibi_slopes or return_attn_probs. Entries past a sequence's pages are never read.
+            dropout_p or return_attn_probs (alibi_slopes apply). Entries past a sequence's pages are never read.
             max_seqlen_k None is bounded by block_table's shape (no host read); check_lengths also
             checks the pages in use (inside the pool and the row).
         seqused_k: int32 (batch,): only the first seqused_k[b] <= len_b keys of sequence b are used

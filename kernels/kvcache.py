@@ -13,7 +13,7 @@ import torch
 
 from .cache_append import Rotary, rotate_and_append
 from .cache_pages import PAGE_MULTIPLE, check_rotary, count_bad_pages, raise_for_bad_pages
-from .checks import autocast_inputs, check_attention_args, describe, kernel_head_dim
+from .checks import autocast_inputs, check_alibi, check_attention_args, describe, kernel_head_dim
 from .decode import decode_attention, dense_forward_pays
 from .interface import kernel_impl, triton_attention
 from .kvcache_packed import kvcache_packed_queries, prefill_over_cache, rows_flatten
@@ -23,9 +23,10 @@ from .sizes import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, MIN_HEAD_DIM
 
 def _kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens_k: torch.Tensor,
                   block_table: Optional[torch.Tensor], max_seqlen_k: int, softmax_scale: float, window_left: int,
-                  window_right: int, softcap: float, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  window_right: int, softcap: float, num_splits: int,
+                  alibi_slopes: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return decode_attention(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, softmax_scale,
-                            window_left, window_right, softcap, num_splits)
+                            window_left, window_right, softcap, num_splits, alibi_slopes=alibi_slopes)
 
 
 # Eagerly the launcher is called directly; torch.compile sees the op (see interface.py for why).
@@ -34,13 +35,14 @@ _kvcache_fwd = torch.library.custom_op("flashformer::flash_attn_kvcache_fwd", _k
 
 @_kvcache_fwd.register_fake
 def _(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
-      num_splits):
+      num_splits, alibi_slopes):
     batch, seqlen_q, heads_q, _ = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
         (batch, heads_q, seqlen_q), dtype=torch.float32)
 
 
-def _kvcache_torch(q, k_cache, v_cache, spans, block_table, softmax_scale, window_left, window_right, softcap):
+def _kvcache_torch(q, k_cache, v_cache, spans, block_table, softmax_scale, window_left, window_right, softcap,
+                   alibi_slopes):
     """The PyTorch path: per sequence, gather its valid cache entries and run the tiled reference.
 
     Args:
@@ -53,6 +55,7 @@ def _kvcache_torch(q, k_cache, v_cache, spans, block_table, softmax_scale, windo
     batch, seqlen_q, heads_q, _ = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+    slopes = None if alibi_slopes is None else alibi_slopes.expand(batch, heads_q)
     for b, (row, start, end) in enumerate(spans):
         if block_table is None:
             k, v = k_cache[row, start:end], v_cache[row, start:end]
@@ -60,7 +63,7 @@ def _kvcache_torch(q, k_cache, v_cache, spans, block_table, softmax_scale, windo
             pages = block_table[b, :-(-end // k_cache.shape[1])]
             k, v = k_cache[pages].flatten(0, 1)[:end], v_cache[pages].flatten(0, 1)[:end]
         out[b:b + 1], lse[b:b + 1] = attention_tiled(q[b:b + 1], k[None], v[None], softmax_scale, window_left,
-                                                     window_right, softcap)
+                                                     window_right, softcap, None if slopes is None else slopes[b:b + 1])
     return out, lse
 
 
@@ -284,8 +287,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             path, which reads the lengths anyway, checks them all. True: everything, at one host sync
             per call. False: as None, and an error on the PyTorch path rather than a read of device
             values.
-        alibi_slopes: flash-attn's argument, accepted as None only: the decoding kernel has no ALiBi
-            (flash_attn_func and flash_attn_varlen_func do).
+        alibi_slopes: fp32 (heads_q,) or (batch, heads_q): ALiBi's bias -slope * |i + total_len - seqlen_q - j|
+            for query i and cache position j (from cache_leftpad[b] where given), as flash-attn's.
         cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q: flash-attn 3's packed form (continuous batching): q
             (total_q, heads_q, head_dim), sequence b's rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] (int32, batch + 1),
             k / v (total_new, ...) by cu_seqlens_k_new; no cache_batch_idx, cache_leftpad or num_splits.
@@ -295,16 +298,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         fp32, -inf for a row that sees no cache entry (its output is 0).
     """
     if cu_seqlens_q is not None or cu_seqlens_k_new is not None or max_seqlen_q is not None:
-        unsupported = dict(cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes,
-                           num_splits=num_splits or None)
+        unsupported = dict(cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, num_splits=num_splits or None)
         out, lse = kvcache_packed_queries(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cu_seqlens_q,
                                           cu_seqlens_k_new, max_seqlen_q, softmax_scale, causal, window_size, softcap,
-                                          check_lengths, rotary_cos, rotary_sin, rotary_interleaved, unsupported)
+                                          alibi_slopes, check_lengths, rotary_cos, rotary_sin, rotary_interleaved,
+                                          unsupported)
         return (out, lse) if return_lse or return_softmax_lse else out
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v}
-    if alibi_slopes is not None:
-        raise ValueError("alibi_slopes: flash_attn_with_kvcache has no ALiBi (flash_attn_func and "
-                         "flash_attn_varlen_func do); pass None")
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new keys and values to append) or both left None")
     if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors.values()):
@@ -323,6 +323,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # The dense checks (dtypes, device, head_dim, GQA heads, options); a paged cache's first dim is not the batch.
     softmax_scale, window_size = check_attention_args(q, k_cache, v_cache, 1, softmax_scale, window_size, softcap,
                                                       same_batch=False)
+    alibi_slopes = check_alibi(q, q.shape[0], alibi_slopes)
     if k_cache.dtype != q.dtype:  # torch.autocast cast q (and k, v); the caches, written in place, stay as they are
         raise ValueError(f"k_cache and v_cache hold {k_cache.dtype} but q runs in {q.dtype} under torch.autocast: "
                          f"allocate the caches in {q.dtype} (they are read and appended to in place)")
@@ -353,7 +354,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     return_lse = return_lse or return_softmax_lse
     if not triton_path:
         out, lse = _kvcache_torch(q, k_cache, v_cache, spans, block_table, softmax_scale, window_left,
-                                  window_right, float(softcap))
+                                  window_right, float(softcap), alibi_slopes)
         return (out, lse) if return_lse else out
     # A prompt, or a long chunk of one, runs on a dense forward over the cache's entries in use where that pays:
     # an int is one length shared by all rows of a contiguous cache (_check_kvcache_args), a tensor one per row
@@ -361,13 +362,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     dense = num_splits == 0 and dense_forward_pays(q.shape[0], q.shape[2], q.shape[1], q.device)
     if dense and isinstance(cache_seqlens, int) and cache_seqlens + seqlen_new:
         end = cache_seqlens + seqlen_new
-        out, lse = triton_attention(q, k_cache[:, :end], v_cache[:, :end], None, None, None, None, 0, 0,
+        out, lse = triton_attention(q, k_cache[:, :end], v_cache[:, :end], None, None, alibi_slopes, None, 0, 0,
                                     softmax_scale, window_left, window_right, float(softcap), 0.0, True)
         return (out, lse) if return_lse else out
     if dense and isinstance(cache_seqlens, torch.Tensor) and cache_batch_idx is None and cache_leftpad is None and (
             block_table is not None or rows_flatten(k_cache) and rows_flatten(v_cache)):
         out, lse = prefill_over_cache(q, k_cache, v_cache, block_table, cache_seqlens + seqlen_new, max_seqlen_k,
-                                      softmax_scale, window_left, window_right, float(softcap))
+                                      softmax_scale, window_left, window_right, float(softcap), alibi_slopes)
         return (out, lse.contiguous()) if return_lse else out
     compiling, keys_appended = torch.compiler.is_compiling(), 0
     if isinstance(cache_seqlens, int):  # eagerly the launcher takes the shared length as an int
@@ -385,7 +386,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     args = (q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, softmax_scale, window_left, window_right,
             float(softcap), num_splits)
     if compiling:
-        out, lse = _kvcache_fwd(*args)
+        out, lse = _kvcache_fwd(*args, alibi_slopes)
     else:  # eagerly straight to the launcher, which then needs no lse buffer unless one is asked for
-        out, lse = decode_attention(*args, return_lse=return_lse, keys_appended=keys_appended)
+        out, lse = decode_attention(*args, return_lse=return_lse, keys_appended=keys_appended,
+                                    alibi_slopes=alibi_slopes)
     return (out, lse) if return_lse else out

@@ -21,8 +21,8 @@ from .varlen_kv import check_block_table, check_seqused_k, paged_attention, page
 
 
 def kvcache_packed_queries(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cu_seqlens_q, cu_seqlens_k_new,
-                           max_seqlen_q, softmax_scale, causal, window_size, softcap, check_lengths, rotary_cos,
-                           rotary_sin, rotary_interleaved, unsupported):
+                           max_seqlen_q, softmax_scale, causal, window_size, softcap, alibi_slopes, check_lengths,
+                           rotary_cos, rotary_sin, rotary_interleaved, unsupported):
     """flash_attn_with_kvcache with flash-attn 3's packed queries (cu_seqlens_q): k, v (total_new, heads_kv,
     head_dim) appended first, sequence b's rows cu_seqlens_k_new[b]:cu_seqlens_k_new[b + 1] at its cache
     positions cache_seqlens[b] + i (rotated there first, as are the queries by flash_attn_with_kvcache's
@@ -87,8 +87,8 @@ def kvcache_packed_queries(q, k_cache, v_cache, k, v, cache_seqlens, block_table
     bound = capacity if seqused_k is not None else keys
     cu_seqlens_k = size_index(multiples, batch + 1, bound, device=device)  # keys per sequence: the bound
     return paged_varlen_attention(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, bound, 0.0,
-                                  softmax_scale, causal, window_size, softcap, None, False, block_table, seqused_k,
-                                  check_lengths, triton_path)
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, False, block_table,
+                                  seqused_k, check_lengths, triton_path)
 
 
 def one_page_per_row(batch, device):
@@ -116,7 +116,7 @@ def rows_flatten(cache):
 
 
 def prefill_over_cache(q, k_cache, v_cache, block_table, seqlens_k, max_seqlen_k, softmax_scale, window_left,
-                       window_right, softcap):
+                       window_right, softcap, alibi_slopes):
     """Sequence b's queries over the first seqlens_k[b] entries of its cache on a dense forward, without a host
     read of the lengths: a contiguous cache's rows flattened in place (rows_flatten), each row's other entries
     left out by offsets computed on the device, on the varlen forward; a paged cache through its block_table on
@@ -126,6 +126,7 @@ def prefill_over_cache(q, k_cache, v_cache, block_table, seqlens_k, max_seqlen_k
         q: (batch, seqlen_q, heads_q, head_dim); k_cache, v_cache: (batch, max_cache, heads_kv, head_dim), or
             page pools (num_pages, page_size, heads_kv, head_dim) with block_table (batch, pages per sequence).
         seqlens_k: int32 (batch,), each sequence's entries in use (after the append); max_seqlen_k: a bound.
+        alibi_slopes: None, or checked fp32 (heads_q,) / (batch, heads_q).
     Returns:
         out like q, lse (batch, heads_q, seqlen_q) (a transposed view).
     """
@@ -135,11 +136,14 @@ def prefill_over_cache(q, k_cache, v_cache, block_table, seqlens_k, max_seqlen_k
         cu_seqlens_q, first_keys = size_index(_row_pair_offsets, batch, seqlen_q, capacity, device=q.device)
         cu_seqlens_k = first_keys.clone()
         cu_seqlens_k[1::2].add_(seqlens_k)  # row b's used keys end sequence 2b (in place: no copy back)
+        if alibi_slopes is not None and alibi_slopes.dim() == 2:  # one row per sequence of the 2 * batch
+            alibi_slopes = alibi_slopes.repeat_interleave(2, dim=0)
         out, lse = triton_attention(q.flatten(0, 1), k_cache.flatten(0, 1), v_cache.flatten(0, 1), cu_seqlens_q,
-                                    cu_seqlens_k, None, None, seqlen_q, capacity, softmax_scale, window_left,
+                                    cu_seqlens_k, alibi_slopes, None, seqlen_q, capacity, softmax_scale, window_left,
                                     window_right, softcap, 0.0, True)
     else:
         cu_seqlens_q = size_index(multiples, batch + 1, seqlen_q, device=q.device)
         out, lse = paged_attention(q.flatten(0, 1), k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
-                                   seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, True)
+                                   seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, True,
+                                   alibi_slopes)
     return out.view(q.shape), lse.view(heads_q, batch, seqlen_q).transpose(0, 1)

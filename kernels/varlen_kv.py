@@ -12,9 +12,11 @@ the tiled varlen reference.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from .checks import (autocast_inputs, check_attention_args, check_cu_seqlens, describe, kernel_inputs,
+from .checks import (autocast_inputs, check_alibi, check_attention_args, check_cu_seqlens, describe, kernel_inputs,
                      max_seqlen_arg)
 from .interface import varlen_tiled
 from .cache_pages import PAGE_MULTIPLE, count_bad_pages, raise_for_bad_pages
@@ -111,9 +113,8 @@ def paged_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            seqused_k, check_lengths, triton_path):
     """flash_attn_varlen_func with block_table (arguments as it takes them, checked here); returns (out,
     lse), out at the kernels' head_dim (the caller slices head_dim_v)."""
-    if dropout_p != 0.0 or alibi_slopes is not None or return_attn_probs:
-        raise ValueError("block_table: the paged forward has no dropout_p, alibi_slopes or return_attn_probs "
-                         "(pass 0.0, None, False)")
+    if dropout_p != 0.0 or return_attn_probs:
+        raise ValueError("block_table: the paged forward has no dropout_p or return_attn_probs (pass 0.0, False)")
     if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v)):
         raise ValueError("block_table: flash_attn_varlen_func is forward-only with paged keys (as flash-attn): an "
                          "input requires grad; call it under torch.no_grad() or torch.inference_mode()")
@@ -130,6 +131,7 @@ def paged_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if cu_seqlens_k.numel() != cu_seqlens_q.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k describe {batch} and {cu_seqlens_k.numel() - 1} sequences")
     check_block_table(block_table, batch, q.device)
+    alibi_slopes = check_alibi(q, batch, alibi_slopes)
     if seqused_k is not None:
         check_seqused_k(seqused_k, batch, q.device)
     lengths = seqused_k if seqused_k is not None else cu_seqlens_k.diff()
@@ -144,25 +146,27 @@ def paged_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if not triton_path:
         k, v, cu_seqlens_k = _gathered_keys(k, v, block_table, lengths)
         return varlen_tiled(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right,
-                            float(softcap), None, 0.0, None)
+                            float(softcap), alibi_slopes, 0.0, None)
     from .decode import dense_forward_pays
 
     dense = dense_forward_pays(batch, q.shape[1], q.shape[0] // max(batch, 1), q.device)
     return paged_attention(q, k, v, cu_seqlens_q, lengths, block_table, max_seqlen_q, max_seqlen_k, softmax_scale,
-                           window_left, window_right, float(softcap), dense)
+                           window_left, window_right, float(softcap), dense, alibi_slopes)
 
 
 def _paged_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, lengths: torch.Tensor,
                 block_table: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
-                window_left: int, window_right: int, softcap: float, dense: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                window_left: int, window_right: int, softcap: float, dense: bool,
+                alibi_slopes: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     if dense:
         cu_seqlens_k = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
         return attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap, cu_seqlens_q,
-                                 cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=block_table)
+                                 cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes=alibi_slopes,
+                                 block_table=block_table)
     from .decode import decode_attention
 
     return decode_attention(q, k, v, lengths, block_table, max_seqlen_k, softmax_scale, window_left, window_right,
-                            softcap, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
+                            softcap, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, alibi_slopes=alibi_slopes)
 
 
 # Eagerly the launchers are called directly; torch.compile sees the op (see interface.py for why).
@@ -171,13 +175,13 @@ _paged_op = torch.library.custom_op("flashformer::paged_attention", _paged_impl,
 
 @_paged_op.register_fake
 def _(q, k, v, cu_seqlens_q, lengths, block_table, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-      window_right, softcap, dense):
+      window_right, softcap, dense, alibi_slopes):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
         (q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 def paged_attention(q, k, v, cu_seqlens_q, lengths, block_table, max_seqlen_q, max_seqlen_k, softmax_scale,
-                    window_left, window_right, softcap, dense):
+                    window_left, window_right, softcap, dense, alibi_slopes=None):
     """Packed queries against paged keys, forward only: sequence b's queries over its first lengths[b] keys, each
     read through row b of block_table, with no host read. ``dense``: on the tl forward kernel (offsets built on
     the device), else on decode.py's split kernel.
@@ -185,9 +189,10 @@ def paged_attention(q, k, v, cu_seqlens_q, lengths, block_table, max_seqlen_q, m
     Args:
         q: (total_q, heads_q, head_dim); k, v: page pools (num_pages, page_size, heads_kv, head_dim).
         lengths: int32 (batch,), each sequence's keys; max_seqlen_k: a bound on them.
+        alibi_slopes: None, or checked fp32 (heads_q,) / (batch, heads_q).
     Returns:
         out like q, lse (heads_q, total_q).
     """
     run = _paged_op if torch.compiler.is_compiling() else _paged_impl
     return run(q, k, v, cu_seqlens_q, lengths, block_table, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-               window_right, softcap, dense)
+               window_right, softcap, dense, alibi_slopes)

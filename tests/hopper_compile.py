@@ -131,6 +131,13 @@ def attention_constexprs(head_dim, block_m, block_n, causal=True, window=False, 
                 HAS_ALIBI=alibi, HAS_DROPOUT=dropout, IS_PAGED=paged)
 
 
+def decode_constexprs(**changes):
+    """decode_kernel's constexprs at head_dim 128, GQA 4:1, a paged cache, split, per-sequence lengths."""
+    return dict(GROUP=4, GROUP_PAD=4, BLOCK_T=16, BLOCK_N=64, PAGE_SIZE=256, HEAD_DIM=128, HEAD_DIM_PAD=128,
+                LEFT_BOUNDED=False, RIGHT_BOUNDED=True, HAS_SOFTCAP=False, HAS_ALIBI=False, SPLIT=True,
+                PER_SEQUENCE_LENGTHS=True, VARLEN_Q=False, DOT_PRECISION="tf32", UPCAST_DOT=False) | changes
+
+
 def append_constexprs(paged=False, packed=False, rotary=0):
     """rows_kernel's constexprs at head_dim 128 for k and v (per-sequence starts), rotated over all of head_dim."""
     return dict(ROWS=cache_append.ROWS, HEAD_DIM=128, HEAD_DIM_PAD=128, PAGED=paged, HAS_BATCH_IDX=False,
@@ -356,17 +363,10 @@ CASES = {
     "bwd_preprocess-d128": (bwd_stats._bwd_preprocess,
                             dict(HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK=64, IS_VARLEN=False, SEQS_PAD=1,
                                  HAS_DLSE=True), 4, 1),
-    "decode-d128-gqa4-paged": (decode_kernels.decode_kernel,
-                               dict(GROUP=4, GROUP_PAD=4, BLOCK_T=16, BLOCK_N=64, PAGE_SIZE=256, HEAD_DIM=128,
-                                    HEAD_DIM_PAD=128, LEFT_BOUNDED=False, RIGHT_BOUNDED=True, HAS_SOFTCAP=False,
-                                    SPLIT=True, PER_SEQUENCE_LENGTHS=True, VARLEN_Q=False, DOT_PRECISION="tf32",
-                                    UPCAST_DOT=False), 4, 3),
+    "decode-d128-gqa4-paged": (decode_kernels.decode_kernel, decode_constexprs(), 4, 3),
     # flash_attn_varlen_func's paged form: packed queries
-    "decode-d128-gqa4-paged-varlen": (decode_kernels.decode_kernel,
-                                      dict(GROUP=4, GROUP_PAD=4, BLOCK_T=16, BLOCK_N=64, PAGE_SIZE=256, HEAD_DIM=128,
-                                           HEAD_DIM_PAD=128, LEFT_BOUNDED=False, RIGHT_BOUNDED=True,
-                                           HAS_SOFTCAP=False, SPLIT=True, PER_SEQUENCE_LENGTHS=True, VARLEN_Q=True,
-                                           DOT_PRECISION="tf32", UPCAST_DOT=False), 4, 3),
+    "decode-d128-gqa4-paged-varlen": (decode_kernels.decode_kernel, decode_constexprs(VARLEN_Q=True), 4, 3),
+    "decode-d128-gqa4-paged-alibi": (decode_kernels.decode_kernel, decode_constexprs(HAS_ALIBI=True), 4, 3),
     "cache_append-d128-paged": (cache_append.rows_kernel, append_constexprs(paged=True), 4, 1),
     "cache_append-d128-packed": (cache_append.rows_kernel, append_constexprs(paged=True, packed=True), 4, 1),
     "cache_append-d128-rotary": (cache_append.rows_kernel, append_constexprs(rotary=cache_append.HALVES), 4, 1),

@@ -80,15 +80,17 @@ class Case:
         return flash_attn_with_kvcache(self.q, self.k_cache, self.v_cache, cache_seqlens=self.cache_seqlens,
                                        block_table=self.block_table, return_lse=True, **new, **opts)
 
-    def reference(self, upcast, causal=True, window_size=(-1, -1), softcap=0.0):
-        """(out, lse) of dense attention per sequence over its valid entries."""
+    def reference(self, upcast, causal=True, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+        """(out, lse) of dense attention per sequence over its valid entries; alibi_slopes (heads_q,) or
+        (batch, heads_q)."""
         outs, lses = [], []
         for b, n in enumerate(self.total):
             tensors = [self.q[b:b + 1], self.logical_k[b:b + 1, :n], self.logical_v[b:b + 1, :n]]
             if upcast:
                 tensors = [t.double() for t in tensors]
+            slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b:b + 1]
             out, lse = attention_materialized(*tensors, causal=causal, window_size=window_size, softcap=softcap,
-                                              upcast=upcast)
+                                              upcast=upcast, alibi_slopes=slopes)
             outs.append(out)
             lses.append(lse)
         return torch.cat(outs), torch.cat(lses)
@@ -114,8 +116,8 @@ class Case:
                 assert cache[b, n:limit].isnan().all(), f"sequence {b}: cache changed past its entries"
 
 
-def _check_against_reference(case, out, lse, causal, window_size, softcap):
-    opts = dict(causal=causal, window_size=window_size, softcap=softcap)
+def _check_against_reference(case, out, lse, causal, window_size, softcap, alibi_slopes=None):
+    opts = dict(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
     ref_out, ref_lse = case.reference(True, **opts)
     lowp_out, _ = case.reference(False, **opts)
     assert_within_2x("out", out, ref_out, lowp_out)
@@ -393,6 +395,31 @@ def test_split_heuristic():
             assert programs <= DEFAULT_SMS or programs / (-(-programs // wave) * wave) >= 0.95, (batch, keys)
 
 
+@pytest.mark.parametrize("route", ["decode", "decode-splits", "prompt", "prompt-int-lengths"])
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("slopes", ["per-head", "per-sequence"])
+def test_alibi_on_every_route(route, page_size, slopes, device, triton_path, monkeypatch):
+    """ALiBi (flash-attn's -slope * |i + seqlen_k - seqlen_q - j|, bottom-right) wherever a call runs: the split
+    decode kernel (one split and forced splits) and a prompt's dense forward (a contiguous cache on the varlen
+    forward or, with int lengths, the dense one; a paged cache on the tl forward through its block table), the
+    route's rule seeing a GPU of 4 SMs."""
+    if route == "prompt-int-lengths" and page_size:
+        pytest.skip("int lengths take a contiguous cache")
+    monkeypatch.setattr(decode, "device_sms", lambda device: 4)
+    prompt = route.startswith("prompt")
+    seqlen_q = DENSE_QUERY_TILE if prompt else 3
+    case = Case((40, 40) if route == "prompt-int-lengths" else (9, 70), seqlen_q, seqlen_q, (4, 2), 32,
+                torch.float16, page_size, device)
+    assert decode.dense_forward_pays(2, 4, seqlen_q, torch.device(device)) == prompt
+    alibi = torch.rand((2, 4) if slopes == "per-sequence" else (4,), device=device)
+    if route == "prompt-int-lengths":
+        out, lse = flash_attn_with_kvcache(case.q, case.k_cache, case.v_cache, case.k, case.v, cache_seqlens=40,
+                                           causal=True, alibi_slopes=alibi, return_lse=True)
+    else:
+        out, lse = case.run(alibi_slopes=alibi, num_splits=3 if route == "decode-splits" else 0)
+    _check_against_reference(case, out, lse, True, (-1, -1), 0.0, alibi)
+
+
 def test_causal_defaults_to_false_as_in_flash_attn(device, triton_path):
     """A call written for flash-attn that leaves causal out gets flash-attn's default: several query tokens each
     see every entry in use, appended ones included."""
@@ -662,18 +689,21 @@ def _rotated(x, angles, positions, interleaved):
 
 # (cache_seqlens as a tensor or an int, causal, window_size, rotary): every mask with every rotary layout
 # (the query's positions depend on the mask), and int lengths with and without rotary.
-ROW_CASES = [("tensor", causal, window, rotary) for (causal, window), rotary in itertools.product(
+# and ALiBi slopes (None, per head or per sequence) in two of them.
+ROW_CASES = [("tensor", causal, window, rotary, None) for (causal, window), rotary in itertools.product(
     [(True, (-1, -1)), (False, (-1, -1)), (False, (6, 0))], [None, "interleaved", "neox"])] + [
-    ("int", True, (-1, -1), None), ("int", False, (-1, -1), "neox")]
+    ("int", True, (-1, -1), None, None), ("int", False, (-1, -1), "neox", None),
+    ("tensor", True, (-1, -1), "neox", (3, 4)), ("int", False, (6, 0), None, (4,))]
 
 
-@pytest.mark.parametrize("lengths,causal,window_size,rotary", ROW_CASES)
+@pytest.mark.parametrize("lengths,causal,window_size,rotary,alibi_shape", ROW_CASES)
 @pytest.mark.parametrize("impl", ["triton", "torch"])
-def test_batch_idx_leftpad_rotary_match_reference(impl, lengths, causal, window_size, rotary, device, monkeypatch):
+def test_batch_idx_leftpad_rotary_match_reference(impl, lengths, causal, window_size, rotary, alibi_shape, device,
+                                                  monkeypatch):
     """Sequences in chosen rows of a larger cache (cache_batch_idx), starting past left padding
     (cache_leftpad), with rotary embeddings on q and the new keys, against PyTorch math on the rows
     gathered, rotated and sliced by hand. Entries outside each sequence are NaN, and a cache of 40
-    entries per row is no multiple of the kernel's pages."""
+    entries per row is no multiple of the kernel's pages. ALiBi's distances count from the left padding."""
     monkeypatch.setenv("FLASHFORMER_KERNEL", impl)
     monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
     batch_cache, max_cache, (heads_q, heads_kv), head_dim, seqlen_q, seqlen_new = 5, 40, (4, 2), 32, 2, 2
@@ -703,15 +733,17 @@ def test_batch_idx_leftpad_rotary_match_reference(impl, lengths, causal, window_
         gathered_k[b, end:end + seqlen_new], gathered_v[b, end:end + seqlen_new] = k_ref[b], v[b].double()
     before = k_cache.clone(), v_cache.clone()
     cache_seqlens = torch.tensor(cached, dtype=torch.int32, device=device) if lengths == "tensor" else cached[0]
+    alibi = None if alibi_shape is None else torch.rand(alibi_shape, device=device)
     out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, cache_batch_idx=rows,
                                   cache_leftpad=torch.tensor(leftpad, dtype=torch.int32, device=device),
-                                  causal=causal, window_size=window_size, **rotary_args)
+                                  causal=causal, window_size=window_size, alibi_slopes=alibi, **rotary_args)
     for b, (start, end) in enumerate(zip(leftpad, cached)):
         keys = slice(start, end + seqlen_new)
         tensors = (q_ref[b:b + 1], gathered_k[b:b + 1, keys], gathered_v[b:b + 1, keys])
-        ref, _ = attention_materialized(*tensors, causal=causal, window_size=window_size)
-        lowp, _ = attention_materialized(*(t.to(dtype) for t in tensors), causal=causal, window_size=window_size,
-                                         upcast=False)
+        opts = dict(causal=causal, window_size=window_size,
+                    alibi_slopes=alibi if alibi is None or alibi.dim() == 1 else alibi[b:b + 1])
+        ref, _ = attention_materialized(*tensors, **opts)
+        lowp, _ = attention_materialized(*(t.to(dtype) for t in tensors), upcast=False, **opts)
         assert_within_2x(f"out of sequence {b}", out[b:b + 1], ref, lowp)
     appended = torch.zeros(batch_cache, max_cache, dtype=torch.bool, device=device)
     for b, (row, end) in enumerate(zip(rows.tolist(), cached)):

@@ -211,8 +211,11 @@ def test_torch_compile_full_graph_with_dropout_and_alibi(device, triton_path):
     assert_compiles_full_graph(device, "dict(dropout_p=0.25, alibi_slopes=torch.rand(2, device=device))")
 
 
-def test_kvcache_refuses_alibi_by_name(device):
+@pytest.mark.parametrize("shape,dtype,match", [((3,), torch.float32, "must have shape"),
+                                               ((4,), torch.float16, "must be an fp32 tensor"),
+                                               ((2, 4), torch.float32, "must have shape")])
+def test_kvcache_checks_alibi_slopes_by_name(shape, dtype, match, device):
     q = torch.randn(1, 1, 4, 32, device=device, dtype=torch.float16)
     cache = torch.randn(1, 16, 2, 32, device=device, dtype=torch.float16)
-    with pytest.raises(ValueError, match="alibi_slopes: flash_attn_with_kvcache has no ALiBi"):
-        flash_attn_with_kvcache(q, cache, cache, alibi_slopes=torch.rand(4, device=device))
+    with pytest.raises(ValueError, match="alibi_slopes " + match):
+        flash_attn_with_kvcache(q, cache, cache, alibi_slopes=torch.rand(shape, device=device).to(dtype))

@@ -52,13 +52,16 @@ class Batch:
                                       max(len(t) for t in self.keys), block_table=self.block_table,
                                       seqused_k=self.seqused_k, return_lse=True, **opts)
 
-    def reference(self, upcast, **opts):
-        """(out, lse (heads_q, total_q)) of dense attention per sequence over its first used keys."""
+    def reference(self, upcast, alibi_slopes=None, **opts):
+        """(out, lse (heads_q, total_q)) of dense attention per sequence over its first used keys; alibi_slopes
+        (heads_q,) or (batch, heads_q)."""
         outs, lses = [], []
         for b, n in enumerate(self.used):
             q0, q1 = self.cu_q[b].item(), self.cu_q[b + 1].item()
             tensors = [self.q[None, q0:q1], self.keys[b][None, :n], self.values[b][None, :n]]
-            out, lse = attention_materialized(*[t.double() if upcast else t for t in tensors], upcast=upcast, **opts)
+            slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b:b + 1]
+            out, lse = attention_materialized(*[t.double() if upcast else t for t in tensors], upcast=upcast,
+                                              alibi_slopes=slopes, **opts)
             outs.append(out[0])
             lses.append(lse[0])
         return torch.cat(outs), torch.cat(lses, dim=1)
@@ -165,6 +168,20 @@ def test_prompts_over_pages_take_the_dense_forward(lengths_q, lengths_k, used, h
     assert_matches_reference(paged, **opts)
 
 
+@pytest.mark.parametrize("queries", ["decode", "prompt"])
+@pytest.mark.parametrize("slopes", ["per-head", "per-sequence"])
+def test_paged_alibi_matches_reference(queries, slopes, device, triton_path, monkeypatch):
+    """ALiBi over paged keys, flash-attn's bias bottom-right aligned in each sequence: on the split decode kernel (a
+    few queries a sequence) and on the tl forward (prompts, where the route's rule sees a GPU of 4 SMs)."""
+    monkeypatch.setattr(decode, "device_sms", lambda device: 4)
+    lengths_q, lengths_k = ([3, 1, 4], [40, 9, 70]) if queries == "decode" else ([130, 140], [160, 140])
+    batch = Batch(lengths_q, lengths_k, (4, 2), 32, torch.float16, 16, None, device)
+    dense = decode.dense_forward_pays(len(lengths_q), 4, sum(lengths_q) // len(lengths_q), torch.device(device))
+    assert dense == (queries == "prompt")
+    shape = (len(lengths_q), 4) if slopes == "per-sequence" else (4,)
+    assert_matches_reference(batch, causal=True, alibi_slopes=torch.rand(shape, device=device))
+
+
 def _reference_grads(batch, grad_out, upcast, alibi_slopes=None, **opts):
     """(out, dq, dk, dv) of dense attention per sequence over its first used packed keys; alibi_slopes
     (batch, heads_q) or None."""
@@ -241,7 +258,7 @@ def _small(device, page_size=16):
     (lambda b: dict(seqused_k=torch.tensor([3], dtype=torch.int32, device=b.q.device)),
      "seqused_k must be an int32 tensor of shape \\(batch=2,\\)"),
     (lambda b: dict(dropout_p=0.1), "no dropout_p"),
-    (lambda b: dict(alibi_slopes=torch.ones(2, device=b.q.device)), "no dropout_p, alibi_slopes"),
+    (lambda b: dict(alibi_slopes=torch.ones(3, device=b.q.device)), "alibi_slopes must have shape"),
     (lambda b: dict(q=b.q.clone().requires_grad_()), "forward-only"),
     (lambda b: dict(cu_seqlens_q=b.cu_q.long()), "cu_seqlens_q must be a 1-d int32"),
     (lambda b: dict(check_lengths=1), "check_lengths must be a bool"),
@@ -328,6 +345,21 @@ def test_kvcache_with_packed_queries(layout, lengths, torch_path, device, triton
     assert out.shape == batch.q.shape and lse.shape == ref_lse.shape
     assert_within_2x("out", out, ref_out, batch.reference(False, causal=True)[0])
     torch.testing.assert_close(lse, ref_lse.float(), atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("torch_path", [False, True], ids=["kernels", "torch"])
+def test_kvcache_with_packed_queries_and_alibi(torch_path, device, triton_path, monkeypatch):
+    """The packed form with ALiBi slopes per sequence: each sequence's bias aligned to its own cache length."""
+    if torch_path:
+        monkeypatch.setenv("FLASHFORMER_KERNEL", "torch")
+    lengths_k = [20, 32, 9]
+    batch = Batch([3, 1, 5], lengths_k, (4, 2), 32, torch.float16, None, None, device)
+    k_cache, v_cache = _as_cache(batch, 32)
+    slopes = torch.rand(3, 4, device=device)
+    out = flash_attn_with_kvcache(batch.q, k_cache, v_cache, cache_seqlens=_i32(lengths_k, device), causal=True,
+                                  alibi_slopes=slopes, cu_seqlens_q=batch.cu_q, max_seqlen_q=5)
+    assert_within_2x("out", out, batch.reference(True, causal=True, alibi_slopes=slopes)[0],
+                     batch.reference(False, causal=True, alibi_slopes=slopes)[0])
 
 
 @pytest.mark.parametrize("change,match", [
