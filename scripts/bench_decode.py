@@ -10,7 +10,8 @@ triton.testing.do_bench, which flushes L2 between runs):
 * SDPA with the flash and cuDNN backends, q (b, 32, 1, 128) against k/v (b, 8, L, 128),
   enable_gqa=True;
 * "graph": ours and SDPA cuDNN captured in a CUDA graph and replayed, i.e. the device time alone
-  (no Python launch cost), as a decoding loop under CUDA graphs would see it;
+  (no Python launch cost), as a decoding loop under CUDA graphs would see it; "ours graph ALiBi" the same
+  kernel with ALiBi slopes (its bias per logit);
 * host µs: wall time per call of the launcher (ours) and of SDPA's cuDNN call when the GPU is not the
   bottleneck;
   ``--host-profile N`` also prints where that time goes (cProfile of N calls at batch 1, 16k).
@@ -45,7 +46,8 @@ HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
 PAGE_SIZE = 256
 DTYPE = torch.bfloat16
 MEMORY_LIMIT = 60e9  # peak bytes of one cell: the cache plus one other layout of it
-METHODS = ("ours", "ours paged", "ours API", "SDPA flash", "SDPA cuDNN", "ours graph", "SDPA cuDNN graph")
+METHODS = ("ours", "ours paged", "ours API", "SDPA flash", "SDPA cuDNN", "ours graph", "ours graph ALiBi",
+           "SDPA cuDNN graph")
 HOST_CALLS = 200
 
 
@@ -134,6 +136,9 @@ def run_cell(batch, length, split_sweep=(), launch_configs=()):
             return decode_attention(q, k_cache, v_cache, seqlens, None, length, scale, -1, 0, 0.0)[0]
         times["ours"], outs["ours"] = _time(ours)
         times["ours graph"], outs["ours graph"] = _time_graphed(ours)
+        slopes = torch.rand(HEADS_Q, device=device)
+        times["ours graph ALiBi"], _ = _time_graphed(lambda: decode_attention(
+            q, k_cache, v_cache, seqlens, None, length, scale, -1, 0, 0.0, alibi_slopes=slopes)[0])
         host_us = _median_host_us(ours)
         times["ours API"], _ = _time(lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=length,
                                                                      causal=True))
