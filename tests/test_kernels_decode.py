@@ -395,16 +395,18 @@ def test_split_heuristic():
             assert programs <= DEFAULT_SMS or programs / (-(-programs // wave) * wave) >= 0.95, (batch, keys)
 
 
-@pytest.mark.parametrize("route", ["decode", "decode-splits", "prompt", "prompt-int-lengths"])
-@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged"])
+ALIBI_ROUTES = [pytest.param(route, page_size, id=f"{route}-{'paged' if page_size else 'contiguous'}")
+                for route in ("decode", "decode-splits", "prompt") for page_size in (None, 16)] + [
+    pytest.param("prompt-int-lengths", None, id="prompt-int-lengths-contiguous")]  # int lengths: contiguous only
+
+
+@pytest.mark.parametrize("route,page_size", ALIBI_ROUTES)
 @pytest.mark.parametrize("slopes", ["per-head", "per-sequence"])
 def test_alibi_on_every_route(route, page_size, slopes, device, triton_path, monkeypatch):
     """ALiBi (flash-attn's -slope * |i + seqlen_k - seqlen_q - j|, bottom-right) wherever a call runs: the split
     decode kernel (one split and forced splits) and a prompt's dense forward (a contiguous cache on the varlen
     forward or, with int lengths, the dense one; a paged cache on the tl forward through its block table), the
     route's rule seeing a GPU of 4 SMs."""
-    if route == "prompt-int-lengths" and page_size:
-        pytest.skip("int lengths take a contiguous cache")
     monkeypatch.setattr(decode, "device_sms", lambda device: 4)
     prompt = route.startswith("prompt")
     seqlen_q = DENSE_QUERY_TILE if prompt else 3
