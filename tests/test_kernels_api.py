@@ -114,7 +114,7 @@ def _entry_point_calls(device):
     head_dim the kernels pad, varlen over paged keys (max_seqlen_k left None) and with seqused_k, decoding
     against contiguous and paged caches with tensor and int lengths, appending new tokens (several per
     sequence too, and a prompt long enough for the dense forward), with packed queries, rotary embeddings,
-    chosen cache rows and left padding."""
+    chosen cache rows and left padding, and ALiBi over caches and paged keys."""
     from flashformer.kernels import (cu_seqlens_from_lengths, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                                      flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
                                      flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
@@ -159,6 +159,9 @@ def _entry_point_calls(device):
     chunk_cu = cu_seqlens_from_lengths([3, 9]).to(device)
     calls.append(functools.partial(flash_attn_varlen_func, packed_q[:12], pool_k, pool_v, chunk_cu,
                                    cu_seqlens_from_lengths([40, 64]).to(device), 9, block_table=table, causal=True))
+    calls.append(functools.partial(flash_attn_varlen_func, packed_q[:12], pool_k, pool_v, chunk_cu,
+                                   cu_seqlens_from_lengths([40, 64]).to(device), 9, block_table=table, causal=True,
+                                   alibi_slopes=slopes))
     calls.append(functools.partial(grads, flash_attn_varlen_func, packed_q, packed_k, packed_v, cu_seqlens_q=cu,
                                    cu_seqlens_k=cu, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths),
                                    seqused_k=torch.tensor([30, 0, 90, 1], dtype=torch.int32, device=device)))
@@ -169,6 +172,9 @@ def _entry_point_calls(device):
                                            cache_seqlens=lengths_given, block_table=block_table))
         calls.append(functools.partial(flash_attn_with_kvcache, chunk_q, *caches, k=chunk_k, v=chunk_v,
                                        cache_seqlens=cache_seqlens, block_table=block_table))
+        calls.append(functools.partial(flash_attn_with_kvcache, step_q, *caches, k=step_k, v=step_v,
+                                       cache_seqlens=cache_seqlens, block_table=block_table,
+                                       alibi_slopes=slopes.expand(2, 4).contiguous()))
     # a prompt over the cache, long enough that dense_forward_pays: the dense forward over the rows in use
     prompt = DENSE_QUERY_TILE * -(-device_sms(torch.device(device)) // 8)
     prompt_q, prompt_k, prompt_v = (torch.randn(2, prompt, heads, 64, device=device, dtype=dtype)
@@ -177,6 +183,9 @@ def _entry_point_calls(device):
     for lengths_given in (cache_seqlens, 40):
         calls.append(functools.partial(flash_attn_with_kvcache, prompt_q, *prompt_caches, k=prompt_k, v=prompt_v,
                                        cache_seqlens=lengths_given))
+    calls.append(functools.partial(flash_attn_with_kvcache, prompt_q, *prompt_caches, k=prompt_k, v=prompt_v,
+                                   cache_seqlens=cache_seqlens, causal=True,
+                                   alibi_slopes=torch.rand(2, 4, device=device)))
     angles = torch.rand(128, 16, device=device)
     for caches, block_table in (((cache_k, cache_v), None), ((pool_k, pool_v), table)):  # continuous batching
         calls.append(functools.partial(flash_attn_with_kvcache, packed_q[:12], *caches, cache_seqlens=cache_seqlens,
