@@ -20,7 +20,9 @@ TFLOP/s counts each query's visible keys (cached + its position + 1): 4 * pairs 
 Each cell records the API calls' and the decode kernel's largest difference from ours dense, and each of our
 calls' host time (flashformer.profiling.host_ms_per_call: calls queued behind a GPU sleep), which bounds a call
 from below wherever it exceeds the kernels' time. Prints two markdown tables last (TFLOP/s; host against timed
-µs per call), after --profile's per-call host profiles; writes JSON to --out after every cell.
+µs per call), after --profile's per-call host profiles; writes JSON to --out after every cell. ``--kernel-times N``
+adds the kernels of each API call (torch.profiler, device µs per call over N traced calls): which launch of a route
+holds its device time where its timed µs exceed its host µs.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from tqdm import tqdm
 
 from flashformer.kernels import flash_attn_func, flash_attn_with_kvcache
 from flashformer.kernels.decode import decode_attention
-from flashformer.profiling import benchmark_provenance, host_ms_per_call, host_profile
+from flashformer.profiling import benchmark_provenance, host_ms_per_call, host_profile, kernel_times
 
 DTYPE = torch.bfloat16
 METHODS = ("ours API", "ours API, tensor lengths", "ours API, paged", "ours decode kernel", "ours decode kernel, paged",
@@ -97,7 +99,7 @@ def paged_copy(k_cache, v_cache, page_size):
     return *pools, order.view(batch, pages).int()
 
 
-def run_cell(batch, heads_q, heads_kv, head_dim, cached, new, page_size, profile_top=0):
+def run_cell(batch, heads_q, heads_kv, head_dim, cached, new, page_size, profile_top=0, kernel_iters=0):
     device = torch.device("cuda")
     end = cached + new
     k_cache, v_cache = (torch.randn(batch, end, heads_kv, head_dim, device=device, dtype=DTYPE) for _ in range(2))
@@ -130,6 +132,8 @@ def run_cell(batch, heads_q, heads_kv, head_dim, cached, new, page_size, profile
     ms = {name: _time(fn) for name, fn in calls.items()}
     host_ms = {name: host_ms_per_call(fn) for name, fn in calls.items()}
     profiles = {name: host_profile(fn, profile_top) for name, fn in calls.items() if profile_top}
+    kernels = {name: sorted(kernel_times(calls[name], kernel_iters)[0].items(), key=lambda item: -item[1])
+               for name in METHODS[:3] if kernel_iters}
     for name, backend in (("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION), ("SDPA flash", SDPBackend.FLASH_ATTENTION)):
         ms[name] = _time_sdpa(sdpa, backend)
     dense = calls["ours dense"]().float()
@@ -137,7 +141,7 @@ def run_cell(batch, heads_q, heads_kv, head_dim, cached, new, page_size, profile
     flops = 4 * batch * heads_q * head_dim * causal_pairs(cached, new)
     return {"batch": batch, "heads_q": heads_q, "heads_kv": heads_kv, "head_dim": head_dim, "cached": cached,
             "new": new, "page_size": page_size, "ms": ms, "tflops": {name: None if t is None else flops / t / 1e9 for name, t in ms.items()},
-            "max_diff_from_dense": diffs, "host_ms": host_ms, "host_profiles": profiles}
+            "max_diff_from_dense": diffs, "host_ms": host_ms, "host_profiles": profiles, "kernel_ms": kernels}
 
 
 def cell_columns(c):
@@ -173,6 +177,15 @@ def host_markdown(cells):
     return "\n".join(lines)
 
 
+def kernel_markdown(cells):
+    """Each API call's kernels, device µs per call, largest first."""
+    lines = ["| batch | heads | head_dim | cached | new | call | kernel | µs |", "|" + "---|" * 8]
+    for c in cells:
+        for name, kernels in c["kernel_ms"].items():
+            lines += [cell_columns(c) + f"{name} | {kernel[:60]} | {ms * 1e3:.1f} |" for kernel, ms in kernels]
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", type=parse_cell, nargs="+", default=DEFAULT_CELLS,
@@ -181,6 +194,8 @@ def main():
                         "16 by default: each key tile then spans pages)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print, per cell and call, the N functions of most own host time (cProfile)")
+    parser.add_argument("--kernel-times", type=int, default=0, metavar="N",
+                        help="also trace N calls of each API route and print its kernels' device µs per call")
     parser.add_argument("--out", default="runs/bench_prefill.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -188,7 +203,7 @@ def main():
     cells = []
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     for cell in tqdm(args.cells, desc="prefill cells"):
-        cells.append(run_cell(*cell, args.page_size, args.profile))
+        cells.append(run_cell(*cell, args.page_size, args.profile, args.kernel_times))
         torch.cuda.empty_cache()
         with open(args.out, "w") as f:  # after every cell: a run cut short keeps what it measured
             json.dump({**benchmark_provenance(), "dtype": str(DTYPE), "cells": cells}, f, indent=2)
@@ -197,6 +212,8 @@ def main():
             print(f"\nhost profile, {cell_columns(c)}{name}: function | calls | own ms | cumulative ms")
             for function, calls, own, cumulative in rows:
                 print(f"  {function} | {calls} | {own:.4f} | {cumulative:.4f}")
+    if args.kernel_times:
+        print(kernel_markdown(cells))
     print(markdown(cells))
     print(host_markdown(cells))
 

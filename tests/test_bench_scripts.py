@@ -729,3 +729,8 @@ def test_prefill_tables_have_a_column_per_call():
     header, rule, line = prefill.host_markdown([cell]).splitlines()
     assert header.count("|") == rule.count("|") == line.count("|") == 5 + 6 + 1
     assert line.endswith("| 40 / 250 | 40 / 250 |")
+    cell["kernel_ms"] = {"ours API, tensor lengths": [("_attn_fwd_kernel", 0.2125), ("rows_kernel", 0.0041)]}
+    header, rule, *lines = prefill.kernel_markdown([cell]).splitlines()
+    assert header.count("|") == rule.count("|") == 9 and all(line.count("|") == 9 for line in lines)
+    assert lines == ["| 2 | 32:8 | 128 | 0 | 512 | ours API, tensor lengths | _attn_fwd_kernel | 212.5 |",
+                     "| 2 | 32:8 | 128 | 0 | 512 | ours API, tensor lengths | rows_kernel | 4.1 |"]
