@@ -435,8 +435,15 @@ def train(cfg: TrainConfig) -> TrainResult:
     trainer = None
     try:
         trainer = Trainer(cfg)
-        return trainer.fit()
+        result = trainer.fit()
+        # Every rank's collectives complete (a gloo barrier waits for all earlier work) before anything that
+        # holds the group is freed: a gloo group destroyed with work in flight can block its rank for good.
+        barrier(trainer.env)
+        return result
     finally:
         if trainer is not None:
             trainer.close()
+        # The model (DDP's reducer), optimizer and data go here, on every rank alike and while the group
+        # exists, not at whatever point the caller's frame lets go of them.
+        trainer = None
         shutdown_distributed()
