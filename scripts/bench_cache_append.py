@@ -1,12 +1,14 @@
-"""What flash_attn_with_kvcache does before attention, timed: the rotary append's device time (cache_append's
-rows_kernel against PyTorch's form, with their largest difference), and the host time of a decoding step at
-batch 1 (int lengths, tensor lengths with a one-token append, the same with rotary, the packed form).
+"""What flash_attn_with_kvcache does before attention, timed: the rotary append's device and host time
+(cache_append's rows_kernel against PyTorch's form, with their largest difference), and the host time of a
+decoding step at batch 1 (int lengths, tensor lengths with a one-token append, the same with rotary, the packed
+form).
 
     python3 scripts/bench_cache_append.py --out bench_cache_append.json
     python3 scripts/with_tree.py run .gpu/trees/<commit> scripts/bench_cache_append.py   # an older version
 
-Device µs: triton.testing.do_bench's median. Host µs: flashformer.profiling.host_ms_per_call (calls queued behind
-a GPU sleep). Prints a markdown table last (CUDA only).
+Device µs: the kernels' own time per call under the profiler (flashformer.profiling.kernel_times), which a
+host-bound call cannot inflate. Host µs: flashformer.profiling.host_ms_per_call (calls queued behind a GPU sleep).
+Prints a markdown table last (CUDA only).
 """
 
 from __future__ import annotations
@@ -15,15 +17,22 @@ import argparse
 import json
 
 import torch
-import triton
 
 from flashformer.kernels import flash_attn_with_kvcache
 from flashformer.kernels.cache_append import Rotary, rotate_and_append, rotate_and_append_reference
-from flashformer.profiling import benchmark_provenance, host_ms_per_call
+from flashformer.profiling import benchmark_provenance, host_ms_per_call, kernel_times
 
 HEADS_Q, HEADS_KV, HEAD_DIM, CAPACITY, DTYPE = 32, 8, 128, 4096, torch.bfloat16
 # (batch, new tokens per sequence): a 2k-token prompt chunk, decoding steps at batch 8 and 64.
 APPEND_SHAPES = [(1, 2048), (8, 1), (64, 1)]
+PROFILED_CALLS = 50
+
+
+def device_and_host_us(call):
+    """(device µs, host µs) per call: the sum of its kernels' times, and its host time."""
+    call()
+    device_ms = sum(kernel_times(call, PROFILED_CALLS)[0].values())
+    return round(device_ms * 1e3, 1), round(host_ms_per_call(call) * 1e3, 1)
 
 
 def rotary_append_rows():
@@ -43,12 +52,13 @@ def rotary_append_rows():
             expected = rotate_and_append_reference(q, k_cache, v_cache, k, v, lengths, None, None, rotary)
             diff = max((a.float() - b.float()).abs().max().item()
                        for a, b in zip((ours, *caches), (expected, k_cache, v_cache)))
-            kernel_ms = triton.testing.do_bench(lambda: rotate_and_append(
-                q, k_cache, v_cache, k, v, lengths, None, None, rotary, triton_path=True), return_mode="median")
-            torch_ms = triton.testing.do_bench(lambda: rotate_and_append_reference(
-                q, k_cache, v_cache, k, v, lengths, None, None, rotary), return_mode="median")
-            rows.append(dict(batch=batch, new_tokens=new, layout=layout, kernel_us=round(kernel_ms * 1e3, 1),
-                             pytorch_us=round(torch_ms * 1e3, 1), max_diff=diff))
+            kernel_us, kernel_host_us = device_and_host_us(lambda: rotate_and_append(
+                q, k_cache, v_cache, k, v, lengths, None, None, rotary, triton_path=True))
+            torch_us, torch_host_us = device_and_host_us(lambda: rotate_and_append_reference(
+                q, k_cache, v_cache, k, v, lengths, None, None, rotary))
+            rows.append(dict(batch=batch, new_tokens=new, layout=layout, kernel_us=kernel_us,
+                             kernel_host_us=kernel_host_us, pytorch_us=torch_us, pytorch_host_us=torch_host_us,
+                             max_diff=diff))
     return rows
 
 
@@ -89,11 +99,12 @@ def main():
         append, host = rotary_append_rows(), decode_step_host_rows()
     with open(args.out, "w") as f:
         json.dump(dict(provenance=benchmark_provenance(), rotary_append=append, decode_step_host=host), f, indent=1)
-    print("| batch | new tokens | rotary | kernel µs | PyTorch µs | kernel / PyTorch | max diff |")
+    print("| batch | new | rotary | kernel device / host µs | PyTorch device / host µs | device ratio | max diff |")
     print("|---|---|---|---|---|---|---|")
     for r in append:
-        print(f"| {r['batch']} | {r['new_tokens']} | {r['layout']} | {r['kernel_us']} | {r['pytorch_us']} | "
-              f"{r['kernel_us'] / r['pytorch_us']:.2f} | {r['max_diff']:.1e} |")
+        print(f"| {r['batch']} | {r['new_tokens']} | {r['layout']} | {r['kernel_us']} / {r['kernel_host_us']} | "
+              f"{r['pytorch_us']} / {r['pytorch_host_us']} | {r['kernel_us'] / r['pytorch_us']:.2f} | "
+              f"{r['max_diff']:.1e} |")
     print("| decoding step, batch 1 | host µs |\n|---|---|")
     for r in host:
         print(f"| {r['call']} | {r['host_us']} |")
