@@ -51,8 +51,10 @@ for stage in "${stages[@]}"; do
               echo "readme: the README's packages are missing (datasets, numpy<2.4): send .whl/ (scripts/h200_wheels.sh)"
               continue
             fi
-            timeout -s INT -k 30 "${README_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider > "$RES/readme.log" 2>&1
-            grep -a "^FAILED\|passed\|failed" "$RES/readme.log" | tail -40 ;;
+            # --durations only adds the slowest tests' times to the report (which ones hold the run's end)
+            timeout -s INT -k 30 "${README_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider --durations=12 \
+              > "$RES/readme.log" 2>&1
+            grep -a "^FAILED\|passed\|failed\|^[0-9.]*s call" "$RES/readme.log" | tail -40 ;;
     first-call) timeout 420 python3 scripts/bench_first_call.py ${FIRST_CALL_ARGS:-} --out "$RES/first_call.json" 2>&1 \
               | tee "$RES/first_call.log" | grep "^|" ;;
     host)   timeout 300 python3 scripts/bench_host.py ${HOST_ARGS:-} --out "$RES/host.json" 2>&1 | tee "$RES/host.log" | grep "^|" ;;
