@@ -6,7 +6,8 @@ triton.testing.do_bench, which flushes L2 between runs):
 
 * ours: the kernel launcher on a contiguous cache; ours paged: the same cache as shuffled pages of
   256; ours API: flash_attn_with_kvcache (contiguous) with cache_seqlens as an int, as the model's
-  decoding loop calls it (argument checks, no host sync);
+  decoding loop calls it (argument checks, no host sync); "ours API, tensor lengths": the same with int32
+  (batch,) cache_seqlens, as flash-attn users call it;
 * SDPA with the flash and cuDNN backends, q (b, 32, 1, 128) against k/v (b, 8, L, 128),
   enable_gqa=True;
 * "graph": ours and SDPA cuDNN captured in a CUDA graph and replayed, i.e. the device time alone
@@ -46,8 +47,8 @@ HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
 PAGE_SIZE = 256
 DTYPE = torch.bfloat16
 MEMORY_LIMIT = 60e9  # peak bytes of one cell: the cache plus one other layout of it
-METHODS = ("ours", "ours paged", "ours API", "SDPA flash", "SDPA cuDNN", "ours graph", "ours graph ALiBi",
-           "SDPA cuDNN graph")
+METHODS = ("ours", "ours paged", "ours API", "ours API, tensor lengths", "SDPA flash", "SDPA cuDNN", "ours graph",
+           "ours graph ALiBi", "SDPA cuDNN graph")
 HOST_CALLS = 200
 
 
@@ -142,6 +143,8 @@ def run_cell(batch, length, split_sweep=(), launch_configs=()):
         host_us = _median_host_us(ours)
         times["ours API"], _ = _time(lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=length,
                                                                      causal=True))
+        times["ours API, tensor lengths"], _ = _time(lambda: flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=seqlens, causal=True))
         sweep_ms = {splits: _time_graphed(lambda s=splits: decode_attention(
             q, k_cache, v_cache, seqlens, None, length, scale, -1, 0, 0.0, s)[0])[0] for splits in split_sweep}
         config_ms, config_diffs = {}, {}
@@ -239,7 +242,7 @@ def plot_cells(cells, path):
 
 def markdown(cells):
     header = (["batch", "cache length", "splits"] + [f"{name} TB/s" for name in METHODS]
-              + ["graph: ours / cuDNN", "ours host µs", "cuDNN host µs",
+              + ["graph: ours / cuDNN", "eager: API, tensor lengths / cuDNN", "ours host µs", "cuDNN host µs",
                  "max abs diff vs SDPA flash (ours / paged / graph)"])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for cell in cells:
@@ -248,11 +251,13 @@ def markdown(cells):
             continue
         diffs = cell["max_abs_diff_vs_sdpa_flash"]
         rates = cell["tb_per_s"]
-        ratio = (rates["ours graph"] / rates["SDPA cuDNN graph"]
-                 if rates["ours graph"] is not None and rates["SDPA cuDNN graph"] is not None else None)
+        ratio, eager_ratio = (rates[ours] / rates[cudnn] if rates[ours] is not None and rates[cudnn] is not None
+                              else None for ours, cudnn in (("ours graph", "SDPA cuDNN graph"),
+                                                            ("ours API, tensor lengths", "SDPA cuDNN")))
         row = ([str(cell["batch"]), str(cell["cache_len"]), str(cell["num_splits"])]
                + [_fmt(rates[name], ".2f") for name in METHODS]
-               + [_fmt(ratio, ".2f"), f"{cell['ours_host_us']:.0f}", _fmt(cell["cudnn_host_us"], ".0f"),
+               + [_fmt(ratio, ".2f"), _fmt(eager_ratio, ".2f"), f"{cell['ours_host_us']:.0f}",
+                  _fmt(cell["cudnn_host_us"], ".0f"),
                   " / ".join(_fmt(diffs[name], ".1e") for name in ("ours", "ours paged", "ours graph"))])
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)

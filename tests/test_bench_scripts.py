@@ -161,7 +161,7 @@ def test_decode_table_shows_both_host_times():
     columns = [c.strip() for c in header.strip("|").split("|")]
     values = dict(zip(columns, (c.strip() for c in row.strip("|").split("|"))))
     assert values["ours host µs"] == "125" and values["cuDNN host µs"] == "58"
-    assert values["graph: ours / cuDNN"] == "1.00"
+    assert values["graph: ours / cuDNN"] == "1.00" and values["eager: API, tensor lengths / cuDNN"] == "1.00"
     assert decode.markdown([{**cell, "cudnn_host_us": None}]).splitlines()[2].count("–") == 1
 
 
