@@ -15,7 +15,8 @@ triton.testing.do_bench, which flushes L2 between runs):
   kernel with ALiBi slopes (its bias per logit);
 * host µs: wall time per call of the launcher (ours) and of SDPA's cuDNN call when the GPU is not the
   bottleneck;
-  ``--host-profile N`` also prints where that time goes (cProfile of N calls at batch 1, 16k).
+  ``--host-profile TOP`` also prints where that time goes: a breakdown by part, and the TOP functions of most
+  host time per call of the launcher and of the API (cProfile of calls queued behind a GPU sleep, batch 1, 16k).
 
 TB/s = bytes of K and V read / time. Each cell checks ours (both layouts) against SDPA flash. Cells
 whose tensors would pass MEMORY_LIMIT are skipped. Prints a markdown table last; writes JSON to --out.
@@ -25,10 +26,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import cProfile
 import json
 import os
-import pstats
 import time
 
 import torch
@@ -41,7 +40,7 @@ from flashformer.kernels.cache_append import (rotate_and_append, rotate_and_appe
                                               rotate_and_append_packed_reference, rotate_and_append_reference)
 from flashformer.kernels.decode import choose_num_splits, decode_attention
 from flashformer.kernels.kvcache import flash_attn_with_kvcache
-from flashformer.profiling import benchmark_provenance, capture_cuda_graph
+from flashformer.profiling import benchmark_provenance, capture_cuda_graph, host_profile
 
 HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
 PAGE_SIZE = 256
@@ -363,24 +362,28 @@ def host_breakdown(length=4096):
         print(f"| {name} | {value} |")
 
 
-def host_profile(calls, length=16384):
-    """Print the functions that take the host time of ``calls`` launcher calls (batch 1, cProfile)."""
+def print_host_profiles(top, length=16384):
+    """Print the ``top`` functions of most own host time per call of the launcher and of flash_attn_with_kvcache
+    (int lengths; tensor lengths with a one-token append), batch 1 (flashformer.profiling.host_profile)."""
     q = torch.randn(1, 1, HEADS_Q, HEAD_DIM, device="cuda", dtype=DTYPE)
     k_cache, v_cache = (torch.randn(1, length, HEADS_KV, HEAD_DIM, device="cuda", dtype=DTYPE) for _ in range(2))
+    k, v = (torch.randn(1, 1, HEADS_KV, HEAD_DIM, device="cuda", dtype=DTYPE) for _ in range(2))
     seqlens = torch.full((1,), length, dtype=torch.int32, device="cuda")
+    before = seqlens - 1
+    calls = {
+        "the launcher": lambda: decode_attention(q, k_cache, v_cache, seqlens, None, length, HEAD_DIM**-0.5, -1, 0,
+                                                 0.0),
+        "flash_attn_with_kvcache, int cache_seqlens": lambda: flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=length, causal=True),
+        "flash_attn_with_kvcache, tensor cache_seqlens, one token appended": lambda: flash_attn_with_kvcache(
+            q, k_cache, v_cache, k, v, cache_seqlens=before, causal=True),
+    }
     with torch.inference_mode():
-        def ours():
-            return decode_attention(q, k_cache, v_cache, seqlens, None, length, HEAD_DIM**-0.5, -1, 0, 0.0)
-        ours()
-        torch.cuda.synchronize()
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(calls):
-            ours()
-        profiler.disable()
-        torch.cuda.synchronize()
-    print(f"host profile of {calls} launcher calls (batch 1, cache {length}), by own time:")
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
+        for name, call in calls.items():
+            call()
+            print(f"\nhost profile, {name} (batch 1, cache {length}): function | calls | own µs | cumulative µs")
+            for function, n_calls, own_ms, cumulative_ms in host_profile(call, top):
+                print(f"  {function} | {n_calls} | {own_ms * 1e3:.1f} | {cumulative_ms * 1e3:.1f}")
 
 
 def main():
@@ -388,7 +391,8 @@ def main():
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536, 131072])
     parser.add_argument("--out", default="runs/bench_decode.json")
-    parser.add_argument("--host-profile", type=int, default=0, metavar="N", help="also profile N launcher calls")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="TOP",
+                        help="also time the host parts of a step and list each call's TOP functions of most host time")
     parser.add_argument("--plot", help="also draw TB/s against cache length into this PNG (needs matplotlib)")
     parser.add_argument("--split-sweep", type=int, nargs="+", default=[], metavar="SPLITS",
                         help="also time ours in CUDA graphs at each of these split counts (device time), to check "
@@ -417,7 +421,7 @@ def main():
                    "page_size": PAGE_SIZE, "cells": cells}, f, indent=2)
     if args.host_profile:
         host_breakdown()
-        host_profile(args.host_profile)
+        print_host_profiles(args.host_profile)
     if args.plot and plot_cells(cells, args.plot):
         print(f"wrote {args.plot}")
     print(markdown(cells))

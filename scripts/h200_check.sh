@@ -10,7 +10,7 @@
 # (CUDA_VISIBLE_DEVICES=0 / 1, the second started a few seconds later), each with its own RES (results
 # directory) and RESULTS (archive name). Narrowing knobs: TUNE_ARGS (default: --head-dims 64 128 256), ATTN_ARGS (default:
 # all impls, head dims 64 128 256), SLOW_FILTER (a pytest -k expression splitting the slow sweep across calls), SLOW_TIMEOUT,
-# DECODE_ARGS (default: --host-profile 200), PREFILL_ARGS (bench_prefill's --cells, --kernel-times), TRAIN_ARGS (default: --seqlens 1024 4096 16384 --steps 50 --profile 5),
+# DECODE_ARGS (default: --host-profile 15), PREFILL_ARGS (bench_prefill's --cells, --kernel-times), TRAIN_ARGS (default: --seqlens 1024 4096 16384 --steps 50 --profile 5),
 # FIRST_CALL_ARGS (bench_first_call's --shapes and --timeout), HOST_ARGS (bench_host's --shapes), COUNTERS_ARGS
 # (kernel_counters.py's --impls / --passes / --seqlens), TREE_SCRIPT / TREE_ARGS / TREE_TIMEOUT (the trees stage). The interpreter test in `readme` needs numpy<2.4
 # under Triton 3.6, as the README pins: carry that wheel in .whl/ where the machine's numpy is newer.
@@ -92,7 +92,7 @@ for stage in "${stages[@]}"; do
     generate) timeout 300 python3 scripts/bench_generate.py configs/models/llama-125m.yaml --batches 1 8 \
               --out "$RES/generate.json" 2>&1 | tee "$RES/generate.log" | grep "^|" ;;
     descriptors) timeout 60 python3 scripts/bench_descriptors.py 2>&1 | tee "$RES/descriptors.log" | grep "^|" ;;
-    decode) timeout 150 python3 scripts/bench_decode.py ${DECODE_ARGS:---host-profile 200} --out "$RES/decode.json" \
+    decode) timeout 150 python3 scripts/bench_decode.py ${DECODE_ARGS:---host-profile 15} --out "$RES/decode.json" \
               --plot "$RES/decode.png" 2>&1 \
               | tee "$RES/decode.log" | grep -A30 "^host profile\|^|" ;;
     prefill) # a prompt through the KV cache: the public call (dense forward where it pays), the decode kernel, SDPA
