@@ -49,7 +49,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
             Forward only (an error if an input requires grad under grad mode), as in flash-attn; no
             dropout_p or return_attn_probs (alibi_slopes apply). Entries past a sequence's pages are never read.
             max_seqlen_k None is bounded by block_table's shape (no host read); check_lengths also
-            checks the pages in use (inside the pool and the row).
+            checks the pages in use (inside the pool and the row). Under torch.autocast the pools must
+            already be in its dtype (only q is cast).
         seqused_k: int32 (batch,): only the first seqused_k[b] <= len_b keys of sequence b are used
             (causal aligns to seqused_k[b]), packed or paged; check_lengths (or reading the offsets)
             checks it. Packed keys take every other option and the backward (the unused keys' gradient

@@ -141,6 +141,11 @@ def paged_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     # The kernel sizes its split count by max_seqlen_k: without one, the block_table's shape bounds it.
     bound_k = block_table.shape[1] * k.shape[1]
     max_seqlen_k = max_seqlen_arg("max_seqlen_k", bound_k if max_seqlen_k is None else max_seqlen_k, longest_k)
+    device_type = q.device.type
+    if torch.is_autocast_enabled(device_type) and k.dtype != torch.get_autocast_dtype(device_type):
+        # A cast would copy both whole pools on every call, a cost the caller would not see.
+        raise ValueError(f"k and v are paged pools of {k.dtype} but q runs in {torch.get_autocast_dtype(device_type)} "
+                         "under torch.autocast: allocate the pools in that dtype (they are read in place)")
     q, k, v = kernel_inputs(*autocast_inputs(q, k, v))
     window_left, window_right = normalize_window(causal, window_size)
     if not triton_path:

@@ -218,6 +218,25 @@ def test_seqused_k_backward(impl, deterministic, alibi, device, monkeypatch):
     assert (ours[2][unused] == 0).all() and (ours[3][batch.v.isnan()] == 0).all()
 
 
+def test_pools_of_another_dtype_than_autocast_are_refused(device, triton_path):
+    """Under torch.autocast q is cast, the paged pools are not: a cast would copy both whole pools per call. Pools in
+    another dtype raise, naming them; in the autocast dtype the call runs in it."""
+    batch = Batch([3, 5], [40, 70], (4, 2), 32, torch.float32, 16, None, device)
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16), pytest.raises(ValueError,
+                                                                                      match="paged pools of"):
+        batch.run()
+    batch.k, batch.v = batch.k.bfloat16(), batch.v.bfloat16()
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        out, _ = batch.run()
+    assert out.dtype == torch.bfloat16
+    # The reference from the inputs as the kernels read them (bf16-rounded), so that only the output's rounding
+    # and the kernels' arithmetic remain.
+    batch.q = batch.q.bfloat16()
+    batch.keys, batch.values = ([t.bfloat16() for t in ts] for ts in (batch.keys, batch.values))
+    ref, _ = batch.reference(True)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=0)
+
+
 def test_seqused_k_equals_truncated_offsets(device, triton_path):
     """seqused_k on packed keys gives what the same keys cut to those lengths give through the dense
     varlen kernel (whose offsets then name only the used keys)."""
