@@ -3,7 +3,7 @@
 # Each stage has its own time limit so that one slow stage cannot eat the lease; results come back
 # as $OUT/results.tgz (and $OUT/tuned_configs.json after the tune stage).
 # Usage on the device machine: bash scripts/h200_check.sh [stage ...]   (default: all stages)
-# Stages: readme quick compile slow tune descriptors decode prefill generate attention varlen first-call host fused-bwd counters
+# Stages: readme first-command quick compile slow tune descriptors decode prefill generate attention varlen first-call host fused-bwd counters
 # determinism trees train train-chunked memory pi longctx-2m longctx-wait
 # Each stage's limit fits one 10-minute device call with its neighbours: pi beside (half of) slow, quick + tune +
 # attention + varlen + decode when narrowed. Two instances may run at once on a machine of two GPUs
@@ -55,6 +55,13 @@ for stage in "${stages[@]}"; do
             timeout -s INT -k 30 "${README_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider --durations=12 \
               > "$RES/readme.log" 2>&1
             grep -a "^FAILED\|passed\|failed\|^[0-9.]*s call" "$RES/readme.log" | tail -40 ;;
+    first-command) # the README's first command as a user runs it (no environment variables): its eval losses,
+            # sample and time; the run lands in runs/tiny, its metrics and loss plot in the results
+            rm -rf runs/tiny
+            cli=(flashformer); command -v flashformer > /dev/null || cli=(python3 -m flashformer.cli)  # not on PATH
+            ( time timeout 400 "${cli[@]}" train configs/tiny.yaml ) > "$RES/first_command.log" 2>&1
+            echo "exit $?"; cp runs/tiny/metrics.jsonl runs/tiny/loss.png "$RES/" 2>/dev/null
+            tr '\r' '\n' < "$RES/first_command.log" | grep -a -v "it/s\]\|s/it\]" | grep -a . | tail -25 ;;
     first-call) timeout 420 python3 scripts/bench_first_call.py ${FIRST_CALL_ARGS:-} --out "$RES/first_call.json" 2>&1 \
               | tee "$RES/first_call.log" | grep "^|" ;;
     host)   timeout 300 python3 scripts/bench_host.py ${HOST_ARGS:-} --out "$RES/host.json" 2>&1 | tee "$RES/host.log" | grep "^|" ;;
