@@ -61,7 +61,7 @@ for stage in "${stages[@]}"; do
             cli=(flashformer); command -v flashformer > /dev/null || cli=(python3 -m flashformer.cli)  # not on PATH
             ( time timeout 400 "${cli[@]}" train configs/tiny.yaml ) > "$RES/first_command.log" 2>&1
             echo "exit $?"; cp runs/tiny/metrics.jsonl runs/tiny/loss.png "$RES/" 2>/dev/null
-            tr '\r' '\n' < "$RES/first_command.log" | grep -a -v "it/s\]\|s/it\]" | grep -a . | tail -25 ;;
+            tr '\r' '\n' < "$RES/first_command.log" | grep -a -v '%|' | grep -a . | tail -25 ;;
     first-call) timeout 420 python3 scripts/bench_first_call.py ${FIRST_CALL_ARGS:-} --out "$RES/first_call.json" 2>&1 \
               | tee "$RES/first_call.log" | grep "^|" ;;
     host)   timeout 300 python3 scripts/bench_host.py ${HOST_ARGS:-} --out "$RES/host.json" 2>&1 | tee "$RES/host.log" | grep "^|" ;;
