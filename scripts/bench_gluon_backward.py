@@ -9,7 +9,8 @@ first (--smoke): one that hangs or fails there is reported and left out of the r
 --check first compares dq/dk/dv of every variant (and of the whole Gluon path through
 flash_attn_func, lse gradient included) with fp64 autograd on odd shapes, outputs
 NaN-poisoned, by flash-attn's rule: at most twice the tl backward's error; the ordered fused forms must also give
-bit-identical gradients on a second run. Then, for every
+bit-identical gradients on a second run; each line ends with the gradients' digest (two versions' logs, from
+scripts/with_tree.py, say whether they computed the same bits). Then, for every
 head_dim / causal / seqlen cell (batch * seqlen = --tokens, heads * head_dim = 2048, 8 heads at
 head_dim 256), it times the backward alone (out, lse and dO given) with do_bench: TFLOP/s at 2.5x the
 forward's FLOPs (--rounds N: N times in alternating order, the median), and the Gluon path's three launches
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import hashlib
 import json
 import statistics
 import subprocess
@@ -132,10 +134,20 @@ def max_error(got, ref):
     return (got.double() - ref).abs().nan_to_num(float("inf")).max().item()
 
 
+def digest(tensors):
+    """The first 12 hex digits of the sha256 of the tensors' bytes: two runs (two trees) with equal digests gave the
+    same bits."""
+    sha = hashlib.sha256()
+    for t in tensors:
+        sha.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return sha.hexdigest()[:12]
+
+
 def check_candidates(variants):
     """Every variant's (and BLOCK_M candidate's) gradients against fp64 autograd, with outputs
     NaN-poisoned (a freed buffer handed back by torch's allocator can hold the right answer in rows
-    a kernel never writes); the deterministic fused variant twice, bit for bit."""
+    a kernel never writes); the deterministic fused variant twice, bit for bit. Each check line ends with the
+    gradients' digest, so that two versions' logs show whether they computed the same bits (the inputs are seeded)."""
     launch.POISON_OUTPUTS = True
     failures = 0
     try:
@@ -186,7 +198,8 @@ def check_candidates(variants):
                 failures += not ok
                 text = ", ".join(f"{n} {e:.2e} (tl {t:.2e})" for n, e, t in zip(("dq", "dk", "dv"), errors, tl_errors))
                 text += "" if repeat_same else ", second run differs"
-                print(f"check {label} {name}{'' if covered else ' (tl fallback)'}: {text} {'ok' if ok else 'FAIL'}")
+                print(f"check {label} {name}{'' if covered else ' (tl fallback)'}: {text} {'ok' if ok else 'FAIL'} "
+                      f"digest {digest(grads)}")
     finally:
         launch.POISON_OUTPUTS = False
     return failures
