@@ -24,11 +24,13 @@ import math
 import torch
 
 from .masking import key_block_range, normalize_window, visible_mask
+from .sizes import next_power_of_2
 
-# Tile sizes of the CPU loop: large enough that each einsum amortises Python overhead,
-# small enough that one tile of scores (batch * heads * TILE_Q * TILE_K fp32) stays modest.
-TILE_Q = 512
-TILE_K = 512
+# Tile sizes of the CPU loop: large enough that each einsum amortises Python overhead, small enough that one tile of
+# scores (batch * heads * MAX_TILE^2 fp32) stays modest. Under a causal or window mask a row of tiles holds about four,
+# so that most of the scores past the mask are skipped with their tiles rather than computed and discarded.
+MAX_TILE = 512
+MIN_TILE = 128
 
 _LOW_32_BITS = 0xFFFFFFFF
 # Philox4x32's Weyl key increments and round multipliers (Salmon et al., SC'11), as in triton.language.random.
@@ -143,13 +145,21 @@ def _grouped_slopes(alibi_slopes, batch, heads_kv, group):
     return None if alibi_slopes is None else alibi_slopes.view(batch, heads_kv, group)
 
 
+def tile_size(seqlen_q, seqlen_k, window_left, window_right):
+    """Rows and keys per tile of the CPU loop: MAX_TILE unmasked, about a quarter of the longer side under a mask."""
+    if window_left < 0 and window_right < 0:
+        return MAX_TILE
+    return min(MAX_TILE, max(MIN_TILE, next_power_of_2(max(seqlen_q, seqlen_k)) // 4))
+
+
 def _tile_pairs(seqlen_q, seqlen_k, window_left, window_right):
     """Yield (q0, q1, k0, k1, needs_mask) for every tile pair with at least one visible score."""
-    for q0 in range(0, seqlen_q, TILE_Q):
-        q1 = min(q0 + TILE_Q, seqlen_q)
+    tile = tile_size(seqlen_q, seqlen_k, window_left, window_right)
+    for q0 in range(0, seqlen_q, tile):
+        q1 = min(q0 + tile, seqlen_q)
         lo, full_lo, full_hi, hi = key_block_range(q0, q1, seqlen_q, seqlen_k, window_left, window_right)
-        for k0 in range((lo // TILE_K) * TILE_K, hi, TILE_K):
-            k1 = min(k0 + TILE_K, seqlen_k)
+        for k0 in range((lo // tile) * tile, hi, tile):
+            k1 = min(k0 + tile, seqlen_k)
             yield q0, q1, k0, k1, not (full_lo <= k0 and k1 <= full_hi)
 
 

@@ -105,7 +105,7 @@ def test_torch_path_memory_is_linear():
                                    check=True).stdout)
     scores_mib = seqlen * seqlen * 4 // 2**20
     assert grown_mib < scores_mib // 8, f"peak RSS grew {grown_mib} MiB (scores would be {scores_mib} MiB)"
-    assert reference.TILE_Q * reference.TILE_K * 4 < scores_mib * 2**20 // 64
+    assert reference.MAX_TILE**2 * 4 < scores_mib * 2**20 // 64
 
 
 def _entry_point_calls(device):
