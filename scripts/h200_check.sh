@@ -3,8 +3,8 @@
 # Each stage has its own time limit so that one slow stage cannot eat the lease; results come back
 # as $OUT/results.tgz (and $OUT/tuned_configs.json after the tune stage).
 # Usage on the device machine: bash scripts/h200_check.sh [stage ...]   (default: all stages)
-# Stages: readme first-command quick compile slow tune descriptors decode prefill generate attention varlen first-call host fused-bwd counters
-# determinism trees train train-chunked memory pi longctx-2m longctx-wait
+# Stages: readme first-command quick compile slow tune descriptors decode prefill generate attention varlen first-call
+# host fused-bwd counters determinism trees train train-chunked memory pi longctx-2m longctx-wait
 # Each stage's limit fits one 10-minute device call with its neighbours: pi beside (half of) slow, quick + tune +
 # attention + varlen + decode when narrowed. Two instances may run at once on a machine of two GPUs
 # (CUDA_VISIBLE_DEVICES=0 / 1, the second started a few seconds later), each with its own RES (results
