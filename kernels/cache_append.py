@@ -191,6 +191,8 @@ def rotate_and_append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cac
     Returns:
         q, rotated where rotary applies (a new tensor), else q itself.
     """
+    if k is None and rotary is None:
+        return q
     if not _kernel_serves(triton_path, rotary, q, k_cache, v_cache, k, v) or rotary is None and isinstance(
             cache_seqlens, int):  # then the append is two slice copies
         return rotate_and_append_reference(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,

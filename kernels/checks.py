@@ -23,6 +23,15 @@ def describe(x):
     return repr(x)
 
 
+def check_index_layout(name, t):
+    """Raise unless ``t``, a 1-d int tensor argument (already checked as one), is contiguous: the kernels read entry
+    b at offset b, so a strided one (a column of a 2-d tensor, a slice with a step) would be misread, not copied.
+    flash-attn refuses them too."""
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (the kernels read its entries at unit stride), got stride "
+                         f"{t.stride()}: pass {name}.contiguous()")
+
+
 def _check_tensor(name, t, rank):
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -167,6 +176,7 @@ def check_cu_seqlens(name, cu_seqlens, total, device, read_values=True):
         raise ValueError(f"{name} is on {cu_seqlens.device}, q on {device}")
     if cu_seqlens.numel() < 2:
         raise ValueError(f"{name} needs at least 2 entries (batch + 1), got {cu_seqlens.numel()}")
+    check_index_layout(name, cu_seqlens)
     if not read_values or torch.compiler.is_compiling():
         return None
     key = id(cu_seqlens)

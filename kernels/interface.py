@@ -48,6 +48,11 @@ def force_kernel_impl(impl: str):
         _forced_impl = previous
 
 
+def forced_impl() -> str:
+    """The implementation that force_kernel_impl or else FLASHFORMER_KERNEL asks for ("auto" when neither does)."""
+    return _forced_impl or settings.forced_kernel()
+
+
 # CUDA device index -> whether the Gluon kernels run there (a plain dict: torch.compile traces its reads).
 _GLUON_DEVICES: dict[int, bool] = {}
 
@@ -75,7 +80,7 @@ def kernel_impl(device: torch.device | str | None = None) -> str:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if not isinstance(device, torch.device):
         device = torch.device(device)
-    forced = _forced_impl or settings.forced_kernel()
+    forced = forced_impl()
     if forced in KERNEL_IMPLS:
         if forced == "gluon" and not (device.type == "cuda" and hopper_gluon_available(
                 device.index if device.index is not None else torch.cuda.current_device())):

@@ -7,15 +7,16 @@ reference.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from .cache_append import Rotary, rotate_and_append
 from .cache_pages import PAGE_MULTIPLE, check_rotary, count_bad_pages, raise_for_bad_pages
-from .checks import autocast_inputs, check_alibi, check_attention_args, describe, kernel_head_dim
+from .checks import (autocast_inputs, check_alibi, check_attention_args, check_index_layout, describe,
+                     kernel_head_dim)
 from .decode import decode_attention, dense_forward_pays
-from .interface import kernel_impl, triton_attention
+from .interface import forced_impl, kernel_impl, triton_attention
 from .kvcache_packed import kvcache_packed_queries, prefill_over_cache, rows_flatten
 from .masking import normalize_window
 from .reference import attention_tiled
@@ -128,6 +129,7 @@ def _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_id
                 or t.device != q.device):
             raise ValueError(f"{name} must be an int32 tensor of shape (batch={batch},) on {q.device}, got "
                              f"{describe(t)}")
+        check_index_layout(name, t)
     entries = k_cache.shape[0] * k_cache.shape[1]
     if (cache_batch_idx is not None or cache_leftpad is not None) and entries < PAGE_MULTIPLE:
         raise ValueError(f"cache_batch_idx / cache_leftpad need a cache of at least {PAGE_MULTIPLE} entries in all "
@@ -169,6 +171,7 @@ def _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_id
             or cache_seqlens.shape != (batch,) or cache_seqlens.device != q.device):
         raise ValueError(f"cache_seqlens must be an int or an int32 tensor of shape (batch={batch},) on {q.device}, "
                          f"got {describe(cache_seqlens)}")
+    check_index_layout("cache_seqlens", cache_seqlens)
     return cache_seqlens, None
 
 
@@ -234,6 +237,59 @@ def _capacity(k_cache, block_table):
     return k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
 
 
+class _CheckedCall(NamedTuple):
+    """What the checks of a call on the decode kernel's route derived, the same for every call of its signature."""
+    softmax_scale: float
+    window_left: int
+    window_right: int
+    softcap: float
+    max_cached: int  # the most entries a sequence may hold before the append: its capacity - seqlen_new
+    seqlen_new: int
+
+
+# A decoding step's host time is most of it at batch 1 and much of it at batch 8 on the H200: a loop's later steps
+# skip the checks (about as long as the launches) by their signature.
+_CHECKED_CALLS: dict[tuple, _CheckedCall] = {}
+MAX_CHECKED_CALLS = 256  # a model decodes with a handful; a long-lived server must not grow without bound
+_NUMBERS = (int, float)
+
+
+def _call_signature(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                    block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+                    num_splits, check_lengths):
+    """Everything flash_attn_with_kvcache's checks and route choice read of a call, as a dict key: its tensors'
+    layouts, its options' values, whether it needs grad and the forced implementation; a call's int cache_seqlens
+    is checked apart (_CheckedCall.max_cached). None for a call checked every time: one whose checks read device values
+    (check_lengths=True, cache_batch_idx, cache_leftpad), that autocast casts, that is traced, or with an argument
+    of another type than the checks accept (whose error the checks name)."""
+    if (cache_batch_idx is not None or cache_leftpad is not None
+            or not (check_lengths is None or check_lengths is False) or type(num_splits) is not int
+            or type(causal) is not bool or type(rotary_interleaved) is not bool or type(softcap) not in _NUMBERS
+            or softmax_scale is not None and type(softmax_scale) not in _NUMBERS
+            or type(window_size) is not tuple or len(window_size) != 2
+            or type(window_size[0]) is not int or type(window_size[1]) is not int):
+        return None
+    if type(cache_seqlens) is int and block_table is None:  # (with a block table the checks make it a tensor)
+        lengths = int
+    elif type(cache_seqlens) is torch.Tensor:
+        lengths = (cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device)
+    else:
+        return None
+    grad = torch.is_grad_enabled()  # then an input that requires grad is an error
+    signature = [lengths, softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits, check_lengths,
+                 forced_impl()]
+    for t in (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, block_table, alibi_slopes):
+        if t is None:
+            signature.append(None)
+        elif type(t) is torch.Tensor:
+            signature.append((t.shape, t.stride(), t.dtype, t.device, grad and t.requires_grad))
+        else:
+            return None
+    if torch.compiler.is_compiling() or torch.is_autocast_enabled(q.device.type):
+        return None
+    return tuple(signature)
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
@@ -297,13 +353,40 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out (batch, seqlen_q, heads_q, head_dim), or (out, lse) with lse (batch, heads_q, seqlen_q)
         fp32, -inf for a row that sees no cache entry (its output is 0).
     """
+    return_lse = return_lse or return_softmax_lse
     if cu_seqlens_q is not None or cu_seqlens_k_new is not None or max_seqlen_q is not None:
         unsupported = dict(cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, num_splits=num_splits or None)
         out, lse = kvcache_packed_queries(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cu_seqlens_q,
                                           cu_seqlens_k_new, max_seqlen_q, softmax_scale, causal, window_size, softcap,
                                           alibi_slopes, check_lengths, rotary_cos, rotary_sin, rotary_interleaved,
                                           unsupported)
-        return (out, lse) if return_lse or return_softmax_lse else out
+        return (out, lse) if return_lse else out
+    signature = _call_signature(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                                rotary_interleaved, alibi_slopes, num_splits, check_lengths)
+    checked = _CHECKED_CALLS.get(signature) if signature is not None else None
+    if checked is not None and (type(cache_seqlens) is not int or 0 <= cache_seqlens <= checked.max_cached):
+        rotary = None if rotary_cos is None else Rotary(rotary_cos, rotary_sin, rotary_interleaved,
+                                                        per_query_token=causal or window_size != (-1, -1))
+        q = rotate_and_append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, None, rotary, True)
+        # a tensor's lengths are trusted unread (check_lengths): the kernel reads up to the capacity
+        max_seqlen_k = (cache_seqlens if type(cache_seqlens) is int else checked.max_cached) + checked.seqlen_new
+        out, lse = _decode_route(q, k_cache, v_cache, cache_seqlens, checked.seqlen_new, block_table, None, None,
+                                 max_seqlen_k, checked.softmax_scale, checked.window_left, checked.window_right,
+                                 checked.softcap, num_splits,
+                                 None if alibi_slopes is None else alibi_slopes.contiguous(), return_lse)
+    else:
+        out, lse = _checked_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                 cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                                 rotary_interleaved, alibi_slopes, num_splits, return_lse, check_lengths, signature)
+    return (out, lse) if return_lse else out
+
+
+def _checked_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                  block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+                  num_splits, return_lse, check_lengths, signature):
+    """flash_attn_with_kvcache with every check; a call that reaches the decode kernel keeps what they derived
+    under its signature (None: keeps nothing). Returns (out, lse), lse None where return_lse is False on CUDA."""
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v}
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new keys and values to append) or both left None")
@@ -351,11 +434,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                                     per_query_token=causal or window_size != (-1, -1))
     q = rotate_and_append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary, triton_path)
     window_left, window_right = normalize_window(causal, window_size)
-    return_lse = return_lse or return_softmax_lse
     if not triton_path:
         out, lse = _kvcache_torch(q, k_cache, v_cache, spans, block_table, softmax_scale, window_left,
                                   window_right, float(softcap), alibi_slopes)
-        return (out, lse) if return_lse else out
+        return out, lse
     # A prompt, or a long chunk of one, runs on a dense forward over the cache's entries in use where that pays:
     # an int is one length shared by all rows of a contiguous cache (_check_kvcache_args), a tensor one per row
     # (or per sequence of a paged cache).
@@ -364,12 +446,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         end = cache_seqlens + seqlen_new
         out, lse = triton_attention(q, k_cache[:, :end], v_cache[:, :end], None, None, alibi_slopes, None, 0, 0,
                                     softmax_scale, window_left, window_right, float(softcap), 0.0, True)
-        return (out, lse) if return_lse else out
+        return out, lse
     if dense and isinstance(cache_seqlens, torch.Tensor) and cache_batch_idx is None and cache_leftpad is None and (
             block_table is not None or rows_flatten(k_cache) and rows_flatten(v_cache)):
         out, lse = prefill_over_cache(q, k_cache, v_cache, block_table, cache_seqlens + seqlen_new, max_seqlen_k,
                                       softmax_scale, window_left, window_right, float(softcap), alibi_slopes)
-        return (out, lse.contiguous()) if return_lse else out
+        return out, lse.contiguous()
+    if signature is not None and not dense:
+        if len(_CHECKED_CALLS) >= MAX_CHECKED_CALLS:
+            _CHECKED_CALLS.clear()
+        _CHECKED_CALLS[signature] = _CheckedCall(softmax_scale, window_left, window_right, float(softcap),
+                                                 _capacity(k_cache, block_table) - seqlen_new, seqlen_new)
+    return _decode_route(q, k_cache, v_cache, cache_seqlens, seqlen_new, block_table, cache_batch_idx, cache_leftpad,
+                         max_seqlen_k, softmax_scale, window_left, window_right, float(softcap), num_splits,
+                         alibi_slopes, return_lse)
+
+
+def _decode_route(q, k_cache, v_cache, cache_seqlens, seqlen_new, block_table, cache_batch_idx, cache_leftpad,
+                  max_seqlen_k, softmax_scale, window_left, window_right, softcap, num_splits, alibi_slopes,
+                  return_lse):
+    """The decode kernel over the caches, their new entries already appended (arguments as checked)."""
     compiling, keys_appended = torch.compiler.is_compiling(), 0
     if isinstance(cache_seqlens, int):  # eagerly the launcher takes the shared length as an int
         seqlens_k = cache_seqlens + seqlen_new
@@ -384,10 +480,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if cache_leftpad is not None:
             seqlens_k = seqlens_k - cache_leftpad
     args = (q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, softmax_scale, window_left, window_right,
-            float(softcap), num_splits)
+            softcap, num_splits)
     if compiling:
         out, lse = _kvcache_fwd(*args, alibi_slopes)
     else:  # eagerly straight to the launcher, which then needs no lse buffer unless one is asked for
         out, lse = decode_attention(*args, return_lse=return_lse, keys_appended=keys_appended,
                                     alibi_slopes=alibi_slopes)
-    return (out, lse) if return_lse else out
+    return out, lse

@@ -16,8 +16,8 @@ from typing import Optional
 
 import torch
 
-from .checks import (autocast_inputs, check_alibi, check_attention_args, check_cu_seqlens, describe, kernel_inputs,
-                     max_seqlen_arg)
+from .checks import (autocast_inputs, check_alibi, check_attention_args, check_cu_seqlens, check_index_layout,
+                     describe, kernel_inputs, max_seqlen_arg)
 from .interface import varlen_tiled
 from .cache_pages import PAGE_MULTIPLE, count_bad_pages, raise_for_bad_pages
 from .flash_fwd import attention_forward
@@ -52,6 +52,7 @@ def check_seqused_k(seqused_k, batch, device):
             or seqused_k.shape != (batch,) or seqused_k.device != device):
         raise ValueError(f"seqused_k must be an int32 tensor of shape (batch={batch},) on {device}, got "
                          f"{describe(seqused_k)}")
+    check_index_layout("seqused_k", seqused_k)
 
 
 def _check_key_counts(k, cu_seqlens_k, block_table, seqused_k, lengths):

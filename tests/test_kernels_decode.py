@@ -14,7 +14,7 @@ import triton
 from attention_checks import assert_within_2x
 
 from flashformer.kernels import attention_materialized, flash_attn_func, flash_attn_varlen_func, launch
-from flashformer.kernels import decode
+from flashformer.kernels import decode, kvcache
 from flashformer.kernels.decode import (DEFAULT_SMS, DENSE_QUERY_TILE, RESIDENT_PER_SM, TARGET_KEYS_PER_SPLIT,
                                         choose_num_splits)
 from flashformer.kernels.kvcache import flash_attn_with_kvcache
@@ -625,6 +625,7 @@ def test_device_values_are_unread_by_default(paged, change, device, triton_path)
     (False, lambda a: dict(q=a["q"].requires_grad_()), "inference-only"),
     (False, lambda a: dict(num_splits=-1), "num_splits"),
     (False, lambda a: dict(window_size=(1,)), "window_size"),
+    (False, lambda a: dict(cache_seqlens=a["cache_seqlens"].repeat_interleave(2)[::2]), "cache_seqlens must be contig"),
 ])
 def test_bad_inputs_name_the_argument(paged, change, match, device, triton_path):
     args, paged_args = _bad_inputs(device)
@@ -633,6 +634,38 @@ def test_bad_inputs_name_the_argument(paged, change, match, device, triton_path)
     args.update(change(args))
     caches = [args["k_cache"].clone(), args["v_cache"].clone()]
     with pytest.raises(ValueError, match=match):
+        flash_attn_with_kvcache(**args)
+    assert torch.equal(args["k_cache"], caches[0]) and torch.equal(args["v_cache"], caches[1]), "cache modified"
+
+
+def test_repeated_calls_are_checked_as_the_first(device, triton_path, monkeypatch):
+    """A decoding loop's later calls skip the checks that their signature (layouts, options) settles, and equal the
+    fully checked call; what else a check reads (an int length's value, grad mode, autocast, FLASHFORMER_KERNEL)
+    still raises on any call, before the caches change."""
+    monkeypatch.setattr(kvcache, "_CHECKED_CALLS", {})
+    args, _ = _bad_inputs(device)
+    for lengths in (args["cache_seqlens"], 39):
+        args["cache_seqlens"] = lengths
+        kvcache._CHECKED_CALLS.clear()
+        with torch.no_grad():
+            checked = flash_attn_with_kvcache(**args, check_lengths=True)
+            assert not kvcache._CHECKED_CALLS, "a call that reads device values kept its checks"
+            first = flash_attn_with_kvcache(**args)
+            assert len(kvcache._CHECKED_CALLS) == 1
+            repeated = flash_attn_with_kvcache(**args)
+        assert torch.equal(first, checked) and torch.equal(repeated, checked)
+    caches = [args["k_cache"].clone(), args["v_cache"].clone()]
+    with torch.no_grad(), pytest.raises(ValueError, match="too small: sequence 0 needs 41"):
+        flash_attn_with_kvcache(**{**args, "cache_seqlens": 40})
+    with torch.no_grad(), pytest.raises(ValueError, match="-1 is negative"):
+        flash_attn_with_kvcache(**{**args, "cache_seqlens": -1})
+    with pytest.raises(ValueError, match="inference-only"):
+        flash_attn_with_kvcache(**{**args, "q": args["q"].clone().requires_grad_()})
+    with torch.no_grad(), torch.autocast(torch.device(device).type, dtype=torch.bfloat16), \
+            pytest.raises(ValueError, match="k_cache and v_cache hold torch.float16"):
+        flash_attn_with_kvcache(**args)
+    monkeypatch.setenv("FLASHFORMER_KERNEL", "fastest")
+    with torch.no_grad(), pytest.raises(ValueError, match="FLASHFORMER_KERNEL='fastest'"):
         flash_attn_with_kvcache(**args)
     assert torch.equal(args["k_cache"], caches[0]) and torch.equal(args["v_cache"], caches[1]), "cache modified"
 
@@ -780,6 +813,7 @@ def _angles(device, positions=40, half=8):
     (True, lambda a: dict(cache_batch_idx=_i32(a, 0, 1)), "cache_batch_idx applies to a contiguous cache"),
     (True, lambda a: dict(cache_leftpad=_i32(a, 0, 1)), "cache_leftpad applies to a contiguous cache"),
     (False, lambda a: dict(cache_batch_idx=_i32(a, 0, 1).long()), "cache_batch_idx must be an int32"),
+    (False, lambda a: dict(cache_leftpad=_i32(a, 0, 0, 1, 1)[::2]), "cache_leftpad must be contiguous"),
     (False, lambda a: dict(cache_leftpad=_i32(a, 0)), "cache_leftpad must be an int32 tensor of shape \\(batch=2"),
     (False, lambda a: dict(rotary_cos=_angles(a["q"].device)["rotary_cos"]), "rotary_cos and rotary_sin"),
     (False, lambda a: dict(k=None, v=None, **_angles(a["q"].device)), "need k and v"),

@@ -128,6 +128,7 @@ def _packed(device):
                           torch.tensor([0, 2, 4, 8], dtype=torch.int32, device=cu.device)), "non-decreasing"),
     (lambda q, k, v, cu: (q[:7], k, v, cu, cu), "token count 7"),
     (lambda q, k, v, cu: (q, k, v, cu[:1], cu[:1]), "at least 2 entries"),
+    (lambda q, k, v, cu: (q, k, v, cu, torch.stack([cu, cu], 1)[:, 0]), "cu_seqlens_k must be contiguous"),
 ])
 def test_varlen_bad_offsets_name_the_argument(mutate, match, device):
     with pytest.raises(ValueError, match=match):

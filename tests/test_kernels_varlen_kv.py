@@ -276,6 +276,7 @@ def _small(device, page_size=16):
     (lambda b: dict(seqused_k=torch.tensor([3, 2], device=b.q.device)), "seqused_k must be an int32 tensor"),
     (lambda b: dict(seqused_k=torch.tensor([3], dtype=torch.int32, device=b.q.device)),
      "seqused_k must be an int32 tensor of shape \\(batch=2,\\)"),
+    (lambda b: dict(seqused_k=_i32([[3, 0], [2, 0]], b.q.device)[:, 0]), "seqused_k must be contiguous"),
     (lambda b: dict(dropout_p=0.1), "no dropout_p"),
     (lambda b: dict(alibi_slopes=torch.ones(3, device=b.q.device)), "alibi_slopes must have shape"),
     (lambda b: dict(q=b.q.clone().requires_grad_()), "forward-only"),
