@@ -323,6 +323,8 @@ def host_breakdown(length=4096):
             q, k_cache, v_cache, length, None, length, scale, -1, 0, 0.0),
         "flash_attn_with_kvcache (int cache_seqlens)": lambda: flash_attn_with_kvcache(
             q, k_cache, v_cache, cache_seqlens=length, causal=True),
+        "flash_attn_with_kvcache (tensor cache_seqlens)": lambda: flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=seqlens, causal=True),
         "flash_attn_with_kvcache (tensor cache_seqlens, one token appended)": lambda: flash_attn_with_kvcache(
             q, k_cache, v_cache, k_new, v_new, cache_seqlens=before_new, causal=True),
         "the append alone: cache_append's kernel": lambda: rotate_and_append(
