@@ -190,6 +190,8 @@ def attention_forward(q, k, v, softmax_scale, window_left, window_right, softcap
     paged = block_table is not None
     # Page pools are read a row at a time, not through descriptors: no copy of a whole pool.
     q, k, v = (t if paged and t is not q else as_descriptor_compatible(t) for t in (q, k, v))
+    if paged and block_table.stride(1) != 1:  # the kernel steps through a row of the table at unit stride
+        block_table = block_table.contiguous()
     head_dim = q.shape[-1]
     heads_q, heads_kv = q.shape[-2], k.shape[-2]
     out = new_output(q)

@@ -169,6 +169,30 @@ def test_prompts_over_pages_take_the_dense_forward(lengths_q, lengths_k, used, h
 
 
 @pytest.mark.parametrize("queries", ["decode", "prompt"])
+def test_a_strided_block_table_reads_as_its_contiguous_copy(queries, device, triton_path, monkeypatch):
+    """A block table that is a strided view (every other column of a wider tensor, whose other columns point past
+    the pool) gives what its contiguous copy gives, on the split decode kernel and on the dense forward, through
+    flash_attn_varlen_func and flash_attn_with_kvcache."""
+    monkeypatch.setattr(decode, "device_sms", lambda device: 4)
+    lengths_q = [3, 2] if queries == "decode" else [130, 140]
+    batch = Batch(lengths_q, [150, 90], (2, 1), 32, torch.float16, 16, None, device)
+    strided = torch.stack([batch.block_table, torch.full_like(batch.block_table, UNUSED_PAGE)], -1).flatten(1)[:, ::2]
+    assert torch.equal(strided, batch.block_table) and strided.stride(1) == 2
+    expected = batch.run(causal=True)
+    batch.block_table = strided
+    for got, want in zip(batch.run(causal=True), expected):
+        assert torch.equal(got, want)
+    rows = len(lengths_q) * [max(lengths_q)]  # the same queries, padded to one length, over the caches as pages
+    q = torch.randn(len(rows), rows[0], 2, 32, device=device, dtype=torch.float16)
+    lengths = torch.tensor([150, 90], dtype=torch.int32, device=device)
+    with torch.no_grad():
+        expected = flash_attn_with_kvcache(q, batch.k, batch.v, cache_seqlens=lengths,
+                                           block_table=strided.contiguous(), causal=True)
+        assert torch.equal(flash_attn_with_kvcache(q, batch.k, batch.v, cache_seqlens=lengths, block_table=strided,
+                                                   causal=True), expected)
+
+
+@pytest.mark.parametrize("queries", ["decode", "prompt"])
 @pytest.mark.parametrize("slopes", ["per-head", "per-sequence"])
 def test_paged_alibi_matches_reference(queries, slopes, device, triton_path, monkeypatch):
     """ALiBi over paged keys, flash-attn's bias bottom-right aligned in each sequence: on the split decode kernel (a
