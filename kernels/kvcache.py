@@ -97,7 +97,7 @@ def _rows_as_pages(k_cache, v_cache, cache_batch_idx, cache_leftpad, batch):
 
     if not (addressable(k_cache) and addressable(v_cache)) or entry_stride(k_cache) is None \
             or entry_stride(k_cache) != entry_stride(v_cache):  # one block_table must address both
-        k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+        k_cache, v_cache = (cache.clone(memory_format=torch.contiguous_format) for cache in (k_cache, v_cache))
     sequence_entries, capacity = entry_stride(k_cache), k_cache.shape[1]
     entries = (k_cache.shape[0] - 1) * sequence_entries + capacity
     page_size = min(ROW_PAGE_SIZE, entries // PAGE_MULTIPLE * PAGE_MULTIPLE)  # entries >= PAGE_MULTIPLE: checked

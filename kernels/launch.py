@@ -80,14 +80,15 @@ def sm_count(device_index):
 
 def as_descriptor_compatible(t):
     """``t`` itself when TMA can address it (unit last stride, 16-byte aligned strides and base),
-    else a contiguous copy. Slices of a fused qkv tensor with head_dim % 8 == 0 need no copy."""
+    else a contiguous copy (a fresh one: ``contiguous()`` would return a contiguous view with an unaligned
+    base as it is). Slices of a fused qkv tensor with head_dim % 8 == 0 need no copy."""
     itemsize = t.element_size()
     *outer, last = t.stride()
     # A plain loop: this runs on every decoding step, where a generator's setup costs more than the checks.
     ok = last == 1 and t.data_ptr() % 16 == 0
     for s in outer:
         ok = ok and s > 0 and (s * itemsize) % 16 == 0
-    return t if ok else t.contiguous()
+    return t if ok else t.clone(memory_format=torch.contiguous_format)
 
 
 # Tests turn this on (FLASHFORMER_POISON=1 at import, or set the attribute).

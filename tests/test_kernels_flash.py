@@ -15,7 +15,7 @@ import pytest
 import torch
 from attention_checks import assert_compiles_full_graph, assert_matches_reference, assert_within_2x, attention_grads
 
-from flashformer.kernels import attention_materialized, flash_attn_func
+from flashformer.kernels import attention_materialized, flash_attn_func, flash_attn_with_kvcache
 
 SEQLENS = [(1, 1), (113, 203), (128, 217), (239, 1), (1023, 1024), (1024, 1023), (64, 128), (200, 57)]
 HEAD_DIMS = [40, 64, 80, 128, 256]
@@ -159,6 +159,37 @@ def test_non_contiguous_fused_qkv(device, triton_path):
     assert not q.is_contiguous()
     grad_out = torch.randn_like(q)
     assert_matches_reference(flash_attn_func, q, k, v, grad_out, causal=True)
+
+
+def _unaligned(shape, device, offset=3):
+    """Random fp16 values in a contiguous view ``offset`` elements into its storage: a base address that is not a
+    multiple of 16 bytes, which TMA descriptors cannot take."""
+    storage = torch.randn(offset + torch.Size(shape).numel(), device=device, dtype=torch.float16)
+    view = storage[offset:].view(shape)
+    assert view.is_contiguous() and view.data_ptr() % 16
+    return view
+
+
+def test_unaligned_inputs_run_as_aligned_copies(device, triton_path):
+    """Contiguous inputs at an unaligned base address (a slice into a flat buffer) give the result of their aligned
+    copies, forward and backward; so does a cache at such an address under flash_attn_with_kvcache."""
+    q, k, v = (_unaligned((2, 41, 4, 32), device, offset).requires_grad_() for offset in (3, 5, 1))
+    grad_out = torch.randn_like(q)
+    out = flash_attn_func(q, k, v, causal=True)
+    got = (out, *torch.autograd.grad(out, (q, k, v), grad_out))
+    expected = attention_grads(flash_attn_func, q, k, v, grad_out, causal=True)  # on aligned copies
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+    q, k, v = (t.detach() for t in (q, k, v))
+    k_cache, v_cache = _unaligned((2, 48, 2, 32), device), _unaligned((2, 48, 2, 32), device, 7)
+    q, k_new, v_new = q[:, :2], k[:, :2, :2].contiguous(), v[:, :2, :2].contiguous()
+    lengths = torch.tensor([5, 30], dtype=torch.int32, device=device)
+    with torch.no_grad():
+        aligned = [k_cache.clone(), v_cache.clone()]
+        expected = flash_attn_with_kvcache(q, *aligned, k_new, v_new, cache_seqlens=lengths, causal=True)
+        got = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths, causal=True)
+    assert torch.equal(got, expected)
+    assert torch.equal(k_cache, aligned[0]) and torch.equal(v_cache, aligned[1]), "the append missed the caches"
 
 
 def test_fp32_inputs_are_exact(device, triton_path):
