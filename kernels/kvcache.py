@@ -1,26 +1,28 @@
 """``flash_attn_with_kvcache``: decoding attention against a KV cache, flash-attn's API.
 
-Argument checks, rotary and the append of new keys/values into the cache (cache_append.py), and the path choice of
-interface.kernel_impl: the split-KV Triton kernel of decode.py, or a PyTorch loop over sequences on the tiled
+The checks (kvcache_checks.py), rotary and the append of new keys/values into the cache (cache_append.py), and the
+path choice of interface.kernel_impl: the split-KV Triton kernel of decode.py, or a PyTorch loop over sequences on the tiled
 reference.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
 from .cache_append import Rotary, rotate_and_append
-from .cache_pages import PAGE_MULTIPLE, check_rotary, count_bad_pages, raise_for_bad_pages
-from .checks import (autocast_inputs, check_alibi, check_attention_args, check_index_layout, describe,
-                     kernel_head_dim)
+from .cache_pages import PAGE_MULTIPLE, check_rotary
+from .checks import autocast_inputs, check_alibi, check_attention_args, describe, kernel_head_dim
 from .decode import decode_attention, dense_forward_pays
-from .interface import forced_impl, kernel_impl, triton_attention
+from .interface import kernel_impl, triton_attention
+from .kvcache_checks import (CHECKED_CALLS, CheckedCall, cache_capacity, call_signature, check_cache_lengths,
+                             check_kvcache_args, keep_checked_call)
 from .kvcache_packed import kvcache_packed_queries, prefill_over_cache, rows_flatten
 from .masking import normalize_window
 from .reference import attention_tiled
 from .sizes import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, MIN_HEAD_DIM
+
 
 def _kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens_k: torch.Tensor,
                   block_table: Optional[torch.Tensor], max_seqlen_k: int, softmax_scale: float, window_left: int,
@@ -113,183 +115,6 @@ def _rows_as_pages(k_cache, v_cache, cache_batch_idx, cache_leftpad, batch):
     return pool(k_cache), pool(v_cache), (first[:, None] + pages).int()
 
 
-def _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-                        num_splits):
-    """Validate everything that needs no device values; return (cache_seqlens as the kernels and the
-    append take it: an int for a contiguous cache read in place, else int32 (batch,) on q's device; the
-    length shared by every sequence when the host knows it, else None)."""
-    batch = q.shape[0]
-    for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
-        if t is None:
-            continue
-        if block_table is not None:
-            raise ValueError(f"{name} applies to a contiguous cache; a paged cache (block_table) names its pages "
-                             "per sequence instead (flash-attn has the same rule)")
-        if (not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.shape != (batch,)
-                or t.device != q.device):
-            raise ValueError(f"{name} must be an int32 tensor of shape (batch={batch},) on {q.device}, got "
-                             f"{describe(t)}")
-        check_index_layout(name, t)
-    entries = k_cache.shape[0] * k_cache.shape[1]
-    if (cache_batch_idx is not None or cache_leftpad is not None) and entries < PAGE_MULTIPLE:
-        raise ValueError(f"cache_batch_idx / cache_leftpad need a cache of at least {PAGE_MULTIPLE} entries in all "
-                         f"(the Triton path reads it as pages of whole key tiles), got {entries}")
-    if block_table is None:
-        if cache_batch_idx is None and k_cache.shape[0] != batch:
-            raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences but q has batch {batch}; a paged cache "
-                             "(num_blocks, block_size, heads_kv, head_dim) needs block_table, a cache with other "
-                             "rows cache_batch_idx")
-    else:
-        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
-            raise ValueError(f"block_table must be an int32 tensor (batch, max_blocks), got {describe(block_table)}")
-        if block_table.shape[0] != batch or block_table.device != q.device:
-            raise ValueError(f"block_table must be (batch={batch}, max_blocks) on {q.device}, got "
-                             f"{describe(block_table)}")
-        if k_cache.shape[1] % PAGE_MULTIPLE:
-            raise ValueError(f"k_cache block_size={k_cache.shape[1]} (dim 1 of a paged cache) must be a multiple "
-                             f"of {PAGE_MULTIPLE}")
-    if k is not None:
-        for name, t in (("k", k), ("v", v)):
-            if t.shape[2:] != k_cache.shape[2:]:
-                raise ValueError(f"{name} has (heads_kv, head_dim) = {tuple(t.shape[2:])} but the caches have "
-                                 f"{tuple(k_cache.shape[2:])}")
-        if k.shape != v.shape or k.shape[0] != batch:
-            raise ValueError(f"k and v must have the same shape (batch={batch}, seqlen_new, heads_kv, head_dim), got "
-                             f"{tuple(k.shape)} and {tuple(v.shape)}")
-        if not k.dtype == v.dtype == q.dtype or not k.device == v.device == q.device:
-            raise ValueError(f"k and v must share q's dtype and device ({q.dtype} on {q.device}), got {describe(k)} "
-                             f"and {describe(v)}")
-    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0 = automatic), got {num_splits!r}")
-    if cache_seqlens is None:  # as flash-attn: the whole cache is valid
-        cache_seqlens = _capacity(k_cache, block_table)
-    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        if block_table is None and cache_batch_idx is None and cache_leftpad is None:
-            return cache_seqlens, cache_seqlens  # kept on the host: the kernel takes it as an int, the append slices
-        return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device), cache_seqlens
-    if (not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype != torch.int32
-            or cache_seqlens.shape != (batch,) or cache_seqlens.device != q.device):
-        raise ValueError(f"cache_seqlens must be an int or an int32 tensor of shape (batch={batch},) on {q.device}, "
-                         f"got {describe(cache_seqlens)}")
-    check_index_layout("cache_seqlens", cache_seqlens)
-    return cache_seqlens, None
-
-
-def _check_lengths(k_cache, cache_seqlens, shared_length, seqlen_new, block_table, cache_batch_idx, cache_leftpad,
-                   batch, read_device):
-    """Validate the lengths, and with read_device what else only the device holds (a paged cache's pages
-    in use, cache_batch_idx's rows, cache_leftpad's starts); only read_device reads the device (one
-    host sync for everything).
-
-    Returns:
-        (ends, spans): ends, the valid entries per sequence after the append (host ints), or None when
-        only the device holds them; spans, per sequence (cache row, first valid entry, end) when the
-        host knows them all (see _kvcache_torch), else None.
-    """
-    ends = None
-    if shared_length is not None:  # the host knows every length: no read for them
-        ends = [shared_length + seqlen_new] * batch
-        _check_length_values(k_cache, ends, seqlen_new, block_table)
-        if cache_batch_idx is None and cache_leftpad is None and (block_table is None or not read_device):
-            return ends, [(b, 0, end) for b, end in enumerate(ends)]
-    if not read_device:
-        return ends, None
-    ends_t = cache_seqlens + seqlen_new
-    no_tensor = ends_t.new_empty(0)
-    counts = torch.zeros(3, dtype=torch.int32, device=ends_t.device)
-    if block_table is not None:
-        counts[0] = count_bad_pages(k_cache, block_table, ends_t)
-    if cache_batch_idx is not None:
-        counts[1] = ((cache_batch_idx < 0) | (cache_batch_idx >= k_cache.shape[0])).sum()
-    if cache_leftpad is not None:
-        counts[2] = ((cache_leftpad < 0) | (cache_leftpad > cache_seqlens)).sum()
-    values = torch.cat([counts, ends_t, no_tensor if cache_batch_idx is None else cache_batch_idx,
-                        no_tensor if cache_leftpad is None else cache_leftpad]).tolist()
-    (bad_pages, bad_rows, bad_starts), values = values[:3], values[3:]
-    ends, values = values[:batch], values[batch:]
-    rows, starts = list(range(batch)), [0] * batch
-    if cache_batch_idx is not None:
-        rows, values = values[:batch], values[batch:]
-    if cache_leftpad is not None:
-        starts = values
-    _check_length_values(k_cache, ends, seqlen_new, block_table)
-    raise_for_bad_pages(bad_pages, k_cache)
-    if bad_rows:
-        raise ValueError(f"cache_batch_idx has {bad_rows} entries outside [0, k_cache rows={k_cache.shape[0]})")
-    if bad_starts:
-        raise ValueError(f"cache_leftpad has {bad_starts} entries outside [0, cache_seqlens[b]] (the first valid "
-                         "entry must come at or before the cached length)")
-    return ends, list(zip(rows, starts, ends))
-
-
-def _check_length_values(k_cache, lengths, seqlen_new, block_table):
-    capacity = _capacity(k_cache, block_table)
-    for b, length in enumerate(lengths):
-        if length < seqlen_new:
-            raise ValueError(f"cache_seqlens[{b}] = {length - seqlen_new} is negative")
-        if length > capacity:
-            raise ValueError(f"k_cache is too small: sequence {b} needs {length} entries ({length - seqlen_new} "
-                             f"cached + {seqlen_new} new) but holds {capacity}")
-
-
-def _capacity(k_cache, block_table):
-    """Entries one sequence's cache can hold."""
-    return k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
-
-
-class _CheckedCall(NamedTuple):
-    """What the checks of a call on the decode kernel's route derived, the same for every call of its signature."""
-    softmax_scale: float
-    window_left: int
-    window_right: int
-    softcap: float
-    max_cached: int  # the most entries a sequence may hold before the append: its capacity - seqlen_new
-    seqlen_new: int
-
-
-# A decoding step's host time is most of it at batch 1 and much of it at batch 8 on the H200: a loop's later steps
-# skip the checks (about as long as the launches) by their signature.
-_CHECKED_CALLS: dict[tuple, _CheckedCall] = {}
-MAX_CHECKED_CALLS = 256  # a model decodes with a handful; a long-lived server must not grow without bound
-_NUMBERS = (int, float)
-
-
-def _call_signature(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                    block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-                    num_splits, check_lengths):
-    """Everything flash_attn_with_kvcache's checks and route choice read of a call, as a dict key: its tensors'
-    layouts, its options' values, whether it needs grad and the forced implementation; a call's int cache_seqlens
-    is checked apart (_CheckedCall.max_cached). None for a call checked every time: one whose checks read device values
-    (check_lengths=True, cache_batch_idx, cache_leftpad), that autocast casts, that is traced, or with an argument
-    of another type than the checks accept (whose error the checks name)."""
-    if (cache_batch_idx is not None or cache_leftpad is not None
-            or not (check_lengths is None or check_lengths is False) or type(num_splits) is not int
-            or type(causal) is not bool or type(rotary_interleaved) is not bool or type(softcap) not in _NUMBERS
-            or softmax_scale is not None and type(softmax_scale) not in _NUMBERS
-            or type(window_size) is not tuple or len(window_size) != 2
-            or type(window_size[0]) is not int or type(window_size[1]) is not int):
-        return None
-    if type(cache_seqlens) is int and block_table is None:  # (with a block table the checks make it a tensor)
-        lengths = int
-    elif type(cache_seqlens) is torch.Tensor:
-        lengths = (cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device)
-    else:
-        return None
-    grad = torch.is_grad_enabled()  # then an input that requires grad is an error
-    signature = [lengths, softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits, check_lengths,
-                 forced_impl()]
-    for t in (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, block_table, alibi_slopes):
-        if t is None:
-            signature.append(None)
-        elif type(t) is torch.Tensor:
-            signature.append((t.shape, t.stride(), t.dtype, t.device, grad and t.requires_grad))
-        else:
-            return None
-    if torch.compiler.is_compiling() or torch.is_autocast_enabled(q.device.type):
-        return None
-    return tuple(signature)
-
-
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
@@ -361,10 +186,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                           alibi_slopes, check_lengths, rotary_cos, rotary_sin, rotary_interleaved,
                                           unsupported)
         return (out, lse) if return_lse else out
-    signature = _call_signature(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+    signature = call_signature(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                 cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
                                 rotary_interleaved, alibi_slopes, num_splits, check_lengths)
-    checked = _CHECKED_CALLS.get(signature) if signature is not None else None
+    checked = CHECKED_CALLS.get(signature) if signature is not None else None
     if checked is not None and (type(cache_seqlens) is not int or 0 <= cache_seqlens <= checked.max_cached):
         rotary = None if rotary_cos is None else Rotary(rotary_cos, rotary_sin, rotary_interleaved,
                                                         per_query_token=causal or window_size != (-1, -1))
@@ -415,9 +240,9 @@ def _checked_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
         raise ValueError(f"head_dim={head_dim}: flash_attn_with_kvcache reads the caches in place, so head_dim must "
                          f"be a multiple of {HEAD_DIM_MULTIPLE} in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}] (flash_attn_func "
                          "pads other sizes; see the docstring for caches of another head_dim)")
-    cache_seqlens, shared_length = _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
+    cache_seqlens, shared_length = check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                                                        cache_leftpad, block_table, num_splits)
-    check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k, _capacity(k_cache, block_table))
+    check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k, cache_capacity(k_cache, block_table))
     seqlen_new = 0 if k is None else k.shape[1]
     if check_lengths is not None and not isinstance(check_lengths, bool):
         raise ValueError(f"check_lengths must be a bool or None, got {check_lengths!r}")
@@ -426,10 +251,10 @@ def _checked_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
     if not triton_path and device_values and check_lengths is False:
         raise ValueError("check_lengths=False needs the Triton path (the PyTorch path reads the lengths, "
                          "cache_batch_idx and cache_leftpad on the host)")
-    ends, spans = _check_lengths(k_cache, cache_seqlens, shared_length, seqlen_new, block_table, cache_batch_idx,
+    ends, spans = check_cache_lengths(k_cache, cache_seqlens, shared_length, seqlen_new, block_table, cache_batch_idx,
                                  cache_leftpad, q.shape[0],
                                  read_device=check_lengths or (check_lengths is None and not triton_path))
-    max_seqlen_k = _capacity(k_cache, block_table) if ends is None else max(ends, default=0)
+    max_seqlen_k = cache_capacity(k_cache, block_table) if ends is None else max(ends, default=0)
     rotary = None if rotary_cos is None else Rotary(rotary_cos, rotary_sin, rotary_interleaved,
                                                     per_query_token=causal or window_size != (-1, -1))
     q = rotate_and_append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, rotary, triton_path)
@@ -439,7 +264,7 @@ def _checked_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
                                   window_right, float(softcap), alibi_slopes)
         return out, lse
     # A prompt, or a long chunk of one, runs on a dense forward over the cache's entries in use where that pays:
-    # an int is one length shared by all rows of a contiguous cache (_check_kvcache_args), a tensor one per row
+    # an int is one length shared by all rows of a contiguous cache (check_kvcache_args), a tensor one per row
     # (or per sequence of a paged cache).
     dense = num_splits == 0 and dense_forward_pays(q.shape[0], q.shape[2], q.shape[1], q.device)
     if dense and isinstance(cache_seqlens, int) and cache_seqlens + seqlen_new:
@@ -453,10 +278,8 @@ def _checked_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
                                       softmax_scale, window_left, window_right, float(softcap), alibi_slopes)
         return out, lse.contiguous()
     if signature is not None and not dense:
-        if len(_CHECKED_CALLS) >= MAX_CHECKED_CALLS:
-            _CHECKED_CALLS.clear()
-        _CHECKED_CALLS[signature] = _CheckedCall(softmax_scale, window_left, window_right, float(softcap),
-                                                 _capacity(k_cache, block_table) - seqlen_new, seqlen_new)
+        keep_checked_call(signature, CheckedCall(softmax_scale, window_left, window_right, float(softcap),
+                                                 cache_capacity(k_cache, block_table) - seqlen_new, seqlen_new))
     return _decode_route(q, k_cache, v_cache, cache_seqlens, seqlen_new, block_table, cache_batch_idx, cache_leftpad,
                          max_seqlen_k, softmax_scale, window_left, window_right, float(softcap), num_splits,
                          alibi_slopes, return_lse)

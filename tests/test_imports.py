@@ -57,6 +57,7 @@ LAYERS = [
     ("kernels: packed queries over a kv cache", ["flashformer.kernels.kvcache_packed"]),
     ("kernels: rotary and the append at cache positions", ["flashformer.kernels.cache_append"]),
     ("kernels: varlen over paged k/v", ["flashformer.kernels.varlen_kv"]),
+    ("kernels: the kv-cache entry point's checks", ["flashformer.kernels.kvcache_checks"]),
     ("kernels: path choice, autograd", ["flashformer.kernels.interface"]),
     ("kernels: the backward compiled during the forward", ["flashformer.kernels.compile_ahead"]),
     ("kernels: cache pages, rotary at cache positions", ["flashformer.kernels.cache_pages"]),

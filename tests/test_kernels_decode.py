@@ -14,7 +14,7 @@ import triton
 from attention_checks import assert_within_2x
 
 from flashformer.kernels import attention_materialized, flash_attn_func, flash_attn_varlen_func, launch
-from flashformer.kernels import decode, kvcache
+from flashformer.kernels import decode, kvcache_checks
 from flashformer.kernels.decode import (DEFAULT_SMS, DENSE_QUERY_TILE, RESIDENT_PER_SM, TARGET_KEYS_PER_SPLIT,
                                         choose_num_splits)
 from flashformer.kernels.kvcache import flash_attn_with_kvcache
@@ -642,16 +642,15 @@ def test_repeated_calls_are_checked_as_the_first(device, triton_path, monkeypatc
     """A decoding loop's later calls skip the checks that their signature (layouts, options) settles, and equal the
     fully checked call; what else a check reads (an int length's value, grad mode, autocast, FLASHFORMER_KERNEL)
     still raises on any call, before the caches change."""
-    monkeypatch.setattr(kvcache, "_CHECKED_CALLS", {})
     args, _ = _bad_inputs(device)
     for lengths in (args["cache_seqlens"], 39):
         args["cache_seqlens"] = lengths
-        kvcache._CHECKED_CALLS.clear()
+        kvcache_checks.CHECKED_CALLS.clear()
         with torch.no_grad():
             checked = flash_attn_with_kvcache(**args, check_lengths=True)
-            assert not kvcache._CHECKED_CALLS, "a call that reads device values kept its checks"
+            assert not kvcache_checks.CHECKED_CALLS, "a call that reads device values kept its checks"
             first = flash_attn_with_kvcache(**args)
-            assert len(kvcache._CHECKED_CALLS) == 1
+            assert len(kvcache_checks.CHECKED_CALLS) == 1
             repeated = flash_attn_with_kvcache(**args)
         assert torch.equal(first, checked) and torch.equal(repeated, checked)
     caches = [args["k_cache"].clone(), args["v_cache"].clone()]
