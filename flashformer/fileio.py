@@ -12,6 +12,7 @@ import contextlib
 import errno
 import os
 import re
+import secrets
 import shutil
 import tempfile
 
@@ -78,6 +79,23 @@ def _fsync_directory(path) -> None:
         os.close(fd)
 
 
+def _create_beside(directory, final_name, create):
+    """A fresh ``.<final_name>.<random>.tmp`` entry in ``directory``, made by ``create(path)`` (os.mkdir, or an
+    exclusive os.open), as (path, what create returned). The name is fixed before the entry exists, so that an
+    interrupt landing as it is made (a signal handler that raises: train.stops) still finds it to remove, where
+    mkstemp / mkdtemp would raise it with the name unknown to their caller."""
+    while True:
+        path = os.path.join(directory, f".{final_name}.{secrets.token_hex(4)}.tmp")
+        try:
+            return path, create(path)
+        except FileExistsError:  # another writer's name: not ours to remove
+            continue
+        except BaseException:
+            if os.path.lexists(path):  # made before the interrupt landed
+                (os.rmdir if os.path.isdir(path) else os.remove)(path)
+            raise
+
+
 def atomic_write_file(path, write_fn) -> None:
     """Write a file so that ``path`` holds either its old content or the complete new one.
 
@@ -89,7 +107,8 @@ def atomic_write_file(path, write_fn) -> None:
     """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp_path = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    tmp_path, fd = _create_beside(directory, os.path.basename(path),
+                                  lambda name: os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     try:
         with os.fdopen(fd, "wb") as f:
             write_fn(f)
@@ -121,7 +140,7 @@ def atomic_directory(final_dir, keep_existing=False):
     final_dir = os.path.abspath(os.fspath(final_dir))
     parent = os.path.dirname(final_dir)
     os.makedirs(parent, exist_ok=True)
-    tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(final_dir)}.", suffix=".tmp", dir=parent)
+    tmp_dir, _ = _create_beside(parent, os.path.basename(final_dir), lambda name: os.mkdir(name, 0o700))
     try:
         yield tmp_dir
         for root, _, files in os.walk(tmp_dir):

@@ -2,15 +2,18 @@
 
 import json
 import os
+import signal
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 import flashformer
+from flashformer import fileio
 from flashformer.fileio import atomic_directory, atomic_write_file
 from flashformer.model import ModelConfig, Transformer
 from flashformer.tokenizer import HFTokenizer, train_bpe
+from flashformer.train.stops import Interrupted, interrupts_raise
 from flashformer.weights import CheckpointError, save_pretrained
 
 CONFIG = ModelConfig(family="llama", vocab_size=300, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=96,
@@ -192,6 +195,20 @@ def test_atomic_write_file_keeps_old_content_on_failure(tmp_path):
     assert os.listdir(tmp_path) == ["state.bin"]
     atomic_write_file(path, lambda f: f.write(b"new"))
     assert path.read_bytes() == b"new"
+
+
+@pytest.mark.parametrize("kind", ["file", "directory"])
+def test_a_signal_as_a_temporary_is_made_leaves_nothing_behind(kind, tmp_path):
+    """SIGTERM during setup raises where it lands (train.stops.interrupts_raise); landing just after the temporary
+    file or directory of an atomic write exists, but before the write's cleanup knows of it, it still removes it."""
+    def make_then_signal(path):
+        made = os.mkdir(path) if kind == "directory" else os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler raises as this call returns
+        return made
+
+    with pytest.raises(Interrupted), interrupts_raise():
+        fileio._create_beside(str(tmp_path), "cache", make_then_signal)
+    assert os.listdir(tmp_path) == []
 
 
 def _write_text(path, text):
