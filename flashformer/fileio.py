@@ -79,6 +79,10 @@ def _fsync_directory(path) -> None:
         os.close(fd)
 
 
+# mkstemp's flags: O_BINARY (Windows only) keeps the C runtime from translating newlines in what is written.
+_NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+
+
 def _create_beside(directory, final_name, create):
     """A fresh ``.<final_name>.<random>.tmp`` entry in ``directory``, made by ``create(path)`` (os.mkdir, or an
     exclusive os.open), as (path, what create returned). The name is fixed before the entry exists, so that an
@@ -108,7 +112,7 @@ def atomic_write_file(path, write_fn) -> None:
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     tmp_path, fd = _create_beside(directory, os.path.basename(path),
-                                  lambda name: os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+                                  lambda name: os.open(name, _NEW_FILE_FLAGS, 0o600))
     try:
         with os.fdopen(fd, "wb") as f:
             write_fn(f)
